@@ -35,7 +35,8 @@ Solve = Literal["neumann", "squaring", "substitution"]
 class TreeFactors:
     """Per-node factors of one GDN layer (or ``L`` layers stacked on a leading dim).
 
-    log_decay: ``[..., N, H_v]`` path log-decays L_i (<= 0).
+    log_decay: ``[..., N, H_v]`` fp64 path log-decays L_i (<= 0); fp64 because the commit forms
+               ``L_a - L_j`` of two long paths, which would lose ``eps * |L|`` in fp32.
     k:         ``[..., N, H_k, d_k]`` keys as used by the update (after l2-normalisation).
     u:         ``[..., N, H_v, d_v]`` corrections U, the solution of (I + G) U = R.
     k_inv_norm: optional ``[..., N, H_k]``; when set, the key used is ``k * k_inv_norm`` (a kernel
@@ -104,8 +105,8 @@ def tree_gdn_closed_form(
 ) -> tuple[torch.Tensor, TreeFactors]:
     """Verify every node of the forest at once.
 
-    Returns ``(o, factors)``: ``o`` like ``v`` in v's dtype; factors in the compute dtype (fp32, or
-    fp64 for fp64 inputs). ``initial_state`` is only read. Padding nodes get zeros.
+    Returns ``(o, factors)``: ``o`` like ``v`` in v's dtype; ``k`` and ``u`` in the compute dtype
+    (fp32, or fp64 for fp64 inputs), ``log_decay`` in fp64. ``initial_state`` is only read. Padding nodes get zeros.
     """
     x = prepare_gdn_tree_inputs(
         q, k, v, forest, g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
@@ -114,15 +115,16 @@ def tree_gdn_closed_form(
     dt, dev = x.v.dtype, x.v.device
     o = torch.zeros_like(x.v)
     u = torch.zeros_like(x.v)
-    log_decay = torch.zeros_like(x.g)
+    log_decay = torch.zeros(x.g.shape, dtype=torch.float64, device=dev)
     cu = forest.cu_nodes.tolist()
     for r in range(forest.num_requests):
         lo, hi = cu[r], cu[r + 1]
         tree = forest.tree(r)
         anc = tree.ancestor_mask(include_self=True).to(dev)            # [T, T]
         strict = anc & ~torch.eye(hi - lo, dtype=torch.bool, device=dev)
-        L = (anc.to(dt) @ x.g[lo:hi]).T                                 # [H_v, T]
-        decay = torch.exp((L[:, :, None] - L[:, None, :]).masked_fill(~anc, float("-inf")))
+        # Path log-decays in fp64: L_i - L_j of two long paths loses eps * |L| in fp32.
+        L = (anc.double() @ x.g[lo:hi].double()).T                      # [H_v, T]
+        decay = torch.exp((L[:, :, None] - L[:, None, :]).masked_fill(~anc, float("-inf"))).to(dt)
         qh = expand_heads(x.q[lo:hi], x.group).transpose(0, 1)          # [H_v, T, d_k]
         kh = expand_heads(x.k[lo:hi], x.group).transpose(0, 1)
         vh = x.v[lo:hi].transpose(0, 1)                                 # [H_v, T, d_v]
@@ -130,7 +132,7 @@ def tree_gdn_closed_form(
         G = torch.where(strict, beta * decay * (kh @ kh.transpose(1, 2)), 0.0)
         C = decay * (qh @ kh.transpose(1, 2))
         s_pre = x.state[r]                                              # [H_v, d_k, d_v]
-        e_L = torch.exp(L)[:, :, None]
+        e_L = torch.exp(L).to(dt)[:, :, None]
         R = beta * (vh - e_L * (kh @ s_pre))
         U = solve_unit_lower(G, R, tree.max_depth, solve)
         o[lo:hi] = (e_L * (qh @ s_pre) + C @ U).transpose(0, 1)
@@ -176,12 +178,13 @@ def commit_factored(
     group = H_v // k.shape[-2]
     L_path = L[:, index]                                                 # [Ly, R, P, H_v]
     L_acc = L[:, last]                                                   # [Ly, R, H_v]
-    diff = (L_acc[:, :, None] - L_path).masked_fill(~mask[None, :, :, None], float("-inf"))
+    diff = (L_acc[:, :, None].double() - L_path.double()).masked_fill(
+        ~mask[None, :, :, None], float("-inf"))
     w = torch.exp(diff)                                                  # 0 off the path
     k_path = expand_heads(k[:, index], group)                            # [Ly, R, P, H_v, d_k]
     u_path = u[:, index]                                                 # [Ly, R, P, H_v, d_v]
     dt = torch.promote_types(state.dtype, u.dtype)
-    new = torch.exp(L_acc).to(dt)[..., None, None] * state.to(dt) + torch.einsum(
+    new = torch.exp(L_acc.double()).to(dt)[..., None, None] * state.to(dt) + torch.einsum(
         "lrph,lrphk,lrphv->lrhkv", w.to(dt), k_path.to(dt), u_path.to(dt))
     new = new.to(state.dtype)
     if inplace:

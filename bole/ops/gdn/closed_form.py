@@ -62,7 +62,8 @@ class TreeFactors:
         """The keys the update used, ``[..., N, H_k, d_k]``."""
         if self.k_inv_norm is None:
             return self.k
-        return self.k * self.k_inv_norm[..., None].to(self.k.dtype)
+        k = self.k.to(torch.promote_types(self.k.dtype, self.k_inv_norm.dtype))
+        return k * self.k_inv_norm[..., None].to(k.dtype)
 
     def nbytes(self) -> int:
         parts = [self.log_decay, self.k, self.u] + ([self.k_inv_norm] if self.k_inv_norm is not None else [])
@@ -155,8 +156,7 @@ def commit_factored(
         S_new = e^{L_a} S_pre + sum_{j in path(a)} e^{L_a - L_j} k_j u_j^T
     """
     L, u = factors.log_decay, factors.u
-    k = factors.keys() if factors.k_inv_norm is None else (
-        factors.k.to(u.dtype) * factors.k_inv_norm[..., None].to(u.dtype))
+    k = factors.keys()
     single = L.dim() == 2
     if single:
         L, k, u, state = L[None], k[None], u[None], initial_state[None]

@@ -75,11 +75,15 @@ def _check_shape(name: str, x: torch.Tensor, shape: tuple[int, ...], what: str) 
 
 
 def check_gdn_tensors(q, k, v, g, beta, a, b, A_log, dt_bias, initial_state,
-                      num_requests: int | None, check_values: bool = True):
+                      num_requests: int | None, check_values: bool = True,
+                      resolve_raw_gates: bool = True):
     """Validate shapes, dtypes and values of the GDN inputs and resolve the gates.
 
     Returns ``(B, T, H_k, d_k, H_v, d_v, g, beta)`` with ``g``/``beta`` resolved to fp32 (fp64 when
     the inputs are fp64). Shared by every implementation so they reject the same inputs alike.
+    ``num_requests=None`` skips the state's shape check (kernels reading a state pool check the
+    pool themselves). A kernel that fuses the gating passes ``resolve_raw_gates=False``: raw gates
+    are then validated but not computed, and ``g``/``beta`` come back as None.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -114,7 +118,8 @@ def check_gdn_tensors(q, k, v, g, beta, a, b, A_log, dt_bias, initial_state,
         if check_values:
             for name, x in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
                 _check_finite(name, x)
-        g, beta = gates_from_raw(a, b, A_log, dt_bias)
+        if resolve_raw_gates:
+            g, beta = gates_from_raw(a, b, A_log, dt_bias)
     elif g is not None and beta is not None:
         if a is not None or b is not None:
             raise ValueError("pass either g and beta, or the raw gates a, b with A_log, dt_bias; not both")
@@ -128,12 +133,13 @@ def check_gdn_tensors(q, k, v, g, beta, a, b, A_log, dt_bias, initial_state,
         raise ValueError("give the gates: g and beta, or a and b with A_log and dt_bias")
 
     dt = torch.promote_types(torch.float32, q.dtype)
-    g = g.to(dt)
-    beta = beta.to(dt)
+    if g is not None:
+        g, beta = g.to(dt), beta.to(dt)
     if check_values:
         for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-            _check_finite(name, x)
-        if bool((g > 0).any()):
+            if x is not None:
+                _check_finite(name, x)
+        if g is not None and bool((g > 0).any()):
             raise ValueError(
                 f"g must be a log-decay <= 0 (decay exp(g) <= 1); got max g = {float(g.max()):.3g}")
     if initial_state is not None:

@@ -1,0 +1,479 @@
+"""GDN tree-verification kernels, side by side on one GPU (issue 3; DESIGN.md section 5).
+
+For Qwen3.5 GDN layer shapes, batches and tree sizes (depth 8) it times, per layer:
+
+    bole          value-tiled closed-form kernel (tf32 dots; best of a small config sweep)
+    bole-ieee     the same kernel in exact-fp32 mode on fp32 copies of the inputs
+    tree-serial   node-by-node kernel with one fp32 snapshot per node (SGLang's design; best of its
+                  configs, the engines' own launch included)
+    fla-chain     fla's fused_recurrent_gated_delta_rule on a chain of the same length (reference;
+                  no snapshots, verifies a chain, not a tree)
+
+plus the commits: bole's cross-layer factored commit (all GDN layers, one launch) and the
+tree-serial copy commit. Inputs are bf16 (fp32 state), gates fused from raw a/b, q/k l2-normalised
+in the kernel, as Qwen3.5 runs. Timing: each kernel captured in a CUDA graph over several input sets
+(so caches do not flatter it), median over replays. Byte floor = (S_pre, q, k, v, g, beta read once;
+O and U written once) / measured copy bandwidth. rel_err = ||o - o_fp64|| / ||o_fp64|| against the
+torch closed form in fp64 on the same (bf16-valued) inputs.
+
+    python bench/kernels.py                      # full sweep -> bench/results/kernels-<date>.json/.png
+    python bench/kernels.py --quick              # a few shapes, to check the set-up
+    python bench/kernels.py --plot FILE.json     # redraw the plot from a results file
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bole.config import gdn_shape  # noqa: E402
+from bole.tree import DraftTree, PackedForest  # noqa: E402
+
+MODELS = ("qwen3.5-9b", "qwen3.5-27b", "qwen3.5-122b-a10b")
+BATCHES = (1, 4, 16, 64)
+NODES = (8, 16, 32, 64, 128)
+DEPTH = 8
+ROTATE_BYTES = 256 * 2**20       # input sets rotated per timing: at least this many bytes
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def bench_tree(nodes: int, depth: int, rng: np.random.Generator) -> DraftTree:
+    """A random tree of ``nodes`` nodes whose depth is exactly min(depth, nodes - 1)."""
+    d = min(depth, nodes - 1)
+    parents, depths = list(range(-1, d)), list(range(d + 1))       # a spine of depth d
+    for _ in range(nodes - d - 1):
+        p = int(rng.choice([j for j in range(len(parents)) if depths[j] < d]))
+        parents.append(p)
+        depths.append(depths[p] + 1)
+    # re-order topologically by depth so parents precede children and siblings sit together
+    order = sorted(range(nodes), key=lambda i: (depths[i], i))
+    new = {old: n for n, old in enumerate(order)}
+    return DraftTree.from_parents([-1 if parents[o] < 0 else new[parents[o]] for o in order])
+
+
+def make_inputs(shape, forest: PackedForest, dev, seed: int):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    N, R = forest.num_nodes, forest.num_requests
+    Hk, Hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
+    rnd = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=gen, device=dev).to(dt)  # noqa
+    return dict(
+        q=rnd(1, N, Hk, dk), k=rnd(1, N, Hk, dk), v=rnd(1, N, Hv, dv),
+        a=rnd(1, N, Hv), b=rnd(1, N, Hv),
+        A_log=torch.log(torch.empty(Hv, device=dev).uniform_(1, 16, generator=gen)),
+        dt_bias=rnd(Hv, dt=torch.float32),
+        initial_state=rnd(R, Hv, dk, dv, dt=torch.float32) * 0.1)
+
+
+def input_bytes(x) -> int:
+    return sum(t.numel() * t.element_size() for t in x.values())
+
+
+def floor_bytes(shape, N: int, R: int) -> int:
+    """S_pre, q, k, v (bf16), g, beta (fp32) read once; O (bf16) and U (fp32) written once."""
+    Hk, Hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
+    return (R * Hv * dk * dv * 4 + 2 * N * Hk * dk * 2 + N * Hv * dv * 2 + 2 * N * Hv * 4
+            + N * Hv * dv * 2 + N * Hv * dv * 4)
+
+
+def rel_err(o, ref) -> float:
+    o, ref = o.double(), ref.double()
+    if not torch.isfinite(o).all():
+        return float("nan")
+    return float((o - ref).norm() / ref.norm())
+
+
+# ----------------------------------------------------------------------------- timing
+
+def copy_bandwidth(dev) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written)."""
+    n = 2**30 // 4
+    src, dst = torch.randn(n, device=dev), torch.empty(n, device=dev)
+    times = []
+    for _ in range(25):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        dst.copy_(src)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del src, dst
+    return 2 * n * 4 / statistics.median(times[5:])
+
+
+def time_calls(calls, min_ms: float = 150.0) -> float:
+    """Median microseconds per call over CUDA-graph replays of all ``calls`` back to back."""
+    for c in calls:                      # compile / warm up outside the capture
+        c()
+    torch.cuda.synchronize()
+    graph = None
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for c in calls:
+                c()
+        run = graph.replay
+    except Exception:                    # pragma: no cover - fall back to plain launches
+        graph = None
+
+        def run():
+            for c in calls:
+                c()
+    run()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    run()
+    e.record()
+    torch.cuda.synchronize()
+    once = max(s.elapsed_time(e), 1e-3)
+    reps = int(min(100, max(5, min_ms / once)))
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        run()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- one shape
+
+def sweep_configs(level: str, block_nodes: int):
+    """Verification-kernel configurations timed besides the one pick_config chooses."""
+    from bole.ops.gdn.triton_verify import VerifyConfig
+    if level == "picked":
+        return []
+    if level == "small":
+        grid = [(16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 32, 8), (128, 32, 8)]
+    else:
+        grid = [(bv, bk, nw) for bv in (16, 32, 64, 128) for bk in (32, 64) for nw in (4, 8)]
+    splits = (False, True) if block_nodes >= 128 else (False,)
+    return [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=2, split_gram=sp)
+            for bv, bk, nw in grid for sp in splits]
+
+
+def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: float,
+              sweep: str = "small"):
+    from bole.ops.gdn.closed_form import tree_gdn_closed_form
+    from bole.ops.gdn.triton_commit import commit_factored_triton
+    from bole.ops.gdn.triton_serial import (commit_from_snapshots_triton, serial_default_config,
+                                            tree_gdn_serial_triton)
+    from bole.ops.gdn.triton_verify import VerifyConfig, pick_config, tree_gdn_verify_triton
+
+    shape = gdn_shape(model)
+    rng = np.random.default_rng(batch * 1000 + nodes)
+    trees = [bench_tree(nodes, DEPTH, rng) for _ in range(batch)]
+    forest = PackedForest.pack(trees)
+    meta = forest.kernel_meta(dev)
+    N, R = forest.num_nodes, forest.num_requests
+    Hk, Hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
+    base = make_inputs(shape, forest, dev, seed=nodes * 7 + batch)
+    n_sets = int(min(16, max(2, math.ceil(ROTATE_BYTES / input_bytes(base)))))
+    sets = [base] + [make_inputs(shape, forest, dev, seed=nodes * 7 + batch + 100 * i)
+                     for i in range(1, n_sets)]
+    common = dict(use_qk_l2norm_in_kernel=True)
+    gate = lambda x: dict(a=x["a"], b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"])  # noqa
+
+    ref64, ref_f = tree_gdn_closed_form(
+        base["q"].double(), base["k"].double(), base["v"].double(), forest,
+        initial_state=base["initial_state"].double(), check_values=False,
+        **{n: t.double() for n, t in gate(base).items()}, **common)
+    floor_us = floor_bytes(shape, N, R) / bw * 1e6
+    snap_bytes = N * Hv * dk * dv * 4
+    factor_bytes = N * Hv * 8 + N * Hv * dv * 4 + N * Hk * 4 + N * Hk * dk * 2
+    records = []
+    ref_rounded = ref64.to(base["v"].dtype)
+
+    def errors(o, u=None):
+        """rel. error vs fp64, vs the fp64 result rounded to the output dtype, and of U."""
+        out = dict(rel_err_vs_rounded=float((o.double() - ref_rounded.double()).norm()
+                                            / ref64.double().norm()))
+        if u is not None:
+            out["u_rel_err"] = rel_err(u, ref_f.u)
+        return out
+
+    def record(impl, us, err, state_bytes, **extra):
+        records.append(dict(model=shape.name, batch=batch, nodes=nodes, depth=forest.max_depth,
+                            impl=impl, median_us=us, floor_us=floor_us, rel_err=err,
+                            state_bytes=state_bytes, **extra))
+
+    # --- bole: a small sweep of compile-time configs, best one reported as "bole"
+    picked = pick_config(meta.block_nodes, dk, dv, R * Hv)
+    configs = [picked] + [c for c in sweep_configs(sweep, meta.block_nodes) if c != picked]
+    best = None
+    for cfg in configs:
+        try:
+            o, fac = tree_gdn_verify_triton(base["q"], base["k"], base["v"], meta,
+                                            initial_state=base["initial_state"], config=cfg,
+                                            **gate(base), **common)
+            err, more = rel_err(o, ref64), errors(o, fac.u)
+            us = time_calls([lambda x=x, cfg=cfg: tree_gdn_verify_triton(
+                x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"], config=cfg,
+                **gate(x), **common) for x in sets])
+            cfgd = dict(BV=cfg.BV, BK=cfg.BK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                        split_gram=cfg.split_gram)
+            record("bole-config", us, err, factor_bytes, config=cfgd, picked=cfg == picked, **more)
+            if best is None or us < best[0]:
+                best = (us, err, cfgd, more)
+            if cfg == picked:
+                record("bole-picked", us, err, factor_bytes, config=cfgd, **more)
+        except Exception as exc:  # keep going: one failing config must not end the sweep
+            record("bole-config", None, None, factor_bytes, config=str(cfg), error=repr(exc))
+    if best is not None:
+        record("bole", best[0], best[1], factor_bytes, config=best[2], **best[3])
+
+    # --- bole in IEEE fp32 mode on fp32 copies of the same values
+    try:
+        f32 = [{n: (t.float() if n in ("q", "k", "v") else t) for n, t in x.items()} for x in sets]
+        o, fac = tree_gdn_verify_triton(f32[0]["q"], f32[0]["k"], f32[0]["v"], meta,
+                                        initial_state=f32[0]["initial_state"], precision="ieee",
+                                        **gate(f32[0]), **common)
+        err = rel_err(o, ref64)
+        ieee_u = rel_err(fac.u, ref_f.u)
+        us = time_calls([lambda x=x: tree_gdn_verify_triton(
+            x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"], precision="ieee",
+            **gate(x), **common) for x in f32])
+        record("bole-ieee", us, err, factor_bytes, u_rel_err=ieee_u)
+        del f32
+    except Exception as exc:
+        record("bole-ieee", None, None, factor_bytes, error=repr(exc))
+
+    # --- tree-serial: the engines' launch and a few others, best reported
+    snaps = torch.empty(N * Hv * dk * dv, device=dev, dtype=torch.float32)
+    serial_cfgs = [serial_default_config(dv)]
+    if not quick:
+        serial_cfgs += [dict(block_v=bv, num_warps=nw, num_stages=2)
+                        for bv, nw in ((16, 2), (32, 4), (64, 4))]
+    best = None
+    for cfg in serial_cfgs:
+        try:
+            o, _ = tree_gdn_serial_triton(base["q"], base["k"], base["v"], meta,
+                                          initial_state=base["initial_state"], snapshots=snaps,
+                                          **gate(base), **common, **cfg)
+            err, more = rel_err(o, ref64), errors(o)
+            us = time_calls([lambda x=x, cfg=cfg: tree_gdn_serial_triton(
+                x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"], snapshots=snaps,
+                **gate(x), **common, **cfg) for x in sets])
+            record("tree-serial-config", us, err, snap_bytes, config=cfg, **more)
+            if best is None or us < best[0]:
+                best = (us, err, cfg, more)
+        except Exception as exc:
+            record("tree-serial-config", None, None, snap_bytes, config=cfg, error=repr(exc))
+    if best is not None:
+        record("tree-serial", best[0], best[1], snap_bytes, config=best[2], **best[3])
+
+    # --- fla's fused recurrent kernel on a chain of the same length (reference)
+    if fla_fn is not None:
+        try:
+            chain = PackedForest.from_parents(torch.arange(-1, nodes - 1).expand(batch, nodes))
+            def fla_call(x):      # gates fused in fla's kernel too, as in ours
+                return fla_fn(x["q"].view(batch, nodes, Hk, dk), x["k"].view(batch, nodes, Hk, dk),
+                              x["v"].view(batch, nodes, Hv, dv), g=x["a"].view(batch, nodes, Hv),
+                              beta=x["b"].view(batch, nodes, Hv), A_log=x["A_log"],
+                              dt_bias=x["dt_bias"], use_gate_in_kernel=True,
+                              use_beta_sigmoid_in_kernel=True, initial_state=x["initial_state"],
+                              output_final_state=False, use_qk_l2norm_in_kernel=True)
+            ref_chain, _ = tree_gdn_closed_form(
+                base["q"].double().view(batch, nodes, Hk, dk),
+                base["k"].double().view(batch, nodes, Hk, dk),
+                base["v"].double().view(batch, nodes, Hv, dv), chain,
+                initial_state=base["initial_state"].double(), check_values=False,
+                **{n: t.double().view(batch, nodes, Hv) if t.dim() == 3 else t.double()
+                   for n, t in gate(base).items()}, **common)
+            err = rel_err(fla_call(base)[0], ref_chain)
+            us = time_calls([lambda x=x: fla_call(x) for x in sets])
+            record("fla-chain", us, err, 0)
+        except Exception as exc:
+            record("fla-chain", None, None, 0, error=repr(exc))
+
+    # --- commits (only at T = 64): all GDN layers at once vs copy of one snapshot per layer
+    if nodes == 64:
+        try:
+            layers = shape.num_gdn_layers
+            _, fac = tree_gdn_verify_triton(base["q"], base["k"], base["v"], meta,
+                                            initial_state=base["initial_state"],
+                                            **gate(base), **common)
+            from bole.ops.gdn.closed_form import TreeFactors
+            stacked = TreeFactors(fac.log_decay.expand(layers, *fac.log_decay.shape).contiguous(),
+                                  fac.k.expand(layers, *fac.k.shape).contiguous(),
+                                  fac.u.expand(layers, *fac.u.shape).contiguous(),
+                                  fac.k_inv_norm.expand(layers, *fac.k_inv_norm.shape).contiguous())
+            pool = base["initial_state"].expand(layers, *base["initial_state"].shape).contiguous()
+            acc = [t.num_nodes - 1 for t in trees]          # deepest-numbered node: depth 8
+            index, lengths = forest.padded_paths(acc)
+            index, lengths = index.to(dev), lengths.to(dev)
+            slots = torch.arange(R, device=dev)
+            us = time_calls([lambda: commit_factored_triton(stacked, pool, slots, index, lengths)])
+            record("bole-commit-all-layers", us, None, 0, layers=layers)
+            acc_global = index.gather(1, (lengths - 1)[:, None])[:, 0]
+            snaps4 = snaps.view(N, Hv, dk, dv)
+            us = time_calls([lambda: [commit_from_snapshots_triton(snaps4, pool[i], slots, acc_global)
+                                      for i in range(layers)]])
+            record("tree-serial-commit-all-layers", us, None, 0, layers=layers)
+        except Exception as exc:
+            record("bole-commit-all-layers", None, None, 0, error=repr(exc))
+            traceback.print_exc()
+    del sets, snaps
+    torch.cuda.empty_cache()
+    return records
+
+
+# ----------------------------------------------------------------------------- report
+
+def summary(records) -> str:
+    by = {}
+    for r in records:
+        by.setdefault((r["model"], r["batch"], r["nodes"]), {})[r["impl"]] = r
+    lines = [f"{'model':<18} {'B':>3} {'T':>4} {'bole us':>8} {'serial us':>9} {'x':>6} "
+             f"{'fla us':>7} {'floor us':>8} {'/floor':>6} {'err bf16':>9} {'err rnd':>8} "
+             f"{'err ieee':>9}"]
+    for (model, b, t), d in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        bo, se, fl, ie = (d.get(k, {}) for k in ("bole", "tree-serial", "fla-chain", "bole-ieee"))
+        fmt = lambda v, p=".1f": "-" if v is None else format(v, p)  # noqa: E731
+        ratio = se.get("median_us") / bo["median_us"] if bo.get("median_us") and se.get("median_us") else None
+        over = bo["median_us"] / bo["floor_us"] if bo.get("median_us") else None
+        lines.append(f"{model:<18} {b:>3} {t:>4} {fmt(bo.get('median_us')):>8} "
+                     f"{fmt(se.get('median_us')):>9} {fmt(ratio):>6} {fmt(fl.get('median_us')):>7} "
+                     f"{fmt(bo.get('floor_us'), '.2f'):>8} {fmt(over):>6} "
+                     f"{fmt(bo.get('rel_err'), '.1e'):>9} {fmt(bo.get('rel_err_vs_rounded'), '.1e'):>8} "
+                     f"{fmt(ie.get('rel_err'), '.1e'):>9}")
+    return "\n".join(lines)
+
+
+def plot(path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(path.read_text())
+    recs = data["records"]
+    models = sorted({r["model"] for r in recs}, key=lambda m: [r["model"] for r in recs].index(m))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for b in sorted({r["batch"] for r in recs if r["model"] == model}):
+            def series(impl):
+                return {r["nodes"]: r["median_us"] for r in recs if r["model"] == model
+                        and r["batch"] == b and r["impl"] == impl and r["median_us"]}
+            bole, serial, fla = series("bole"), series("tree-serial"), series("fla-chain")
+            ts = sorted(set(bole) & set(serial))
+            line, = ax.plot(ts, [serial[t] / bole[t] for t in ts], "o-", label=f"B={b} vs tree-serial")
+            tf = sorted(set(bole) & set(fla))
+            if tf:
+                ax.plot(tf, [fla[t] / bole[t] for t in tf], "x--", color=line.get_color(),
+                        alpha=0.6, label=f"B={b} vs fla chain")
+        ax.axhline(1, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tree nodes T (depth 8)")
+        ax.set_ylabel("speed-up of bole (x)")
+        ax.set_title(f"{model} GDN layer")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    m = data["meta"]
+    fig.suptitle(f"GDN tree verification per layer, {m['device']}, {m['date']} "
+                 f"(torch {m['torch']}, triton {m['triton']})", fontsize=9)
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a few shapes, one config each")
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    ap.add_argument("--nodes", nargs="+", type=int, default=list(NODES))
+    ap.add_argument("--out", default=None, help="results folder (default bench/results, or $OUT)")
+    ap.add_argument("--plot", default=None, help="only redraw the plot of this results JSON")
+    ap.add_argument("--sweep", choices=("full", "small", "picked"), default="small",
+                    help="verification-kernel configs timed besides pick_config's (default small)")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
+    ap.add_argument("--merge", nargs="+", default=None,
+                    help="merge results files (same device and date) into one, then plot")
+    args = ap.parse_args(argv)
+    if args.plot:
+        print(plot(Path(args.plot)))
+        return 0
+    if args.merge:
+        parts = [json.loads(Path(p).read_text()) for p in args.merge]
+        merged = dict(meta=parts[0]["meta"], records=[r for p in parts for r in p["records"]])
+        merged["meta"]["merged_from"] = [Path(p).name for p in args.merge]
+        path = Path(args.out or ROOT / "bench" / "results") / f"kernels-{parts[0]['meta']['date']}.json"
+        path.write_text(json.dumps(merged, indent=1))
+        print(summary(merged["records"]))
+        print(plot(path))
+        return 0
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+    dev = torch.device("cuda")
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fn
+        import fla
+        fla_version = getattr(fla, "__version__", "?")
+    except Exception as exc:
+        print(f"fla not importable ({exc!r}); the fla-chain reference is skipped", file=sys.stderr)
+        fla_fn, fla_version = None, None
+    bw = copy_bandwidth(dev)
+    date = _dt.date.today().isoformat()
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, fla=fla_version, date=date,
+                copy_bandwidth_TBps=bw / 1e12, depth=DEPTH, inputs="bf16 q/k/v, raw a/b gates, "
+                "in-kernel q/k l2norm, fp32 state", timing="CUDA graph replay over rotating input "
+                "sets, median")
+    print(json.dumps(meta), flush=True)
+    records = []
+    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "bench" / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"kernels-{date}{'-quick' if args.quick else ''}{args.tag}.json"
+    models = args.models[:1] if args.quick else args.models
+    batches = [1, 16] if args.quick else args.batches
+    nodes = [64] if args.quick else args.nodes
+    for model in models:
+        for b in batches:
+            for t in nodes:
+                try:
+                    recs = run_shape(model, b, t, dev, fla_fn, args.quick, bw,
+                                     "picked" if args.quick else args.sweep)
+                except Exception:
+                    traceback.print_exc()
+                    continue
+                records += recs
+                print(summary(recs).splitlines()[-1], flush=True)
+                path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+    print(summary(records))
+    try:
+        print(plot(path))
+    except Exception as exc:
+        print(f"plot failed: {exc!r}")
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

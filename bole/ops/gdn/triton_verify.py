@@ -1,0 +1,549 @@
+"""Value-tiled Triton kernel for exact GDN tree verification (Algorithm 1 of the paper).
+
+One program ("CTA") holds one request's whole draft tree for one value head and one tile of ``BV``
+value columns; grid = ``(d_v / BV, R, H_v)``. With ``A(i)`` the strict ancestors of node i and
+``L_i = sum of g over A(i) + {i}`` (DESIGN.md section 2), each program computes
+
+    decay_ij = exp(where(j in A(i) + {i}, L_i - L_j, -inf))          (masked *before* exp)
+    G = beta_i decay_ij (k_i . k_j) on strict ancestors,   C = decay_ij (q_i . k_j) incl. self
+    R = beta (V - e^L K S_pre),   (I + G) U = R   by  U <- R - G U  (max_depth sweeps)
+    O = e^L Q S_pre + C U
+
+streaming ``d_k`` in tiles of ``BK`` for the Gram products ``K K^T``, ``Q K^T`` and the state
+products ``K S_pre``, ``Q S_pre`` (the S_pre tile ``[BK, BV]`` read from the state pool at slot
+``state_indices[r]``). l2 normalisation and the query scale are applied afterwards as row/column
+scalings of these products, so the keys are never rewritten. The state pool is only read; the
+program writes O and U (and, once per head, L and the key inverse norms).
+
+Each value tile recomputes the ``[BT, BT]`` Gram products of its tree: that redundancy is the price
+of ``d_v / BV`` times more parallelism, which small batches need. ``VerifyConfig.split_gram`` streams
+d_k twice (K for G, R and the solve; then Q for C and O) so that one Gram tile is live at a time,
+for large trees. 64-bit offsets sit in scalar per-tree bases (``cu_nodes[r] * stride``, the pool slot
+times its stride); per-element offsets within a tree stay 32-bit. Padding rows past ``cu_nodes[-1]``
+are written (zeros) by the last request's programs, so no output needs a memset.
+
+Inputs may be fp16/bf16/fp32; gates, state and all accumulation are fp32. ``precision`` selects
+tl.dot's ``input_precision`` for fp32 operands ("tf32" fast, "tf32x3", or "ieee" exact); fp16/bf16
+Gram products are formed in the input dtype with fp32 accumulation.
+
+This module knows nothing of models or requests beyond :class:`bole.tree.ForestMeta`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from bole.ops.gdn.closed_form import TreeFactors
+from bole.ops.gdn.common import check_gdn_tensors
+from bole.tree import ForestMeta
+
+__all__ = [
+    "VerifyConfig", "CONFIG_TABLE", "INTERPRET_CONFIG", "PRECISIONS", "pick_config",
+    "tree_gdn_verify_triton",
+]
+
+PRECISIONS = ("tf32", "tf32x3", "ieee")
+KERNEL_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Configurations
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """Compile-time tiling of the verification kernel.
+
+    BV: value columns per program (power of two >= 16); the grid has ``cdiv(d_v, BV)`` value tiles.
+    BK: key columns streamed per step of the d_k loop (power of two >= 16).
+    num_warps, num_stages: as for any Triton launch (num_stages pipelines the d_k loop).
+    split_gram: stream d_k twice (K: G, R and the solve; then Q: C and O) so that only one
+        ``[BT, BT]`` Gram accumulator is live at a time; trades a second read of K and the S_pre
+        tile (from L2) for registers, for large trees.
+    """
+
+    BV: int
+    BK: int
+    num_warps: int = 4
+    num_stages: int = 2
+    split_gram: bool = False
+
+    def validate(self) -> None:
+        for name in ("BV", "BK"):
+            x = getattr(self, name)
+            if not isinstance(x, int) or x < 16 or x & (x - 1):
+                raise ValueError(f"VerifyConfig.{name}={x!r} must be a power of two >= 16 (tl.dot tiles)")
+        if not isinstance(self.num_warps, int) or self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"VerifyConfig.num_warps={self.num_warps!r} must be a power of two")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"VerifyConfig.num_stages={self.num_stages!r} must be a positive int")
+
+
+#: The single configuration used under TRITON_INTERPRET (CPU); tiny tiles keep it cheap.
+INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
+
+#: block_nodes (the tree tile BT) -> configuration for d_k = d_v = 128, many programs.
+#: PLACEHOLDERS for the lead to replace from H200 timings. Chosen from ptxas -v on sm_90a (compiled
+#: on CPU, bf16 inputs, raw gates, l2norm, tf32): registers / spill stores per thread, incl. the
+#: BV halvings pick_config makes for small batches:
+#:   BT=16:  BV 64/32/16, BK 64, 4 warps:           121/86/122 regs, no spills
+#:   BT=32:  BV 64/32/16, BK 64, 4 warps:           183/186/181 regs, no spills
+#:   BT=64:  BV 64/32/16, BK 32, 8 warps:           254/238/223 regs, no spills (4 warps spill)
+#:   BT=128: BV 32/16, BK 32, 16 warps, split_gram: 128 regs, 356/308 B spills (best found;
+#:           fused 8 warps spills ~900 B, 4 warps ~4.7 KB)
+#:   BT=256: BV 16, BK 32, 8 warps, split_gram:     ~10.6 KB spills; 16 warps does not compile
+#:           (ptxas: "Insufficient registers (128)"). Trees over 128 nodes need a row-blocked kernel.
+CONFIG_TABLE: dict[int, VerifyConfig] = {
+    16: VerifyConfig(BV=64, BK=64, num_warps=4, num_stages=2),
+    32: VerifyConfig(BV=64, BK=64, num_warps=4, num_stages=2),
+    64: VerifyConfig(BV=64, BK=32, num_warps=8, num_stages=2),
+    128: VerifyConfig(BV=32, BK=32, num_warps=16, num_stages=2, split_gram=True),
+    256: VerifyConfig(BV=16, BK=32, num_warps=8, num_stages=2, split_gram=True),
+}
+
+#: Below this many programs (about two waves of the H200's 132 SMs) BV is halved for parallelism.
+MIN_PROGRAMS = 264
+
+
+def _interpreting() -> bool:
+    """Whether the kernel runs under Triton's CPU interpreter.
+
+    Decided by how ``@triton.jit`` wrapped the kernel (TRITON_INTERPRET as it was at import time),
+    so a later change of the environment variable cannot desynchronise the two.
+    """
+    kernel = globals().get("_tree_gdn_verify_kernel")
+    if kernel is not None:
+        return type(kernel).__name__ == "InterpretedFunction"
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def pick_config(block_nodes: int, d_k: int, d_v: int, num_programs: int, *,
+                interpret: bool | None = None) -> VerifyConfig:
+    """Configuration for one launch shape.
+
+    ``num_programs`` is the number of (request, value head) pairs, ``R * H_v``; the launch has
+    ``num_programs * cdiv(d_v, BV)`` programs. Under TRITON_INTERPRET (or ``interpret=True``)
+    returns :data:`INTERPRET_CONFIG`.
+    """
+    if interpret is None:
+        interpret = _interpreting()
+    if interpret:
+        return INTERPRET_CONFIG
+    keys = sorted(CONFIG_TABLE)
+    key = next((kb for kb in keys if kb >= block_nodes), keys[-1])
+    base = CONFIG_TABLE[key]
+    bv = max(16, min(base.BV, _next_pow2(d_v)))
+    bk = max(16, min(base.BK, _next_pow2(d_k)))
+    while bv > 16 and num_programs * triton.cdiv(d_v, bv) < MIN_PROGRAMS:
+        bv //= 2
+    return replace(base, BV=bv, BK=bk)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h, hk, vcols, v_ok,
+              first_tile, H_V: tl.constexpr, H_K: tl.constexpr, GROUP: tl.constexpr,
+              D_K: tl.constexpr, D_V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, L2NORM: tl.constexpr):
+    """Padding rows ``p0 .. p0 + BT`` of this program's value tile: o = u = 0, L = 0 (once per head),
+    and k_inv_norm of the padding keys (once per key head), so keys() is defined on every row."""
+    rows = tl.arange(0, BT)
+    p_ok = (p0 + rows) < num_nodes
+    base = p0.to(tl.int64)                                           # 64-bit scalar row base
+    p_off = rows[:, None] * (H_V * D_V) + h * D_V + vcols[None, :]
+    p_mask = p_ok[:, None] & v_ok[None, :]
+    zero_tile = tl.zeros([BT, BV], dtype=tl.float32)
+    tl.store(o_ptr + base * (H_V * D_V) + p_off, zero_tile.to(o_ptr.dtype.element_ty), mask=p_mask)
+    tl.store(u_ptr + base * (H_V * D_V) + p_off, zero_tile, mask=p_mask)
+    tl.store(L_ptr + base * H_V + rows * H_V + h, tl.zeros([BT], dtype=tl.float64),
+             mask=p_ok & first_tile)
+    if L2NORM:
+        w_ok = p_ok & first_tile & (h % GROUP == 0)
+        k_rows = k_ptr + base * s_kn + hk * s_kh
+        ss = tl.zeros([BT], dtype=tl.float32)
+        for k0 in range(0, D_K, BK):
+            kc = k0 + tl.arange(0, BK)
+            k_t = tl.load(k_rows + rows[:, None] * s_kn + kc[None, :],
+                          mask=w_ok[:, None] & (kc < D_K)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(k_t * k_t, axis=1)
+        tl.store(kinv_ptr + base * H_K + rows * H_K + hk, tl.rsqrt(ss + 1e-6), mask=w_ok)
+
+
+@triton.jit
+def _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT: tl.constexpr):
+    """Ancestor mask (self included), strict mask, path log-decay L and the masked decay matrix."""
+    anc = tl.load(mask_rows + rows[:, None] * s_mn + rows[None, :],
+                  mask=row_ok[:, None] & row_ok[None, :], other=0) != 0
+    strict = anc & (rows[:, None] != rows[None, :])
+    # L_i = sum_j mask_ij g_j in fp64 (L_i - L_j of two long paths loses eps * |L| in fp32);
+    # decays from the differences, masked to -inf *before* exp
+    L = tl.sum(tl.where(anc, g.to(tl.float64)[None, :], 0.0), axis=1)
+    diff = (L[:, None] - L[None, :]).to(tl.float32)
+    decay = tl.exp(tl.where(anc, diff, float("-inf")))
+    return strict, L, decay
+
+
+@triton.jit
+def _stream_dk(x_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
+               D_K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               X_IS_K: tl.constexpr, PREC: tl.constexpr):
+    """One pass over d_k: ``X K^T`` [BT, BT], ``X S`` [BT, BV] and the row sums of squares of X."""
+    xk = tl.zeros([BT, BT], dtype=tl.float32)
+    xs = tl.zeros([BT, BV], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(0, D_K, BK):
+        kc = k0 + tl.arange(0, BK)
+        kc_ok = kc < D_K
+        ld_mask = row_ok[:, None] & kc_ok[None, :]
+        k_t = tl.load(k_base + kc[None, :], mask=ld_mask, other=0.0)
+        if X_IS_K:
+            x_t = k_t
+        else:
+            x_t = tl.load(x_base + kc[None, :], mask=ld_mask, other=0.0)
+        s_t = tl.load(s_base + kc[:, None] * s_sk + vcols[None, :] * s_sv,
+                      mask=kc_ok[:, None] & v_ok[None, :], other=0.0)
+        xk = tl.dot(x_t, tl.trans(k_t), xk, input_precision=PREC)
+        x_f = x_t.to(tl.float32)
+        xs = tl.dot(x_f, s_t, xs, input_precision=PREC)
+        ss += tl.sum(x_f * x_f, axis=1)
+    return xk, xs, ss
+
+
+@triton.jit
+def _neumann(G, Rm, max_depth, PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """``(I + G) U = R`` for G nilpotent of index <= max_depth + 1: max_depth sweeps are exact."""
+    U = Rm
+    if INTERPRET:
+        # Triton 3.6's interpreter cannot use a scalar argument as a range() bound under
+        # numpy >= 2.4 (int() of a 1-element array); a while loop only needs bool().
+        sweep = 0
+        while sweep < max_depth:
+            U = Rm - tl.dot(G, U, input_precision=PREC)
+            sweep += 1
+    else:
+        for _ in range(max_depth):
+            U = Rm - tl.dot(G, U, input_precision=PREC)
+    return U
+
+
+@triton.jit
+def _tree_gdn_verify_kernel(
+    q_ptr, k_ptr, v_ptr,
+    g_ptr, beta_ptr,                # g, beta  -- or the raw a, b when RAW_GATES
+    A_log_ptr, dt_bias_ptr,         # [H_v], only read when RAW_GATES
+    state_ptr, state_idx_ptr,       # state pool [S, H_v, d_k, d_v] fp32 (strided), slots [R]
+    cu_ptr, mask_ptr,               # cu_nodes [R + 1] int32, ancestor mask [N, BT] uint8
+    o_ptr, u_ptr, L_ptr, kinv_ptr,  # o [N, H_v, d_v] (v's dtype), u [N, H_v, d_v] fp32,
+                                    # L [N, H_v] fp32, k_inv_norm [N, H_k] fp32
+    num_nodes, num_requests, max_depth, scale,
+    s_qn, s_qh, s_kn, s_kh, s_vn, s_vh,
+    s_gn, s_gh, s_bn, s_bh,
+    s_ss, s_sh, s_sk, s_sv,
+    s_mn,
+    H_V: tl.constexpr, H_K: tl.constexpr, GROUP: tl.constexpr,
+    D_K: tl.constexpr, D_V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr,
+    RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    iv = tl.program_id(0)
+    r = tl.program_id(1)
+    h = tl.program_id(2)
+    hk = h // GROUP
+
+    lo32 = tl.load(cu_ptr + r)
+    hi32 = tl.load(cu_ptr + r + 1)
+    lo = lo32.to(tl.int64)
+    n_tree = hi32 - lo32
+
+    rows = tl.arange(0, BT)
+    row_ok = rows < n_tree
+    # 64-bit offsets live in the scalar per-tree bases; per-element offsets (< BT rows) stay 32-bit
+    g_rows = g_ptr + lo * s_gn + h * s_gh
+    b_rows = beta_ptr + lo * s_bn + h * s_bh
+
+    # ---- gates, fp32 ----
+    if RAW_GATES:
+        a_raw = tl.load(g_rows + rows * s_gn, mask=row_ok, other=0.0).to(tl.float32)
+        b_raw = tl.load(b_rows + rows * s_bn, mask=row_ok, other=0.0).to(tl.float32)
+        A_log = tl.load(A_log_ptr + h).to(tl.float32)
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        x = a_raw + dt_bias
+        # softplus(x) = max(x, 0) + log1p(exp(-|x|)), log1p by its series where 1 + t rounds to 1
+        t = tl.exp(-tl.abs(x))
+        log1p_t = tl.where(t < 1e-4, t * (1.0 - 0.5 * t), tl.log(1.0 + t))
+        g = -tl.exp(A_log) * (tl.maximum(x, 0.0) + log1p_t)
+        e_b = tl.exp(-tl.abs(b_raw))                                  # sigmoid without overflow
+        beta = tl.where(b_raw >= 0, 1.0, e_b) / (1.0 + e_b)
+    else:
+        g = tl.load(g_rows + rows * s_gn, mask=row_ok, other=0.0).to(tl.float32)
+        beta = tl.load(b_rows + rows * s_bn, mask=row_ok, other=0.0).to(tl.float32)
+    g = tl.where(row_ok, g, 0.0)
+    beta = tl.where(row_ok, beta, 0.0)
+
+    vcols = iv * BV + tl.arange(0, BV)
+    v_ok = vcols < D_V
+    slot = tl.load(state_idx_ptr + r).to(tl.int64)
+    s_base = state_ptr + slot * s_ss + h.to(tl.int64) * s_sh
+    q_base = q_ptr + lo * s_qn + hk * s_qh + rows[:, None] * s_qn
+    k_base = k_ptr + lo * s_kn + hk * s_kh + rows[:, None] * s_kn
+    mask_rows = mask_ptr + lo * s_mn
+    v_rows = v_ptr + lo * s_vn + h * s_vh + rows[:, None] * s_vn
+
+    if SPLIT:
+        # Two passes over d_k: K first (G, R, then U), Q second (C, O), so that at most one
+        # [BT, BT] Gram accumulator is live at a time; K and S_pre are read twice (from L2).
+        kk, ks, ss_k = _stream_dk(k_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
+                                  D_K, BT, BK, BV, True, PREC)
+        strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT)
+        e_L = tl.exp(L.to(tl.float32))
+        if L2NORM:
+            rk = tl.rsqrt(ss_k + 1e-6)                               # k_inv_norm
+            G = tl.where(strict, (beta * rk)[:, None] * decay * kk * rk[None, :], 0.0)
+            row_ks = e_L * rk
+        else:
+            rk = tl.full([BT], 1.0, dtype=tl.float32)
+            G = tl.where(strict, beta[:, None] * decay * kk, 0.0)
+            row_ks = e_L
+        v_t = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :],
+                      other=0.0).to(tl.float32)
+        U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC, INTERPRET)
+        qk, qs, ss_q = _stream_dk(q_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
+                                  D_K, BT, BK, BV, False, PREC)
+        strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT)
+        if L2NORM:
+            rq = tl.rsqrt(ss_q + 1e-6) * scale
+            C = decay * qk * (rq[:, None] * rk[None, :])
+        else:
+            rq = tl.full([BT], 1.0, dtype=tl.float32) * scale
+            C = decay * qk * scale
+    else:
+        # One pass over d_k accumulating both Gram products and both state products.
+        kk = tl.zeros([BT, BT], dtype=tl.float32)
+        qk = tl.zeros([BT, BT], dtype=tl.float32)
+        ks = tl.zeros([BT, BV], dtype=tl.float32)
+        qs = tl.zeros([BT, BV], dtype=tl.float32)
+        ss_k = tl.zeros([BT], dtype=tl.float32)
+        ss_q = tl.zeros([BT], dtype=tl.float32)
+        for k0 in range(0, D_K, BK):
+            kc = k0 + tl.arange(0, BK)
+            kc_ok = kc < D_K
+            ld_mask = row_ok[:, None] & kc_ok[None, :]
+            q_t = tl.load(q_base + kc[None, :], mask=ld_mask, other=0.0)      # [BT, BK] input dtype
+            k_t = tl.load(k_base + kc[None, :], mask=ld_mask, other=0.0)
+            s_t = tl.load(s_base + kc[:, None] * s_sk + vcols[None, :] * s_sv,
+                          mask=kc_ok[:, None] & v_ok[None, :], other=0.0)     # [BK, BV] fp32
+            kt_t = tl.trans(k_t)
+            kk = tl.dot(k_t, kt_t, kk, input_precision=PREC)
+            qk = tl.dot(q_t, kt_t, qk, input_precision=PREC)
+            k_f = k_t.to(tl.float32)
+            q_f = q_t.to(tl.float32)
+            ks = tl.dot(k_f, s_t, ks, input_precision=PREC)
+            qs = tl.dot(q_f, s_t, qs, input_precision=PREC)
+            if L2NORM:
+                ss_k += tl.sum(k_f * k_f, axis=1)
+                ss_q += tl.sum(q_f * q_f, axis=1)
+        # the ancestor mask is loaded after the loop so that no other [BT, BT] tile is live in it;
+        # G and C are formed at once so that kk, qk and decay die before the solve
+        strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT)
+        e_L = tl.exp(L.to(tl.float32))
+        if L2NORM:
+            rk = tl.rsqrt(ss_k + 1e-6)                               # k_inv_norm
+            rq = tl.rsqrt(ss_q + 1e-6) * scale
+            G = tl.where(strict, (beta * rk)[:, None] * decay * kk * rk[None, :], 0.0)
+            C = decay * qk * (rq[:, None] * rk[None, :])
+            row_ks = e_L * rk
+        else:
+            rk = tl.full([BT], 1.0, dtype=tl.float32)
+            rq = tl.full([BT], 1.0, dtype=tl.float32) * scale
+            G = tl.where(strict, beta[:, None] * decay * kk, 0.0)
+            C = decay * qk * scale
+            row_ks = e_L
+        v_t = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :],
+                      other=0.0).to(tl.float32)
+        U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC, INTERPRET)
+
+    # ---- O = e^L Q S_pre + C U (l2 normalisation and scale applied as row / column scalings) ----
+    O = (e_L * rq)[:, None] * qs + tl.dot(C, U, input_precision=PREC)
+
+    # ---- write O, U (and L, k_inv_norm once per head) ----
+    out_off = rows[:, None] * (H_V * D_V) + h * D_V + vcols[None, :]
+    out_mask = row_ok[:, None] & v_ok[None, :]
+    tl.store(o_ptr + lo * (H_V * D_V) + out_off, O.to(o_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(u_ptr + lo * (H_V * D_V) + out_off, U, mask=out_mask)
+    first_tile = iv == 0
+    tl.store(L_ptr + lo * H_V + rows * H_V + h, L, mask=row_ok & first_tile)
+    if L2NORM:
+        tl.store(kinv_ptr + lo * H_K + rows * H_K + hk, rk,
+                 mask=row_ok & first_tile & (h % GROUP == 0))
+
+    # ---- padding rows (past cu_nodes[-1]) are written by the last request's programs ----
+    if r == num_requests - 1:
+        if INTERPRET:
+            p0 = hi32
+            while p0 < num_nodes:
+                _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h, hk, vcols,
+                          v_ok, first_tile, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM)
+                p0 += BT
+        else:
+            for p0 in range(hi32, num_nodes, BT):
+                _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h, hk, vcols,
+                          v_ok, first_tile, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM)
+
+
+# --------------------------------------------------------------------------------------------
+# Wrapper
+# --------------------------------------------------------------------------------------------
+
+def _rows(x: torch.Tensor, n: int, *tail: int) -> torch.Tensor:
+    """``x`` reshaped to ``[n, *tail]`` (a view where possible) with unit stride in the last dim."""
+    y = x.reshape(n, *tail)
+    if y.stride(-1) != 1 and y.shape[-1] > 1:
+        y = y.contiguous()
+    return y
+
+
+def _check_device(device: torch.device, **tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}; put every input on one device")
+
+
+def tree_gdn_verify_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ForestMeta, *,
+    g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None,
+    initial_state: torch.Tensor, state_indices: torch.Tensor | None = None,
+    scale: float | None = None, use_qk_l2norm_in_kernel: bool = False,
+    precision: str = "tf32", check_values: bool = False, config: VerifyConfig | None = None,
+) -> tuple[torch.Tensor, TreeFactors]:
+    """Verify every node of a packed forest in one launch.
+
+    Args:
+        q, k: ``[B, T, H_k, d_k]``; v: ``[B, T, H_v, d_v]`` (fp16, bf16 or fp32), ``B * T == N``.
+        meta: :meth:`PackedForest.kernel_meta` on the inputs' device.
+        g, beta: ``[B, T, H_v]`` gates, or raw ``a, b [B, T, H_v]`` with ``A_log, dt_bias [H_v]``
+            (gates then computed in the kernel, in fp32).
+        initial_state: state pool ``[S, H_v, d_k, d_v]`` fp32, only read.
+        state_indices: ``[R]`` integer slot of each request in the pool; default ``arange(R)``
+            (then ``S`` must equal ``R``).
+        scale: query scale, default ``d_k ** -0.5``.
+        precision: tl.dot input precision for fp32 operands: "tf32", "tf32x3" or "ieee".
+        check_values: also check for NaN/inf, positive g and out-of-range slots (syncs the device).
+        config: override of :func:`pick_config`'s choice (benchmark sweeps).
+
+    Returns ``(o, factors)``: ``o`` shaped like ``v`` in v's dtype; ``factors`` with
+    ``log_decay [N, H_v]`` fp64, ``k`` the raw keys ``[N, H_k, d_k]`` (a view), ``u [N, H_v, d_v]``
+    fp32 and ``k_inv_norm [N, H_k]`` fp32 when ``use_qk_l2norm_in_kernel`` (else None).
+    Padding nodes get ``o = 0``, ``u = 0``, ``log_decay = 0``; their ``k_inv_norm`` is the true
+    inverse norm of their keys, so ``factors.keys()`` is the normalised keys on every row.
+    """
+    if not isinstance(meta, ForestMeta):
+        raise TypeError(f"meta must be a ForestMeta (PackedForest.kernel_meta), got {type(meta).__name__}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if initial_state is None:
+        raise ValueError("initial_state (the state pool [S, H_v, d_k, d_v]) is required")
+
+    # raw gates are validated but not computed here: the kernel fuses the gating
+    B, T, H_k, d_k, H_v, d_v, _, _ = check_gdn_tensors(
+        q, k, v, g, beta, a, b, A_log, dt_bias, initial_state, None, check_values,
+        resolve_raw_gates=False)
+    raw_gates = g is None
+    if q.dtype not in KERNEL_INPUT_DTYPES:
+        raise TypeError(
+            f"the Triton kernel takes fp16, bf16 or fp32 q/k/v, got {q.dtype}; "
+            "use tree_gdn_closed_form for fp64")
+    if initial_state.dtype != torch.float32:
+        raise TypeError(f"initial_state has dtype {initial_state.dtype}; the Triton kernel reads an fp32 pool")
+    if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (H_v, d_k, d_v):
+        raise ValueError(
+            f"initial_state has shape {tuple(initial_state.shape)}, expected a state pool "
+            f"[S, H_v={H_v}, d_k={d_k}, d_v={d_v}]")
+
+    N, R, BT = meta.num_nodes, meta.num_requests, meta.block_nodes
+    if B * T != N:
+        raise ValueError(
+            f"inputs carry B*T = {B}*{T} = {B * T} nodes but the forest has {N}; "
+            "pass a packed forest as B=1, T=N")
+    if BT < 16 or BT & (BT - 1) or BT < meta.max_tree_nodes:
+        raise ValueError(
+            f"meta.block_nodes={BT} must be a power of two >= max(16, max_tree_nodes={meta.max_tree_nodes})")
+    if tuple(meta.ancestor_mask.shape) != (N, BT) or meta.ancestor_mask.dtype != torch.uint8:
+        raise ValueError(
+            f"meta.ancestor_mask must be uint8 [N={N}, block_nodes={BT}], got "
+            f"{meta.ancestor_mask.dtype} {tuple(meta.ancestor_mask.shape)}")
+    if tuple(meta.cu_nodes.shape) != (R + 1,) or meta.cu_nodes.dtype != torch.int32:
+        raise ValueError(f"meta.cu_nodes must be int32 [R + 1 = {R + 1}], got "
+                         f"{meta.cu_nodes.dtype} {tuple(meta.cu_nodes.shape)}")
+
+    device = q.device
+    S = initial_state.shape[0]
+    if state_indices is None:
+        if S != R:
+            raise ValueError(
+                f"the state pool has {S} slots but the forest has {R} requests; "
+                "pass state_indices to say which slot each request reads")
+        state_indices = torch.arange(R, dtype=torch.int32, device=device)
+    else:
+        if not isinstance(state_indices, torch.Tensor) or state_indices.dtype not in (torch.int32, torch.int64):
+            raise TypeError("state_indices must be an int32 or int64 tensor")
+        if tuple(state_indices.shape) != (R,):
+            raise ValueError(
+                f"state_indices has shape {tuple(state_indices.shape)}, expected [R={R}], one slot per request")
+        if check_values and R and bool(((state_indices < 0) | (state_indices >= S)).any()):
+            raise ValueError(f"state_indices must lie in [0, {S}) (the pool's slots)")
+    _check_device(device, v=v, g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                  initial_state=initial_state, state_indices=state_indices,
+                  cu_nodes=meta.cu_nodes, ancestor_mask=meta.ancestor_mask)
+
+    if config is None:
+        config = pick_config(BT, d_k, d_v, R * H_v)
+    config.validate()
+    scale = float(d_k ** -0.5 if scale is None else scale)
+
+    qf = _rows(q, N, H_k, d_k)
+    k_raw = k.reshape(N, H_k, d_k)
+    kf = k_raw if k_raw.stride(-1) == 1 or d_k == 1 else k_raw.contiguous()
+    vf = _rows(v, N, H_v, d_v)
+    gate1, gate2 = (a, b) if raw_gates else (g, beta)
+    gate1 = gate1.reshape(N, H_v)
+    gate2 = gate2.reshape(N, H_v)
+    if raw_gates:
+        A_log_t, dt_bias_t = A_log.contiguous(), dt_bias.contiguous()
+    else:
+        A_log_t = dt_bias_t = gate1               # never read
+
+    o = torch.empty(v.shape, dtype=v.dtype, device=device)
+    u = torch.empty(N, H_v, d_v, dtype=torch.float32, device=device)
+    log_decay = torch.empty(N, H_v, dtype=torch.float64, device=device)
+    k_inv_norm = (torch.empty(N, H_k, dtype=torch.float32, device=device)
+                  if use_qk_l2norm_in_kernel else None)
+
+    if N > 0 and R > 0:
+        grid = (triton.cdiv(d_v, config.BV), R, H_v)
+        _tree_gdn_verify_kernel[grid](
+            qf, kf, vf, gate1, gate2, A_log_t, dt_bias_t,
+            initial_state, state_indices, meta.cu_nodes, meta.ancestor_mask,
+            o, u, log_decay, k_inv_norm if k_inv_norm is not None else log_decay,
+            N, R, int(meta.max_depth), scale,
+            qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
+            gate1.stride(0), gate1.stride(1), gate2.stride(0), gate2.stride(1),
+            *initial_state.stride(),
+            meta.ancestor_mask.stride(0),
+            H_V=H_v, H_K=H_k, GROUP=H_v // H_k, D_K=d_k, D_V=d_v,
+            BT=BT, BK=config.BK, BV=config.BV, SPLIT=bool(config.split_gram),
+            RAW_GATES=raw_gates, L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision,
+            INTERPRET=_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return o, TreeFactors(log_decay=log_decay, k=k_raw, u=u, k_inv_norm=k_inv_norm)

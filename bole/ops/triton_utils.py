@@ -1,0 +1,34 @@
+"""Small helpers shared by the Triton kernels."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+def fix_interpreter_scalar_index() -> None:
+    """Make Triton's CPU interpreter accept loaded scalars as loop bounds under NumPy >= 2.4.
+
+    The interpreter (Triton 3.6) holds every scalar as a shape-(1,) array and converts it for
+    ``range(lo, hi)`` with ``int(array)``, which NumPy 2.4 rejects ("only 0-dimensional arrays can
+    be converted to Python scalars"). This re-registers ``__index__`` to read the single element.
+    Only active when ``TRITON_INTERPRET=1``; compiled kernels are unaffected. Idempotent.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+        return
+    from triton.runtime import interpreter as interp
+
+    original = getattr(interp, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_bole_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__",
+                       lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._bole_fixed = True
+    interp._patch_lang_tensor = patched
+
+

@@ -1,0 +1,385 @@
+"""The value-tiled Triton tree-verification kernel against the fp64 closed form and serial reference.
+
+On a machine without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set here
+before triton is imported) on tiny fp32/fp16 shapes; with CUDA the same tests run compiled, plus a
+bf16 check.
+"""
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from bole.ops.gdn.closed_form import commit_factored, tree_gdn_closed_form  # noqa: E402
+from bole.ops.gdn.reference import tree_gdn_serial  # noqa: E402
+from bole.ops.gdn.triton_verify import (  # noqa: E402
+    CONFIG_TABLE, INTERPRET_CONFIG, VerifyConfig, _interpreting, pick_config, tree_gdn_verify_triton)
+from bole.tree import DraftTree, PackedForest  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not HAS_CUDA and not _interpreting(),
+    reason="no CUDA device and TRITON_INTERPRET is off: the Triton kernel cannot run")
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+TOL = 1e-5          # relative (to the largest reference entry) error allowed in fp32 with "ieee" dots
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual = actual.detach().double().cpu()
+    expected = expected.detach().double().cpu()
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert torch.isfinite(actual).all()
+    scale = max(float(expected.abs().max()), 1e-30)
+    return float((actual - expected).abs().max()) / scale
+
+
+def make_case(forest: PackedForest, *, H_k=1, H_v=2, d_k=16, d_v=16, raw=False, l2norm=True,
+              pool_slots=None, seed=0, dtype=torch.float32):
+    """Random inputs (on CPU, fp32 values rounded to ``dtype``) for one forest."""
+    gen = torch.Generator().manual_seed(seed)
+    N, R = forest.num_nodes, forest.num_requests
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k = randn(1, N, H_k, d_k), randn(1, N, H_k, d_k)
+    if not l2norm:                      # unit-ish keys keep (I + G) well conditioned
+        q, k = q / d_k ** 0.5, k / d_k ** 0.5
+    case = dict(q=q.to(dtype), k=k.to(dtype), v=randn(1, N, H_v, d_v).to(dtype))
+    if raw:
+        case.update(a=randn(1, N, H_v), b=2 * randn(1, N, H_v),
+                    A_log=0.5 * randn(H_v), dt_bias=0.5 * randn(H_v))
+    else:
+        case.update(g=-torch.rand(1, N, H_v, generator=gen),
+                    beta=0.05 + 0.9 * torch.rand(1, N, H_v, generator=gen))
+    S = R if pool_slots is None else pool_slots
+    case["initial_state"] = 0.5 * randn(S, H_v, d_k, d_v)
+    if pool_slots is not None:
+        case["state_indices"] = torch.randperm(S, generator=gen)[:R].to(torch.int32)
+    case["use_qk_l2norm_in_kernel"] = l2norm
+    return case
+
+
+def run_kernel(case, forest, meta=None, **kw):
+    args = {n: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t) for n, t in case.items()}
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    kw.setdefault("precision", "ieee")
+    meta = forest.kernel_meta(DEVICE) if meta is None else meta
+    return tree_gdn_verify_triton(q, k, v, meta, **args, **kw)
+
+
+def fp64_inputs(case):
+    args = {n: (t.double() if isinstance(t, torch.Tensor) and t.dtype.is_floating_point else t)
+            for n, t in case.items()}
+    args = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+    idx = args.pop("state_indices", None)
+    if idx is not None:
+        args["initial_state"] = args["initial_state"][idx.long()]
+    return args
+
+
+def run_reference(case, forest):
+    args = fp64_inputs(case)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    return tree_gdn_closed_form(q, k, v, forest, **args)
+
+
+def check_against_closed_form(case, forest, tol=TOL, o_tol=None, **kw):
+    o, f = run_kernel(case, forest, **kw)
+    o_ref, f_ref = run_reference(case, forest)
+    assert o.shape == case["v"].shape and o.dtype == case["v"].dtype
+    assert f.u.dtype == torch.float32 and f.log_decay.dtype == torch.float64
+    assert rel_err(o, o_ref) < (o_tol or tol)
+    assert rel_err(f.u, f_ref.u) < tol
+    assert rel_err(f.log_decay, f_ref.log_decay) < tol
+    keys = f.k.double() if f.k_inv_norm is None else f.k.double() * f.k_inv_norm[..., None].double()
+    assert rel_err(keys, f_ref.k) < tol
+    if case["k"].dtype == torch.float32:
+        assert rel_err(f.keys(), f_ref.k) < tol
+    return o, f, o_ref, f_ref
+
+
+# ---------------------------------------------------------------------------------------------
+# correctness against the closed form
+# ---------------------------------------------------------------------------------------------
+
+TREES = {
+    "chain": lambda: DraftTree.chain(9),
+    "star": lambda: DraftTree.star(10),
+    "kary": lambda: DraftTree.full_kary(2, 3),                                 # 15 nodes
+    "random": lambda: DraftTree.random(20, 5, np.random.default_rng(3)),
+}
+
+
+SPLIT_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, split_gram=True)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["fused", "split_gram"])
+@pytest.mark.parametrize("l2norm", [True, False])
+@pytest.mark.parametrize("shape", sorted(TREES))
+def test_tree_shapes(shape, l2norm, split):
+    forest = PackedForest.pack([TREES[shape]()])
+    check_against_closed_form(make_case(forest, l2norm=l2norm, seed=len(shape)), forest,
+                              config=SPLIT_CONFIG if split else None)
+
+
+def test_chain_batch_layout_equals_recurrence():
+    """B equal chains passed as [B, T, ...]: the ordinary recurrence, o in the input layout."""
+    forest = PackedForest.from_parents(torch.arange(-1, 7).expand(2, 8))
+    case = make_case(forest, H_k=2, H_v=2, seed=11)
+    for n in ("q", "k", "v", "g", "beta"):
+        case[n] = case[n].reshape(2, 8, *case[n].shape[2:])
+    o, f = run_kernel(case, forest)
+    assert o.shape == (2, 8, 2, 16)
+    args = fp64_inputs(case)
+    o_ser, u_ser, _ = tree_gdn_serial(args.pop("q"), args.pop("k"), args.pop("v"), forest, **args)
+    assert rel_err(o, o_ser) < TOL
+    assert rel_err(f.u, u_ser) < TOL
+
+
+@pytest.mark.parametrize("raw,split", [(False, False), (True, False), (True, True)],
+                         ids=["g_beta", "raw_gates", "raw_gates_split_gram"])
+def test_ragged_forest_grouped_pool_padding_and_commit(raw, split):
+    """3 ragged requests + padding, H_k=2 / H_v=4, d = 32 (two key and two value tiles), a
+    permuted pool larger than R; the pool stays untouched and the factors commit exactly."""
+    trees = [DraftTree.chain(5), DraftTree.full_kary(3, 2), DraftTree.random(9, 4, np.random.default_rng(0))]
+    forest = PackedForest.pack(trees).pad_to(32)
+    case = make_case(forest, H_k=2, H_v=4, d_k=32, d_v=32, raw=raw, pool_slots=7, seed=5 + raw)
+    pool_before = case["initial_state"].clone()
+    pool_dev = case["initial_state"].to(DEVICE)
+    case["initial_state"] = pool_dev
+    config = VerifyConfig(BV=16, BK=16, split_gram=True) if split else None
+    o, f, o_ref, f_ref = check_against_closed_form(case, forest, config=config)
+    case["initial_state"] = pool_dev.cpu()
+
+    assert torch.equal(pool_dev.cpu(), pool_before), "the state pool must only be read"
+    valid = forest.num_valid_nodes
+    assert valid < forest.num_nodes
+    assert not o[0, valid:].any() and not f.u[valid:].any() and not f.log_decay[valid:].any()
+    assert f.k_inv_norm.shape == (forest.num_nodes, 2)
+    assert f.k.shape == (forest.num_nodes, 2, 32)
+
+    # the factors commit to the serial reference's state at every request's accepted node
+    idx = case["state_indices"].long()
+    args = fp64_inputs(case)
+    _, _, states = tree_gdn_serial(args.pop("q"), args.pop("k"), args.pop("v"), forest,
+                                   return_states=True, **args)
+    for accepted in ([0, 0, 0], [4, 12, 8], [2, 7, 5]):
+        new = commit_factored(f, pool_dev[idx.to(DEVICE)], forest, accepted)
+        expect = states[forest.cu_nodes[:-1] + torch.tensor(accepted)]
+        assert rel_err(new, expect) < TOL
+
+
+def test_factors_k_is_raw_key_view():
+    forest = PackedForest.pack([DraftTree.star(6)])
+    case = make_case(forest, seed=2)
+    k = case["k"].to(DEVICE)
+    o, f = tree_gdn_verify_triton(case["q"].to(DEVICE), k, case["v"].to(DEVICE), forest.kernel_meta(DEVICE),
+                                  g=case["g"].to(DEVICE), beta=case["beta"].to(DEVICE),
+                                  initial_state=case["initial_state"].to(DEVICE),
+                                  use_qk_l2norm_in_kernel=True, precision="ieee")
+    assert f.k.data_ptr() == k.data_ptr() and f.k.shape == (6, 1, 16)
+    assert f.k_inv_norm is not None
+    _, f2 = tree_gdn_verify_triton(case["q"].to(DEVICE), k, case["v"].to(DEVICE), forest.kernel_meta(DEVICE),
+                                   g=case["g"].to(DEVICE), beta=case["beta"].to(DEVICE),
+                                   initial_state=case["initial_state"].to(DEVICE), precision="ieee")
+    assert f2.k_inv_norm is None
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_random_ragged_forests(seed):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 17, size=3)
+    trees = [DraftTree.random(int(n), int(rng.integers(1, 6)), rng) for n in sizes]
+    forest = PackedForest.pack(trees).pad_to(int(sizes.sum()) + int(rng.integers(0, 5)))
+    case = make_case(forest, H_k=1, H_v=2, raw=bool(seed % 2), l2norm=bool(seed % 2), seed=seed)
+    check_against_closed_form(case, forest)
+
+
+def test_extreme_gates():
+    """g near 0 and -20 (deep paths underflow e^L), beta near 0 and 1, for g/beta and raw gates."""
+    forest = PackedForest.pack([DraftTree.chain(16), DraftTree.random(12, 4, np.random.default_rng(1))])
+    N, H_v = forest.num_nodes, 2
+    case = make_case(forest, H_v=H_v, seed=9)
+    g_vals = torch.tensor([-1e-7, -20.0, -1e-3, -20.0, -3.0])
+    b_vals = torch.tensor([1e-6, 1 - 1e-6, 0.5, 1.0, 1e-6, 1 - 1e-6, 0.3])
+    case["g"] = g_vals[torch.arange(N * H_v) % 5].reshape(1, N, H_v)
+    case["beta"] = b_vals[torch.arange(N * H_v) % 7].reshape(1, N, H_v)
+    check_against_closed_form(case, forest)
+
+    # fp32 gates against fp64 ones on paths with L ~ -250: L_i - L_j loses ~ulp(250) ~ 2e-5
+    raw = make_case(forest, H_v=H_v, raw=True, seed=10)
+    a_vals = torch.tensor([30.0, -30.0, 0.0, 25.0, -80.0])
+    b_vals = torch.tensor([-30.0, 30.0, 0.0, 14.0, -14.0, 100.0, -100.0])
+    raw["a"] = a_vals[torch.arange(N * H_v) % 5].reshape(1, N, H_v)
+    raw["b"] = b_vals[torch.arange(N * H_v) % 7].reshape(1, N, H_v)
+    raw["A_log"] = torch.tensor([-4.0, 0.5])
+    raw["dt_bias"] = torch.tensor([0.0, -2.0])
+    check_against_closed_form(raw, forest, tol=3e-5)
+
+
+def test_edge_shapes():
+    """Lone roots (depth 0), a 32-node chain (BT = 32, 31 sweeps), head dims that are not multiples
+    of the 16-wide tiles, and a meta with a wider tile than the trees need."""
+    forest = PackedForest.pack([DraftTree.chain(1), DraftTree.chain(32), DraftTree.star(1)]).pad_to(37)
+    case = make_case(forest, H_k=1, H_v=2, d_k=24, d_v=20, raw=True, l2norm=True, seed=15)
+    check_against_closed_form(case, forest)
+    check_against_closed_form(case, forest, meta=forest.kernel_meta(DEVICE, block_nodes=64))
+
+    lone = PackedForest.pack([DraftTree.chain(1)])
+    check_against_closed_form(make_case(lone, seed=16, l2norm=False), lone)
+
+
+def test_fp16_inputs():
+    forest = PackedForest.pack([DraftTree.full_kary(2, 2), DraftTree.chain(6)]).pad_to(16)
+    case = make_case(forest, H_k=1, H_v=2, d_k=32, d_v=16, raw=True, dtype=torch.float16, seed=4)
+    # o is rounded to fp16 on output; everything else is fp32 from exact fp16 inputs
+    check_against_closed_form(case, forest, o_tol=2e-3)
+
+
+def test_strided_views_of_a_fused_projection():
+    """q, k, v as column slices of one [1, N, channels] tensor, g / beta as slices too: no copies."""
+    forest = PackedForest.pack([DraftTree.full_kary(3, 2)])
+    N, H_k, H_v, d = forest.num_nodes, 1, 2, 16
+    gen = torch.Generator().manual_seed(8)
+    fused = torch.randn(1, N, 2 * H_k * d + H_v * d + 2 * H_v, generator=gen).to(DEVICE)
+    q = fused[..., :H_k * d].unflatten(-1, (H_k, d))
+    k = fused[..., H_k * d: 2 * H_k * d].unflatten(-1, (H_k, d))
+    v = fused[..., 2 * H_k * d: 2 * H_k * d + H_v * d].unflatten(-1, (H_v, d))
+    a = fused[..., -2 * H_v: -H_v]
+    b = fused[..., -H_v:]
+    assert not q.is_contiguous() and not a.is_contiguous()
+    case = dict(q=q, k=k, v=v, a=a, b=b, A_log=torch.randn(H_v, generator=gen).to(DEVICE),
+                dt_bias=torch.randn(H_v, generator=gen).to(DEVICE),
+                initial_state=torch.randn(1, H_v, d, d, generator=gen).to(DEVICE),
+                use_qk_l2norm_in_kernel=True)
+    o, f = run_kernel(case, forest)
+    assert f.k.data_ptr() == k.data_ptr()
+    o_ref, f_ref = run_reference({n: (t.cpu() if isinstance(t, torch.Tensor) else t)
+                                  for n, t in case.items()}, forest)
+    assert rel_err(o, o_ref) < TOL and rel_err(f.u, f_ref.u) < TOL
+
+
+def test_config_override_and_default_state_indices():
+    forest = PackedForest.pack([DraftTree.random(14, 4, np.random.default_rng(7))]).pad_to(20)
+    case = make_case(forest, d_k=32, d_v=32, raw=True, seed=12)
+    o1, f1 = run_kernel(case, forest)                          # default config, default slots
+    o2, f2 = run_kernel(case, forest, config=VerifyConfig(BV=32, BK=32, num_warps=2, num_stages=1))
+    o_ref, f_ref = run_reference(case, forest)
+    for o, f in ((o1, f1), (o2, f2)):
+        assert rel_err(o, o_ref) < TOL and rel_err(f.u, f_ref.u) < TOL
+
+
+def test_tf32_precision_runs():
+    """"tf32" is the fast default: exact under the interpreter, ~1e-3 per product on the GPU."""
+    forest = PackedForest.pack([DraftTree.full_kary(2, 3)])
+    case = make_case(forest, seed=13)
+    tol = 2e-2 if HAS_CUDA and not _interpreting() else TOL
+    check_against_closed_form(case, forest, tol=tol, precision="tf32")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="bf16 arithmetic is only trustworthy compiled on a GPU")
+def test_bf16_inputs_cuda():
+    forest = PackedForest.pack([DraftTree.full_kary(2, 3), DraftTree.chain(12)]).pad_to(40)
+    case = make_case(forest, H_k=2, H_v=4, d_k=64, d_v=64, raw=True, dtype=torch.bfloat16,
+                     pool_slots=5, seed=14)
+    for precision in ("tf32", "ieee"):
+        check_against_closed_form(case, forest, tol=1e-2, precision=precision)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="compiled table configurations need a GPU")
+@pytest.mark.parametrize("nodes", [12, 60, 120, 129])
+def test_table_configs_cuda(nodes):
+    """Every CONFIG_TABLE entry compiles and is correct at the real head dims (d = 128, bf16)."""
+    rng = np.random.default_rng(nodes)
+    forest = PackedForest.pack([DraftTree.random(nodes, 8, rng), DraftTree.chain(min(nodes, 9))])
+    case = make_case(forest, H_k=2, H_v=4, d_k=128, d_v=128, raw=True, dtype=torch.bfloat16,
+                     pool_slots=3, seed=nodes)
+    block = forest.kernel_meta().block_nodes
+    for config in (CONFIG_TABLE[block], None):
+        check_against_closed_form(case, forest, tol=1e-2, precision="tf32", config=config)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation and configuration
+# ---------------------------------------------------------------------------------------------
+
+def _valid_args():
+    forest = PackedForest.pack([DraftTree.chain(3), DraftTree.star(4)])
+    case = make_case(forest, H_k=1, H_v=2, seed=1)
+    args = {n: (t.to(DEVICE) if isinstance(t, torch.Tensor) else t) for n, t in case.items()}
+    return forest, args
+
+
+def _call(forest, args, meta=None, **over):
+    a = dict(args, **over)
+    q, k, v = a.pop("q"), a.pop("k"), a.pop("v")
+    return tree_gdn_verify_triton(q, k, v, meta or forest.kernel_meta(DEVICE), **a)
+
+
+def test_malformed_inputs_raise():
+    forest, args = _valid_args()
+    with pytest.raises(TypeError, match="share one dtype"):
+        _call(forest, args, k=args["k"].half())
+    with pytest.raises(TypeError, match="fp64"):
+        _call(forest, args, q=args["q"].double(), k=args["k"].double(), v=args["v"].double())
+    with pytest.raises(TypeError, match="fp32 pool"):
+        _call(forest, args, initial_state=args["initial_state"].double())
+    with pytest.raises(ValueError, match="state pool"):
+        _call(forest, args, initial_state=args["initial_state"][:, :, :8])
+    with pytest.raises(ValueError, match="state_indices"):
+        _call(forest, args, initial_state=torch.cat([args["initial_state"]] * 2))
+    with pytest.raises(ValueError, match="one slot per request"):
+        _call(forest, args, state_indices=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(TypeError, match="state_indices"):
+        _call(forest, args, state_indices=torch.zeros(2, device=DEVICE))
+    with pytest.raises(ValueError, match="precision"):
+        _call(forest, args, precision="bf16")
+    with pytest.raises(ValueError, match="nodes but the forest"):
+        _call(forest, args, meta=PackedForest.pack([DraftTree.chain(8)]).kernel_meta(DEVICE))
+    with pytest.raises(TypeError, match="ForestMeta"):
+        _call(forest, args, meta=forest)
+    with pytest.raises(ValueError, match="power of two"):
+        _call(forest, args, config=VerifyConfig(BV=8, BK=16))
+    with pytest.raises(ValueError, match="g and beta"):
+        _call(forest, args, g=None)
+    with pytest.raises(ValueError, match="H_v"):
+        _call(forest, args, beta=args["beta"][..., :1])
+    # value checks only with check_values=True
+    with pytest.raises(ValueError, match="log-decay"):
+        _call(forest, args, g=-args["g"], check_values=True)
+    with pytest.raises(ValueError, match="NaN"):
+        _call(forest, args, v=args["v"].clone().fill_(float("nan")), check_values=True)
+    with pytest.raises(ValueError, match="must lie in"):
+        _call(forest, args, state_indices=torch.tensor([0, 2], dtype=torch.int32, device=DEVICE),
+              check_values=True)
+
+
+def test_pick_config():
+    assert pick_config(32, 16, 16, 8, interpret=True) == INTERPRET_CONFIG
+    for bt in (16, 32, 64, 128, 256, 512):
+        for programs in (1, 32, 2048):
+            c = pick_config(bt, 128, 128, programs, interpret=False)
+            c.validate()
+            assert c.BV <= 128 and c.BK <= 128
+            base = CONFIG_TABLE[min((kb for kb in CONFIG_TABLE if kb >= bt), default=max(CONFIG_TABLE))]
+            assert c.num_warps == base.num_warps and c.BK == base.BK
+            if programs >= 2048:
+                assert c.BV == base.BV
+    # few (request, head) pairs: smaller value tiles for more programs
+    assert pick_config(64, 128, 128, 4, interpret=False).BV == 16
+    # tiny heads: tiles never exceed the (power-of-two padded) head dims
+    c = pick_config(16, 16, 16, 4096, interpret=False)
+    assert c.BV == 16 and c.BK == 16

@@ -373,13 +373,16 @@ def test_pick_config():
         for programs in (1, 32, 2048):
             c = pick_config(bt, 128, 128, programs, interpret=False)
             c.validate()
-            assert c.BV <= 128 and c.BK <= 128
+            assert c.BV <= 128 and c.BK <= 128 and c.num_warps <= 8
             base = CONFIG_TABLE[min((kb for kb in CONFIG_TABLE if kb >= bt), default=max(CONFIG_TABLE))]
-            assert c.num_warps == base.num_warps and c.BK == base.BK
+            assert c.BK == base.BK and c.split_gram == base.split_gram
             if programs >= 2048:
                 assert c.BV == base.BV
-    # few (request, head) pairs: smaller value tiles for more programs
-    assert pick_config(64, 128, 128, 4, interpret=False).BV == 16
+    # the wave rule measured on the H200: BV 32 at batch 1 (32 heads), 128 at batch 4
+    assert pick_config(64, 128, 128, 32, interpret=False).BV == 32
+    assert pick_config(64, 128, 128, 128, interpret=False).BV == 128
+    assert pick_config(64, 128, 128, 128, interpret=False).num_warps == 8
+    assert pick_config(32, 128, 128, 128, interpret=False).num_warps == 4
     # tiny heads: tiles never exceed the (power-of-two padded) head dims
     c = pick_config(16, 16, 16, 4096, interpret=False)
     assert c.BV == 16 and c.BK == 16

@@ -87,27 +87,23 @@ class VerifyConfig:
 #: The single configuration used under TRITON_INTERPRET (CPU); tiny tiles keep it cheap.
 INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 
-#: block_nodes (the tree tile BT) -> configuration for d_k = d_v = 128, many programs.
-#: PLACEHOLDERS for the lead to replace from H200 timings. Chosen from ptxas -v on sm_90a (compiled
-#: on CPU, bf16 inputs, raw gates, l2norm, tf32): registers / spill stores per thread, incl. the
-#: BV halvings pick_config makes for small batches:
-#:   BT=16:  BV 64/32/16, BK 64, 4 warps:           121/86/122 regs, no spills
-#:   BT=32:  BV 64/32/16, BK 64, 4 warps:           183/186/181 regs, no spills
-#:   BT=64:  BV 64/32/16, BK 32, 8 warps:           254/238/223 regs, no spills (4 warps spill)
-#:   BT=128: BV 32/16, BK 32, 16 warps, split_gram: 128 regs, 356/308 B spills (best found;
-#:           fused 8 warps spills ~900 B, 4 warps ~4.7 KB)
-#:   BT=256: BV 16, BK 32, 8 warps, split_gram:     ~10.6 KB spills; 16 warps does not compile
-#:           (ptxas: "Insufficient registers (128)"). Trees over 128 nodes need a row-blocked kernel.
+#: Measured on the H200 (bench/results/kernels-2026-11-29-9b.json: every (BV, BK, warps, split)
+#: combination timed for Qwen3.5-9B shapes at batch 1 and 4, T = 8..128, depth 8):
+#:   * the best launches fill about one wave: BV = 32 at R * H_v = 32, BV = 128 at R * H_v = 128;
+#:   * BK = 32 is best or within 3%; 4 warps for small tiles, 8 for BT = 128 or BT * BV >= 8192;
+#:   * split_gram makes no measurable difference up to BT = 128 (it is kept for BT = 256);
+#:   * 16 warps at BT = 128 gave wrong results (U error 3e-3 vs 1e-5), so it is never chosen.
+#: CONFIG_TABLE maps BT to the warps, BK and split choice; pick_config sets BV from the wave rule.
 CONFIG_TABLE: dict[int, VerifyConfig] = {
-    16: VerifyConfig(BV=64, BK=64, num_warps=4, num_stages=2),
-    32: VerifyConfig(BV=64, BK=64, num_warps=4, num_stages=2),
-    64: VerifyConfig(BV=64, BK=32, num_warps=8, num_stages=2),
-    128: VerifyConfig(BV=32, BK=32, num_warps=16, num_stages=2, split_gram=True),
-    256: VerifyConfig(BV=16, BK=32, num_warps=8, num_stages=2, split_gram=True),
+    16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=2),
+    32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=2),
+    64: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=2),
+    128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2),
+    256: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2, split_gram=True),
 }
 
-#: Below this many programs (about two waves of the H200's 132 SMs) BV is halved for parallelism.
-MIN_PROGRAMS = 264
+#: Programs in about one wave of the H200's 132 SMs: BV shrinks until the launch has this many.
+MIN_PROGRAMS = 128
 
 
 def _interpreting() -> bool:
@@ -143,9 +139,10 @@ def pick_config(block_nodes: int, d_k: int, d_v: int, num_programs: int, *,
     base = CONFIG_TABLE[key]
     bv = max(16, min(base.BV, _next_pow2(d_v)))
     bk = max(16, min(base.BK, _next_pow2(d_k)))
-    while bv > 16 and num_programs * triton.cdiv(d_v, bv) < MIN_PROGRAMS:
+    while bv > 32 and num_programs * triton.cdiv(d_v, bv) < MIN_PROGRAMS:
         bv //= 2
-    return replace(base, BV=bv, BK=bk)
+    warps = 8 if (block_nodes >= 128 or block_nodes * bv >= 8192) else base.num_warps
+    return replace(base, BV=bv, BK=bk, num_warps=max(base.num_warps, warps))
 
 
 # --------------------------------------------------------------------------------------------

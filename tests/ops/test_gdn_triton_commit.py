@@ -1,35 +1,20 @@
-import os
+"""Triton kernels against the torch references (interpreted on CPU by tests/conftest.py)."""
 
+import numpy as np
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from bole.ops.gdn.closed_form import TreeFactors, commit_factored, tree_gdn_closed_form  # noqa: E402
-from bole.ops.gdn.triton_commit import (  # noqa: E402
+from bole.ops.gdn.closed_form import TreeFactors, commit_factored, tree_gdn_closed_form
+from bole.ops.gdn.triton_commit import (
     commit_factored_accepted_triton,
     commit_factored_triton,
 )
-from bole.ops.gdn.triton_serial import (  # noqa: E402
+from bole.ops.gdn.triton_serial import (
     commit_from_snapshots_triton,
     tree_gdn_serial_triton,
 )
-from bole.tree import DraftTree, PackedForest  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = 1e-5
-
-
-def assert_rel(actual, expected, tol=TOL):
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    a, e = actual.double().cpu(), expected.double().cpu()
-    assert torch.isfinite(a).all()
-    err = float((a - e).abs().max())
-    scale = max(1.0, float(e.abs().max()))
-    assert err <= tol * scale, f"max abs error {err:.3g} > {tol:.1g} * {scale:.3g}"
+from bole.tree import DraftTree, PackedForest
+from tests.kernel_utils import DEV, TOL, assert_rel
 
 
 def layer_inputs(forest, H_k, H_v, d_k, d_v, seed, dtype=torch.float32, g_scale=2.0, g=None):

@@ -1,34 +1,18 @@
-import os
+"""Triton kernels against the torch references (interpreted on CPU by tests/conftest.py)."""
 
+import numpy as np
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from bole.ops.gdn.reference import chain_gdn_recurrent, tree_gdn_serial  # noqa: E402
-from bole.ops.gdn.triton_serial import (  # noqa: E402
+from bole.ops.gdn.reference import chain_gdn_recurrent, tree_gdn_serial
+from bole.ops.gdn.triton_serial import (
     chain_gdn_snapshots_triton,
     commit_from_snapshots_triton,
     serial_default_config,
     tree_gdn_serial_triton,
 )
-from bole.tree import DraftTree, PackedForest  # noqa: E402
-
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = 1e-5
-
-
-def assert_rel(actual, expected, tol=TOL):
-    """Max abs error within ``tol`` relative to the reference's magnitude (at least 1)."""
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
-    a, e = actual.double().cpu(), expected.double().cpu()
-    assert torch.isfinite(a).all()
-    err = float((a - e).abs().max()) if a.numel() else 0.0
-    scale = max(1.0, float(e.abs().max()) if e.numel() else 0.0)
-    assert err <= tol * scale, f"max abs error {err:.3g} > {tol:.1g} * {scale:.3g}"
+from bole.tree import DraftTree, PackedForest
+from tests.kernel_utils import DEV, TOL, assert_rel
 
 
 def make_inputs(num_nodes, H_k, H_v, d_k, d_v, *, seed=0, dtype=torch.float32, raw=False,

@@ -422,7 +422,7 @@ def tree_gdn_verify_triton(
     g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None,
     initial_state: torch.Tensor, state_indices: torch.Tensor | None = None,
     scale: float | None = None, use_qk_l2norm_in_kernel: bool = False,
-    precision: str = "tf32", check_values: bool = False, config: VerifyConfig | None = None,
+    precision: str | None = None, check_values: bool = False, config: VerifyConfig | None = None,
 ) -> tuple[torch.Tensor, TreeFactors]:
     """Verify every node of a packed forest in one launch.
 
@@ -435,7 +435,12 @@ def tree_gdn_verify_triton(
         state_indices: ``[R]`` integer slot of each request in the pool; default ``arange(R)``
             (then ``S`` must equal ``R``).
         scale: query scale, default ``d_k ** -0.5``.
-        precision: tl.dot input precision for fp32 operands: "tf32", "tf32x3" or "ieee".
+        precision: tl.dot input precision for fp32 operands: "tf32", "tf32x3" or "ieee". Default:
+            "tf32" for fp16/bf16 inputs (measured on the H200: U within 1.5e-5 of fp64, O at the
+            bf16 output-rounding floor), "ieee" for fp32 inputs: with fp32 q/k the Gram products
+            also run in tf32, and on the H200 (Triton 3.6, d = 128) that gave 0.7e-3 to 4e-2
+            relative error (bench/results/kernels-2026-11-29.json, "bole-tf32-fp32-out"); ask
+            for "tf32" explicitly only where that is acceptable.
         check_values: also check for NaN/inf, positive g and out-of-range slots (syncs the device).
         config: override of :func:`pick_config`'s choice (benchmark sweeps).
 
@@ -447,6 +452,8 @@ def tree_gdn_verify_triton(
     """
     if not isinstance(meta, ForestMeta):
         raise TypeError(f"meta must be a ForestMeta (PackedForest.kernel_meta), got {type(meta).__name__}")
+    if precision is None:
+        precision = "tf32" if getattr(q, "dtype", None) in (torch.float16, torch.bfloat16) else "ieee"
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if initial_state is None:

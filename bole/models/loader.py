@@ -1,0 +1,149 @@
+"""Safetensors checkpoint loading by the checkpoint's own tensor names, with a clear report.
+
+A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or shards listed by
+``model.safetensors.index.json``. :func:`load_checkpoint` reads the tensors that
+:mod:`bole.models.weights` expects for the config, converts them to the requested dtype (gate
+parameters stay fp32) and fails with one :class:`CheckpointError` that names every missing,
+mis-shaped or unexpected tensor and the file it was looked for in; a truncated or corrupt file is
+named too. The MTP head (``mtp.*``) is optional: loaded and checked when present.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from bole.models.config import HybridConfig
+from bole.models.weights import FP32_SUFFIXES, IGNORED_PREFIXES, mtp_specs, text_model_specs
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message lists every problem found."""
+
+
+@dataclass
+class LoadReport:
+    folder: str
+    files: list[str] = field(default_factory=list)
+    loaded: int = 0
+    has_mtp: bool = False
+    missing: list[str] = field(default_factory=list)
+    mis_shaped: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    ignored: int = 0
+
+    @property
+    def problems(self) -> list[str]:
+        return self.missing + self.mis_shaped + self.unexpected
+
+
+def checkpoint_files(folder: str | Path) -> dict[str, str]:
+    """Tensor name -> file name, from the index or the single file's header."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({exc!r})") from None
+        for name, fname in weight_map.items():
+            if not (folder / fname).is_file():
+                raise CheckpointError(f"{index} maps {name} to {fname}, which is not in {folder}")
+        return dict(weight_map)
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        with _open(single) as f:
+            return {name: SINGLE_FILE for name in f.keys()}
+    raise CheckpointError(
+        f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}: not a safetensors checkpoint")
+
+
+class _open:
+    """safe_open that names the file when it is truncated or corrupt."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        try:
+            self.handle = safe_open(str(self.path), framework="pt")
+            return self.handle.__enter__()
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(f"{self.path} is truncated or corrupt: {exc}") from None
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+
+def load_checkpoint(folder: str | Path, config: HybridConfig | None = None, *,
+                    dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                    load_mtp: bool = True) -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """Load every tensor the config expects. Returns ``(tensors by checkpoint name, report)``.
+
+    Raises :class:`CheckpointError` listing each missing, mis-shaped or unexpected tensor with its
+    file, and for a truncated or corrupt file.
+    """
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype must be bf16, fp16 or fp32, got {dtype}")
+    folder = Path(folder)
+    config = config or HybridConfig.from_pretrained(folder)
+    where = checkpoint_files(folder)
+    report = LoadReport(folder=str(folder), files=sorted(set(where.values())))
+    expected = text_model_specs(config)
+    present_mtp = [n for n in where if n.startswith("mtp.")]
+    if load_mtp and present_mtp:
+        layers = {int(n.split(".")[2]) for n in present_mtp if n.startswith("mtp.layers.")}
+        expected.update(mtp_specs(config, num_layers=len(layers)))
+        report.has_mtp = True
+    for name in sorted(where):
+        if name in expected:
+            continue
+        if name.startswith(IGNORED_PREFIXES) or (name.startswith("mtp.") and not load_mtp):
+            report.ignored += 1
+        else:
+            report.unexpected.append(f"unexpected tensor {name} in {where[name]}")
+    for name in expected:
+        if name not in where:
+            report.missing.append(f"missing tensor {name} (shape {list(expected[name])}): in no "
+                                  f"file of {folder}")
+
+    tensors: dict[str, torch.Tensor] = {}
+    by_file: dict[str, list[str]] = {}
+    for name in expected:
+        if name in where:
+            by_file.setdefault(where[name], []).append(name)
+    for fname, names in sorted(by_file.items()):
+        with _open(folder / fname) as f:
+            keys = set(f.keys())
+            for name in names:
+                if name not in keys:
+                    report.missing.append(f"missing tensor {name}: the index maps it to {fname}, "
+                                          "which does not hold it")
+                    continue
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    report.mis_shaped.append(
+                        f"mis-shaped tensor {name} in {fname}: {list(shape)}, expected "
+                        f"{list(expected[name])}")
+                    continue
+                try:
+                    t = f.get_tensor(name)
+                except (SafetensorError, RuntimeError) as exc:
+                    raise CheckpointError(
+                        f"{folder / fname} is truncated or corrupt at tensor {name}: {exc}") from None
+                keep32 = name.endswith(FP32_SUFFIXES)
+                tensors[name] = t.to(device=device, dtype=torch.float32 if keep32 else dtype)
+    report.loaded = len(tensors)
+    if report.problems:
+        lines = "\n  ".join(report.problems[:50])
+        more = f"\n  ... and {len(report.problems) - 50} more" if len(report.problems) > 50 else ""
+        raise CheckpointError(
+            f"checkpoint {folder} ({config.model_type}) does not match its config:\n  {lines}{more}")
+    return tensors, report

@@ -1,0 +1,104 @@
+"""Per-request caches addressed by slots: KV for full-attention layers, GDN and conv state pools.
+
+Layouts (one slot per running request):
+    k, v        [L_full, S, max_len, H_kv, head_dim]   model dtype
+    gdn_state   [L_gdn, S, H_v, d_k, d_v]             fp32 (the pool the commit kernels update)
+    conv_state  [L_gdn, S, conv_dim, K - 1]           model dtype, oldest input first
+    lengths     [S]                                   committed tokens per slot
+A slot is zeroed when allocated, so a new request never sees an old one's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class CacheFull(RuntimeError):
+    """No free slot or no room: the caller queues the request or frees finished ones."""
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_full_layers: int
+    num_gdn_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def from_config(cls, c) -> "CacheShape":
+        return cls(len(c.full_attention_layers), len(c.gdn_layers), c.num_key_value_heads,
+                   c.head_dim, c.linear_num_value_heads, c.linear_key_head_dim,
+                   c.linear_value_head_dim, c.conv_dim, c.linear_conv_kernel_dim)
+
+    def bytes_per_slot(self, max_len: int, dtype: torch.dtype) -> int:
+        e = torch.empty(0, dtype=dtype).element_size()
+        kv = 2 * self.num_full_layers * max_len * self.num_kv_heads * self.head_dim * e
+        ssm = self.num_gdn_layers * self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
+        conv = self.num_gdn_layers * self.conv_dim * (self.conv_kernel - 1) * e
+        return kv + ssm + conv
+
+
+class HybridCache:
+    """Slot-addressed KV, GDN-state and conv-state pools for ``max_slots`` requests."""
+
+    def __init__(self, shape: CacheShape, max_slots: int, max_len: int, *,
+                 dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+        if max_slots < 1 or max_len < 1:
+            raise ValueError(f"max_slots and max_len must be >= 1, got {max_slots}, {max_len}")
+        self.shape, self.max_slots, self.max_len = shape, max_slots, max_len
+        self.dtype, self.device = dtype, torch.device(device)
+        s = shape
+        self.k = torch.zeros(s.num_full_layers, max_slots, max_len, s.num_kv_heads, s.head_dim,
+                             dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.gdn_state = torch.zeros(s.num_gdn_layers, max_slots, s.num_v_heads, s.head_k_dim,
+                                     s.head_v_dim, dtype=torch.float32, device=device)
+        self.conv_state = torch.zeros(s.num_gdn_layers, max_slots, s.conv_dim, s.conv_kernel - 1,
+                                      dtype=dtype, device=device)
+        self.lengths = torch.zeros(max_slots, dtype=torch.int64)
+        self._free = list(range(max_slots - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, tokens_needed: int) -> int:
+        """A zeroed slot for a request that will hold at most ``tokens_needed`` tokens."""
+        if tokens_needed > self.max_len:
+            raise CacheFull(
+                f"a request needing {tokens_needed} tokens does not fit: each slot holds "
+                f"{self.max_len}; shorten the prompt or max tokens, or build a longer cache")
+        if not self._free:
+            raise CacheFull(f"all {self.max_slots} cache slots are in use; free finished "
+                            "requests or queue this one")
+        slot = self._free.pop()
+        self._used.add(slot)
+        self.k[:, slot].zero_()
+        self.v[:, slot].zero_()
+        self.gdn_state[:, slot].zero_()
+        self.conv_state[:, slot].zero_()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot not in self._used:
+            raise ValueError(f"slot {slot} is not allocated (double free or never allocated)")
+        self._used.remove(slot)
+        self._free.append(slot)
+
+    def check_slots(self, slots) -> list[int]:
+        slots = [int(s) for s in slots]
+        bad = [s for s in slots if s not in self._used]
+        if bad:
+            raise ValueError(f"slots {bad} are not allocated")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots {slots} repeat a slot; each request owns one")
+        return slots

@@ -1,0 +1,313 @@
+"""Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text models for serving: one tree forward and one commit.
+
+Everything is a tree forward over a packed forest of draft trees, one tree per request slot:
+    decode      = a forest of lone roots, then commit node 0
+    prefill     = a chain per chunk of the prompt, then commit its last node (chunked prefill)
+    verify      = the drafted trees; commit each request's accepted node after sampling
+so the same exact operations (tree attention, tree conv, closed-form GDN, factored commit) serve all
+three, and greedy speculative output equals plain decoding by construction.
+
+Conventions of transformers' Qwen3.5 / Qwen3-Next code are matched (tests/models compare logits):
+zero-centred RMSNorm (1 + w), sigmoid-gated attention output, q/k RMSNorm per head, partial rotary
+on the first ``head_dim * partial_rotary_factor`` dims, GDN conv + SiLU over [q | k | v], gates
+``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``, q/k l2-normalised, gated RMSNorm of
+the GDN output with silu(z). This module is the CPU path (plain torch); kernels plug in on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from bole.cache import CacheShape, HybridCache
+from bole.models.config import HybridConfig
+from bole.models.loader import load_checkpoint
+from bole.models.weights import FP32_SUFFIXES, text_model_specs
+from bole.ops.conv import conv_state_commit, tree_conv1d
+from bole.ops.gdn.closed_form import TreeFactors, commit_factored, tree_gdn_closed_form
+from bole.tree import DraftTree, PackedForest
+
+PREFILL_CHUNK = 64
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm: ``x / rms(x) * (1 + w)`` in fp32, back to x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + w.float())).type_as(x)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm: ``w * x / rms(x) * silu(z)`` (plain weight, not zero-centred)."""
+    dt = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = w * h.to(dt)
+    return (h * F.silu(z.float())).to(dt)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass
+class TreeForwardOutput:
+    """What one tree forward leaves for sampling, drafting and the commit.
+
+    logits [N, V] (fp32), hidden [N, H] (final-norm input for the MTP drafter: the last layer's
+    output before the final norm), and per layer the state pieces the commit needs.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    forest: PackedForest
+    slots: list[int]
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]          # full layer -> (k, v) [N, H_kv, hd]
+    conv_inputs: dict[int, torch.Tensor]                      # GDN layer -> [N, conv_dim]
+    factors: dict[int, TreeFactors]                           # GDN layer -> factors
+
+
+class HybridModel:
+    """A hybrid text model held as tensors by checkpoint name."""
+
+    def __init__(self, config: HybridConfig, tensors: dict[str, torch.Tensor]):
+        self.config = config
+        self.w = tensors
+        self.dtype = tensors[f"{config.weight_prefix}embed_tokens.weight"].dtype
+        self.device = tensors[f"{config.weight_prefix}embed_tokens.weight"].device
+        self.full_index = {layer: i for i, layer in enumerate(config.full_attention_layers)}
+        self.gdn_index = {layer: i for i, layer in enumerate(config.gdn_layers)}
+        c = config
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float32)
+                                      / c.rotary_dim))
+        self.inv_freq = inv.to(self.device)
+
+    # ---- construction ----
+    @classmethod
+    def from_pretrained(cls, folder, *, dtype=torch.bfloat16, device="cpu") -> "HybridModel":
+        config = HybridConfig.from_pretrained(folder)
+        tensors, _ = load_checkpoint(folder, config, dtype=dtype, device=device)
+        return cls(config, tensors)
+
+    @classmethod
+    def random(cls, config: HybridConfig, *, dtype=torch.bfloat16, device="cpu",
+               seed: int = 0) -> "HybridModel":
+        """Random weights of the right shapes (benchmarks; no checkpoint needed)."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        tensors = {}
+        for name, shape in text_model_specs(config).items():
+            if name.endswith("A_log"):
+                t = torch.empty(shape, device=device).uniform_(1, 16, generator=gen).log()
+            elif name.endswith("dt_bias"):
+                t = torch.ones(shape, device=device)
+            elif len(shape) == 1:
+                t = torch.zeros(shape, device=device) if "linear_attn.norm" not in name else \
+                    torch.ones(shape, device=device)
+            else:
+                t = torch.randn(shape, device=device, generator=gen) * 0.02
+            tensors[name] = t.to(torch.float32 if name.endswith(FP32_SUFFIXES) else dtype)
+        return cls(config, tensors)
+
+    def new_cache(self, max_slots: int, max_len: int) -> HybridCache:
+        return HybridCache(CacheShape.from_config(self.config), max_slots, max_len,
+                           dtype=self.dtype, device=self.device)
+
+    def _p(self, layer: int) -> str:
+        return f"{self.config.weight_prefix}layers.{layer}."
+
+    # ---- layers ----
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding on the first rotary_dim dims of x [N, heads, hd] at positions [N]."""
+        freqs = positions.to(self.device, torch.float32)[:, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        rd = self.config.rotary_dim
+        rot, rest = x[..., :rd], x[..., rd:]
+        return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
+
+    def _attention(self, layer: int, x: torch.Tensor, cache: HybridCache, out: TreeForwardOutput,
+                   positions: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+        c, p, w = self.config, self._p(layer) + "self_attn.", self.w
+        N, hd = x.shape[0], c.head_dim
+        q_gate = F.linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias"))
+        q, gate = q_gate.view(N, -1, 2 * hd).chunk(2, dim=-1)
+        gate = gate.reshape(N, -1)
+        k = F.linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias")).view(N, -1, hd)
+        v = F.linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(N, -1, hd)
+        q = self._rope(rms_norm(q, w[p + "q_norm.weight"], c.rms_norm_eps), positions)
+        k = self._rope(rms_norm(k, w[p + "k_norm.weight"], c.rms_norm_eps), positions)
+        out.kv[layer] = (k, v)
+        li = self.full_index[layer]
+        group = c.num_attention_heads // c.num_key_value_heads
+        o = torch.empty(N, c.num_attention_heads, hd, dtype=x.dtype, device=x.device)
+        f = out.forest
+        for r, slot in enumerate(out.slots):
+            lo, hi = int(f.cu_nodes[r]), int(f.cu_nodes[r + 1])
+            n_ctx = int(cache.lengths[slot])
+            keys = torch.cat([cache.k[li, slot, :n_ctx], k[lo:hi]])            # [C + T, H_kv, hd]
+            vals = torch.cat([cache.v[li, slot, :n_ctx], v[lo:hi]])
+            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).float()  # [H, C + T, hd]
+            vals = vals.repeat_interleave(group, dim=1).transpose(0, 1).float()
+            qr = q[lo:hi].transpose(0, 1).float()                                 # [H, T, hd]
+            scores = qr @ keys.transpose(1, 2) * hd ** -0.5
+            visible = torch.cat([torch.ones(hi - lo, n_ctx, dtype=torch.bool, device=x.device),
+                                 anc[lo:hi, lo:hi]], dim=1)
+            scores = scores.masked_fill(~visible, float("-inf"))
+            o[lo:hi] = (torch.softmax(scores, dim=-1) @ vals).transpose(0, 1).to(x.dtype)
+        o = o.reshape(N, -1) * torch.sigmoid(gate)
+        return F.linear(o, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+
+    def _gdn_projections(self, layer: int, x: torch.Tensor):
+        """``(mixed_qkv [N, conv_dim], z [N, H_v, d_v], b [N, H_v], a [N, H_v])``."""
+        c, p, w = self.config, self._p(layer) + "linear_attn.", self.w
+        N, Hk, Hv = x.shape[0], c.linear_num_key_heads, c.linear_num_value_heads
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        if c.family == "qwen3_next":   # grouped per key head: [q | k | v | z] and [b | a]
+            r = Hv // Hk
+            qkvz = F.linear(x, w[p + "in_proj_qkvz.weight"]).view(N, Hk, 2 * dk + 2 * r * dv)
+            q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
+            ba = F.linear(x, w[p + "in_proj_ba.weight"]).view(N, Hk, 2 * r)
+            b, a = torch.split(ba, [r, r], dim=-1)
+            mixed = torch.cat([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], dim=-1)
+            return mixed, z.reshape(N, Hv, dv), b.reshape(N, Hv), a.reshape(N, Hv)
+        mixed = F.linear(x, w[p + "in_proj_qkv.weight"])
+        z = F.linear(x, w[p + "in_proj_z.weight"]).view(N, Hv, dv)
+        return (mixed, z, F.linear(x, w[p + "in_proj_b.weight"]),
+                F.linear(x, w[p + "in_proj_a.weight"]))
+
+    def _gdn(self, layer: int, x: torch.Tensor, cache: HybridCache,
+             out: TreeForwardOutput) -> torch.Tensor:
+        c, p, w = self.config, self._p(layer) + "linear_attn.", self.w
+        N, Hk, Hv = x.shape[0], c.linear_num_key_heads, c.linear_num_value_heads
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        gi = self.gdn_index[layer]
+        slots = out.slots
+        mixed, z, b, a = self._gdn_projections(layer, x)
+        out.conv_inputs[layer] = mixed
+        conv = tree_conv1d(mixed[None], w[p + "conv1d.weight"], cache.conv_state[gi, slots],
+                           out.forest)[0]
+        q, k, v = torch.split(conv, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
+        o, factors = tree_gdn_closed_form(
+            q.reshape(1, N, Hk, dk), k.reshape(1, N, Hk, dk), v.reshape(1, N, Hv, dv), out.forest,
+            a=a[None], b=b[None], A_log=w[p + "A_log"], dt_bias=w[p + "dt_bias"],
+            initial_state=cache.gdn_state[gi, slots], use_qk_l2norm_in_kernel=True,
+            check_values=False)
+        out.factors[layer] = factors
+        o = gated_rms_norm(o[0], z, w[p + "norm.weight"], c.rms_norm_eps)
+        return F.linear(o.reshape(N, Hv * dv), w[p + "out_proj.weight"])
+
+    def _dense_mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        w = self.w
+        return F.linear(F.silu(F.linear(x, w[p + "gate_proj.weight"]))
+                        * F.linear(x, w[p + "up_proj.weight"]), w[p + "down_proj.weight"])
+
+    def _mlp(self, layer: int, x: torch.Tensor, prefix: str | None = None) -> torch.Tensor:
+        c = self.config
+        p = (prefix or self._p(layer)) + "mlp."
+        if not c.is_moe_layer(layer):
+            return self._dense_mlp(x, p)
+        logits = F.linear(x, self.w[p + "gate.weight"])
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        top_p, top_i = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        top_p = top_p.to(x.dtype)
+        y = torch.zeros_like(x)
+        for e in torch.unique(top_i).tolist():
+            tok, slot = torch.where(top_i == e)
+            y.index_add_(0, tok, self._dense_mlp(x[tok], f"{p}experts.{e}.") * top_p[tok, slot, None])
+        if c.shared_expert_intermediate_size:
+            shared = self._dense_mlp(x, p + "shared_expert.")
+            y = y + torch.sigmoid(F.linear(x, self.w[p + "shared_expert_gate.weight"])) * shared
+        return y
+
+    # ---- the forward and the commit ----
+    @torch.no_grad()
+    def forward_tree(self, cache: HybridCache, slots, forest: PackedForest,
+                     tokens: torch.Tensor) -> TreeForwardOutput:
+        """Run every node of ``forest`` (one tree per slot) on top of each slot's committed state.
+
+        ``tokens [N]``: node tokens, node 0 of each tree the last sampled (not yet seen) token.
+        Caches are only read. Returns per-node logits and what :meth:`commit` needs.
+        """
+        c = self.config
+        slots = cache.check_slots(slots)
+        if len(slots) != forest.num_requests:
+            raise ValueError(f"{len(slots)} slots for a forest of {forest.num_requests} trees")
+        if tokens.shape != (forest.num_nodes,):
+            raise ValueError(f"tokens has shape {tuple(tokens.shape)}, expected [{forest.num_nodes}]")
+        if forest.num_valid_nodes != forest.num_nodes:
+            raise ValueError("padded forests are for kernels; pass the forest without padding")
+        if bool(((tokens < 0) | (tokens >= c.vocab_size)).any()):
+            raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
+        lengths = cache.lengths[slots]
+        deepest = torch.tensor([int(forest.tree(r).max_depth) for r in range(len(slots))])
+        need = lengths + deepest + 1
+        if bool((need > cache.max_len).any()):
+            raise ValueError(f"the tree would reach position {int(need.max()) - 1}, past the "
+                             f"cache's {cache.max_len} tokens per slot")
+        positions = forest.positions(lengths)
+        anc = forest.ancestor_mask().to(self.device)
+        out = TreeForwardOutput(None, None, forest, slots, {}, {}, {})
+        h = F.embedding(tokens.to(self.device), self.w[f"{c.weight_prefix}embed_tokens.weight"])
+        for layer in range(c.num_hidden_layers):
+            p = self._p(layer)
+            x = rms_norm(h, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            if c.is_full_attention(layer):
+                h = h + self._attention(layer, x, cache, out, positions, anc)
+            else:
+                h = h + self._gdn(layer, x, cache, out)
+            x = rms_norm(h, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            h = h + self._mlp(layer, x)
+        out.hidden = h
+        normed = rms_norm(h, self.w[f"{c.weight_prefix}norm.weight"], c.rms_norm_eps)
+        head = self.w["lm_head.weight"] if not c.tie_word_embeddings else \
+            self.w[f"{c.weight_prefix}embed_tokens.weight"]
+        out.logits = F.linear(normed, head).float()
+        return out
+
+    @torch.no_grad()
+    def commit(self, cache: HybridCache, out: TreeForwardOutput, accepted) -> None:
+        """Make each slot's accepted path (root .. accepted node, local index) its new state."""
+        f, slots = out.forest, out.slots
+        index, lengths = f.padded_paths(accepted)
+        for layer, (k, v) in out.kv.items():
+            li = self.full_index[layer]
+            for r, slot in enumerate(slots):
+                n0, n = int(cache.lengths[slot]), int(lengths[r])
+                path = index[r, :n].to(self.device)
+                cache.k[li, slot, n0:n0 + n] = k[path]
+                cache.v[li, slot, n0:n0 + n] = v[path]
+        for layer, factors in out.factors.items():
+            gi = self.gdn_index[layer]
+            cache.gdn_state[gi, slots] = commit_factored(
+                factors, cache.gdn_state[gi, slots], f, accepted)
+            cache.conv_state[gi, slots] = conv_state_commit(
+                out.conv_inputs[layer][None], cache.conv_state[gi, slots], f, accepted)
+        for r, slot in enumerate(slots):
+            cache.lengths[slot] += int(lengths[r])
+
+    # ---- decode and prefill as tree forwards ----
+    def decode(self, cache: HybridCache, slots, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per slot; returns logits [B, V] and commits the token."""
+        forest = PackedForest.pack([DraftTree.chain(1)] * len(tokens))
+        out = self.forward_tree(cache, slots, forest, tokens)
+        self.commit(cache, out, [0] * len(tokens))
+        return out.logits
+
+    def prefill(self, cache: HybridCache, slot: int, prompt: torch.Tensor,
+                chunk: int = PREFILL_CHUNK) -> torch.Tensor:
+        """Commit a prompt into ``slot`` chunk by chunk; returns the logits of every prompt token."""
+        if prompt.dim() != 1 or prompt.numel() == 0:
+            raise ValueError("prompt must be a non-empty 1-D tensor of token ids")
+        logits = []
+        for lo in range(0, prompt.numel(), chunk):
+            part = prompt[lo:lo + chunk]
+            out = self.forward_tree(cache, [slot], PackedForest.pack([DraftTree.chain(len(part))]),
+                                    part)
+            self.commit(cache, out, [len(part) - 1])
+            logits.append(out.logits)
+        return torch.cat(logits)

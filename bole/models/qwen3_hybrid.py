@@ -16,7 +16,10 @@ the GDN output with silu(z). This module is the CPU path (plain torch); kernels 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +33,39 @@ from bole.ops.gdn.closed_form import TreeFactors, commit_factored, tree_gdn_clos
 from bole.tree import DraftTree, PackedForest
 
 PREFILL_CHUNK = 64
+
+#: How GDN layers verify a tree and commit:
+#:   torch         closed form + factored commit in plain torch (CPU path, oracle)
+#:   triton        Bole: value-tiled closed-form kernel + one cross-layer factored-commit launch
+#:   triton-serial the tree-serial baseline: node-by-node kernel, a state snapshot per node,
+#:                 copy of the accepted snapshot
+GDN_BACKENDS = ("torch", "triton", "triton-serial")
+
+
+class SectionTimer:
+    """Accumulates wall time per section (attention, gdn, mlp, rest) of forwards, device-synced.
+
+    For benchmarks only: each section synchronises the device, which a serving forward must not.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def section(self, name: str):
+        self._sync()
+        t0 = time.perf_counter()
+        yield
+        self._sync()
+        self.totals[name] += time.perf_counter() - t0
+
+    def reset(self):
+        self.totals.clear()
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -68,12 +104,15 @@ class TreeForwardOutput:
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]          # full layer -> (k, v) [N, H_kv, hd]
     conv_inputs: dict[int, torch.Tensor]                      # GDN layer -> [N, conv_dim]
     factors: dict[int, TreeFactors]                           # GDN layer -> factors
+    snapshots: dict[int, torch.Tensor] = field(default_factory=dict)  # triton-serial only
+    meta: object = None                                       # ForestMeta for the kernels
 
 
 class HybridModel:
     """A hybrid text model held as tensors by checkpoint name."""
 
-    def __init__(self, config: HybridConfig, tensors: dict[str, torch.Tensor]):
+    def __init__(self, config: HybridConfig, tensors: dict[str, torch.Tensor],
+                 gdn_backend: str = "auto"):
         self.config = config
         self.w = tensors
         self.dtype = tensors[f"{config.weight_prefix}embed_tokens.weight"].dtype
@@ -84,17 +123,24 @@ class HybridModel:
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float32)
                                       / c.rotary_dim))
         self.inv_freq = inv.to(self.device)
+        if gdn_backend == "auto":
+            gdn_backend = "triton" if self.device.type == "cuda" else "torch"
+        if gdn_backend not in GDN_BACKENDS:
+            raise ValueError(f"gdn_backend must be one of {GDN_BACKENDS} or 'auto', got {gdn_backend!r}")
+        self.gdn_backend = gdn_backend
+        self.timer: SectionTimer | None = None
 
     # ---- construction ----
     @classmethod
-    def from_pretrained(cls, folder, *, dtype=torch.bfloat16, device="cpu") -> "HybridModel":
+    def from_pretrained(cls, folder, *, dtype=torch.bfloat16, device="cpu",
+                        gdn_backend: str = "auto") -> "HybridModel":
         config = HybridConfig.from_pretrained(folder)
         tensors, _ = load_checkpoint(folder, config, dtype=dtype, device=device)
-        return cls(config, tensors)
+        return cls(config, tensors, gdn_backend)
 
     @classmethod
     def random(cls, config: HybridConfig, *, dtype=torch.bfloat16, device="cpu",
-               seed: int = 0) -> "HybridModel":
+               seed: int = 0, gdn_backend: str = "auto") -> "HybridModel":
         """Random weights of the right shapes (benchmarks; no checkpoint needed)."""
         gen = torch.Generator(device=device).manual_seed(seed)
         tensors = {}
@@ -109,11 +155,17 @@ class HybridModel:
             else:
                 t = torch.randn(shape, device=device, generator=gen) * 0.02
             tensors[name] = t.to(torch.float32 if name.endswith(FP32_SUFFIXES) else dtype)
-        return cls(config, tensors)
+        return cls(config, tensors, gdn_backend)
 
     def new_cache(self, max_slots: int, max_len: int) -> HybridCache:
         return HybridCache(CacheShape.from_config(self.config), max_slots, max_len,
                            dtype=self.dtype, device=self.device)
+
+    def _slot_tensor(self, slots: list[int]) -> torch.Tensor:
+        return torch.tensor(slots, dtype=torch.int32, device=self.device)
+
+    def _section(self, name: str):
+        return self.timer.section(name) if self.timer is not None else contextlib.nullcontext()
 
     def _p(self, layer: int) -> str:
         return f"{self.config.weight_prefix}layers.{layer}."
@@ -190,12 +242,23 @@ class HybridModel:
         conv = tree_conv1d(mixed[None], w[p + "conv1d.weight"], cache.conv_state[gi, slots],
                            out.forest)[0]
         q, k, v = torch.split(conv, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
-        o, factors = tree_gdn_closed_form(
-            q.reshape(1, N, Hk, dk), k.reshape(1, N, Hk, dk), v.reshape(1, N, Hv, dv), out.forest,
-            a=a[None], b=b[None], A_log=w[p + "A_log"], dt_bias=w[p + "dt_bias"],
-            initial_state=cache.gdn_state[gi, slots], use_qk_l2norm_in_kernel=True,
-            check_values=False)
-        out.factors[layer] = factors
+        q, k, v = q.reshape(1, N, Hk, dk), k.reshape(1, N, Hk, dk), v.reshape(1, N, Hv, dv)
+        gates = dict(a=a[None], b=b[None], A_log=w[p + "A_log"], dt_bias=w[p + "dt_bias"],
+                     use_qk_l2norm_in_kernel=True)
+        if self.gdn_backend == "torch":
+            o, out.factors[layer] = tree_gdn_closed_form(
+                q, k, v, out.forest, initial_state=cache.gdn_state[gi, slots],
+                check_values=False, **gates)
+        elif self.gdn_backend == "triton":
+            from bole.ops.gdn.triton_verify import tree_gdn_verify_triton
+            o, out.factors[layer] = tree_gdn_verify_triton(
+                q, k, v, out.meta, initial_state=cache.gdn_state[gi],
+                state_indices=self._slot_tensor(slots), **gates)
+        else:
+            from bole.ops.gdn.triton_serial import tree_gdn_serial_triton
+            o, out.snapshots[layer] = tree_gdn_serial_triton(
+                q, k, v, out.meta, initial_state=cache.gdn_state[gi],
+                state_indices=self._slot_tensor(slots), **gates)
         o = gated_rms_norm(o[0], z, w[p + "norm.weight"], c.rms_norm_eps)
         return F.linear(o.reshape(N, Hv * dv), w[p + "out_proj.weight"])
 
@@ -252,21 +315,28 @@ class HybridModel:
         positions = forest.positions(lengths)
         anc = forest.ancestor_mask().to(self.device)
         out = TreeForwardOutput(None, None, forest, slots, {}, {}, {})
-        h = F.embedding(tokens.to(self.device), self.w[f"{c.weight_prefix}embed_tokens.weight"])
+        if self.gdn_backend != "torch":
+            out.meta = forest.kernel_meta(self.device)
+        with self._section("rest"):
+            h = F.embedding(tokens.to(self.device), self.w[f"{c.weight_prefix}embed_tokens.weight"])
         for layer in range(c.num_hidden_layers):
             p = self._p(layer)
-            x = rms_norm(h, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
-            if c.is_full_attention(layer):
-                h = h + self._attention(layer, x, cache, out, positions, anc)
-            else:
-                h = h + self._gdn(layer, x, cache, out)
-            x = rms_norm(h, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            h = h + self._mlp(layer, x)
-        out.hidden = h
-        normed = rms_norm(h, self.w[f"{c.weight_prefix}norm.weight"], c.rms_norm_eps)
-        head = self.w["lm_head.weight"] if not c.tie_word_embeddings else \
-            self.w[f"{c.weight_prefix}embed_tokens.weight"]
-        out.logits = F.linear(normed, head).float()
+            full = c.is_full_attention(layer)
+            with self._section("attention" if full else "gdn"):
+                x = rms_norm(h, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
+                if full:
+                    h = h + self._attention(layer, x, cache, out, positions, anc)
+                else:
+                    h = h + self._gdn(layer, x, cache, out)
+            with self._section("mlp"):
+                x = rms_norm(h, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+                h = h + self._mlp(layer, x)
+        with self._section("rest"):
+            out.hidden = h
+            normed = rms_norm(h, self.w[f"{c.weight_prefix}norm.weight"], c.rms_norm_eps)
+            head = self.w["lm_head.weight"] if not c.tie_word_embeddings else \
+                self.w[f"{c.weight_prefix}embed_tokens.weight"]
+            out.logits = F.linear(normed, head).float()
         return out
 
     @torch.no_grad()
@@ -281,12 +351,29 @@ class HybridModel:
                 path = index[r, :n].to(self.device)
                 cache.k[li, slot, n0:n0 + n] = k[path]
                 cache.v[li, slot, n0:n0 + n] = v[path]
-        for layer, factors in out.factors.items():
+        if self.gdn_backend == "torch":
+            for layer, factors in out.factors.items():
+                gi = self.gdn_index[layer]
+                cache.gdn_state[gi, slots] = commit_factored(
+                    factors, cache.gdn_state[gi, slots], f, accepted)
+        elif self.gdn_backend == "triton":          # every GDN layer in one launch, in place
+            from bole.ops.gdn.triton_commit import commit_factored_triton
+            layers = sorted(out.factors, key=self.gdn_index.get)
+            if [self.gdn_index[g] for g in layers] != list(range(len(self.gdn_index))):
+                raise RuntimeError("the cross-layer commit needs the factors of every GDN layer")
+            commit_factored_triton(TreeFactors.stack([out.factors[g] for g in layers]),
+                                   cache.gdn_state, self._slot_tensor(slots),
+                                   index.to(self.device), lengths.to(self.device))
+        else:                                       # copy the accepted node's snapshot
+            from bole.ops.gdn.triton_serial import commit_from_snapshots_triton
+            last = index.gather(1, (lengths - 1)[:, None])[:, 0].to(self.device)
+            for layer, snaps in out.snapshots.items():
+                commit_from_snapshots_triton(snaps, cache.gdn_state[self.gdn_index[layer]],
+                                             self._slot_tensor(slots), last)
+        for layer, mixed in out.conv_inputs.items():
             gi = self.gdn_index[layer]
-            cache.gdn_state[gi, slots] = commit_factored(
-                factors, cache.gdn_state[gi, slots], f, accepted)
             cache.conv_state[gi, slots] = conv_state_commit(
-                out.conv_inputs[layer][None], cache.conv_state[gi, slots], f, accepted)
+                mixed[None], cache.conv_state[gi, slots], f, accepted)
         for r, slot in enumerate(slots):
             cache.lengths[slot] += int(lengths[r])
 

@@ -27,12 +27,19 @@ def rel(a, b):
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
-@pytest.fixture(scope="module", params=KINDS)
+# Each model type with the torch GDN path; the Triton paths (interpreted on CPU) on two types.
+CASES = [(kind, "torch") for kind in KINDS] + [
+    ("qwen3_5_text", "triton"), ("qwen3_next", "triton"), ("qwen3_5", "triton-serial")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{k}-{b}" for k, b in CASES])
 def pair(request, tmp_path_factory):
-    hf = build(request.param).eval()
-    path = tmp_path_factory.mktemp(request.param)
+    kind, backend = request.param
+    hf = build(kind).eval()
+    path = tmp_path_factory.mktemp(kind)
     hf.save_pretrained(path)
-    return hf, HybridModel.from_pretrained(path, dtype=torch.float32)
+    model = HybridModel.from_pretrained(path, dtype=torch.float32, gdn_backend=backend)
+    return hf, model
 
 
 def hf_logits(hf, ids):

@@ -181,7 +181,7 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
     from bole.ops.gdn.triton_commit import commit_factored_triton
     from bole.ops.gdn.triton_serial import (commit_from_snapshots_triton, serial_default_config,
                                             tree_gdn_serial_triton)
-    from bole.ops.gdn.triton_verify import VerifyConfig, pick_config, tree_gdn_verify_triton
+    from bole.ops.gdn.triton_verify import pick_config, tree_gdn_verify_triton
 
     shape = gdn_shape(model)
     rng = np.random.default_rng(batch * 1000 + nodes)
@@ -343,7 +343,7 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
         except Exception as exc:
             record("bole-commit-all-layers", None, None, 0, error=repr(exc))
             traceback.print_exc()
-    del sets, snaps
+    sets = snaps = None         # free the device memory before the next shape
     torch.cuda.empty_cache()
     return records
 

@@ -14,7 +14,7 @@ from bole.ops.gdn.triton_serial import (
     tree_gdn_serial_triton,
 )
 from bole.tree import DraftTree, PackedForest
-from tests.kernel_utils import DEV, TOL, assert_rel
+from tests.kernel_utils import DEV, assert_rel
 
 
 def layer_inputs(forest, H_k, H_v, d_k, d_v, seed, dtype=torch.float32, g_scale=2.0, g=None):

@@ -5,7 +5,6 @@ batch, chi-square and total-variation distance against exact sequence probabilit
 independently by enumeration; a deliberately wrong rule (rejected tokens not removed) must fail.
 """
 
-import itertools
 
 import numpy as np
 import pytest

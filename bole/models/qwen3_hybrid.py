@@ -30,6 +30,7 @@ from bole.models.loader import load_checkpoint
 from bole.models.weights import FP32_SUFFIXES, text_model_specs
 from bole.ops.conv import conv_state_commit, tree_conv1d
 from bole.ops.gdn.closed_form import TreeFactors, commit_factored, tree_gdn_closed_form
+from bole.ops.gdn.reference import tree_gdn_serial
 from bole.tree import DraftTree, PackedForest
 
 PREFILL_CHUNK = 64
@@ -39,7 +40,8 @@ PREFILL_CHUNK = 64
 #:   triton        Bole: value-tiled closed-form kernel + one cross-layer factored-commit launch
 #:   triton-serial the tree-serial baseline: node-by-node kernel, a state snapshot per node,
 #:                 copy of the accepted snapshot
-GDN_BACKENDS = ("torch", "triton", "triton-serial")
+#:   torch-serial  the tree-serial semantics in plain torch (CPU): per-node states, copy commit
+GDN_BACKENDS = ("torch", "triton", "triton-serial", "torch-serial")
 
 
 class SectionTimer:
@@ -254,6 +256,10 @@ class HybridModel:
             o, out.factors[layer] = tree_gdn_verify_triton(
                 q, k, v, out.meta, initial_state=cache.gdn_state[gi],
                 state_indices=self._slot_tensor(slots), **gates)
+        elif self.gdn_backend == "torch-serial":
+            o, _, out.snapshots[layer] = tree_gdn_serial(
+                q, k, v, out.forest, initial_state=cache.gdn_state[gi, slots],
+                return_states=True, check_values=False, **gates)
         else:
             from bole.ops.gdn.triton_serial import tree_gdn_serial_triton
             o, out.snapshots[layer] = tree_gdn_serial_triton(
@@ -364,6 +370,10 @@ class HybridModel:
             commit_factored_triton(TreeFactors.stack([out.factors[g] for g in layers]),
                                    cache.gdn_state, self._slot_tensor(slots),
                                    index.to(self.device), lengths.to(self.device))
+        elif self.gdn_backend == "torch-serial":    # copy the accepted node's snapshot
+            last = index.gather(1, (lengths - 1)[:, None])[:, 0].to(self.device)
+            for layer, snaps in out.snapshots.items():
+                cache.gdn_state[self.gdn_index[layer], slots] = snaps[last]
         else:                                       # copy the accepted node's snapshot
             from bole.ops.gdn.triton_serial import commit_from_snapshots_triton
             last = index.gather(1, (lengths - 1)[:, None])[:, 0].to(self.device)

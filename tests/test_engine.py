@@ -1,0 +1,80 @@
+"""The engine: every mode's greedy output equals plain decoding; batching, stops and bad requests."""
+
+import pytest
+import torch
+
+from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.models.presets import preset_config
+from bole.models.qwen3_hybrid import HybridModel
+from bole.spec.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = HybridModel.random(preset_config("tiny"), dtype=torch.float32, seed=3, gdn_backend="torch")
+    m.w["lm_head.weight"] = m.w["lm_head.weight"] * 50       # clear greedy margins
+    return m
+
+
+def prompts():
+    rep = [5, 9, 17, 33, 2] * 4                                # repetitive: n-gram drafts hit
+    return [rep, [7, 7, 8, 9, 1, 2, 3, 7, 7, 8], [100]]
+
+
+@pytest.mark.parametrize("mode", ["bole", "tree-serial", "chain"])
+def test_greedy_modes_equal_ar(model, mode):
+    params = GenerationParams(max_tokens=24)
+    ar = Engine(model, SpecConfig(mode="ar")).generate(prompts(), params, seed=0)
+    spec = Engine(model, SpecConfig(mode=mode, depth=4, topk=3, budget=12)).generate(
+        prompts(), params, seed=0)
+    for a, s in zip(ar, spec):
+        assert s.token_ids == a.token_ids and len(s.token_ids) == 24
+        assert s.finish_reason == a.finish_reason == "length"
+        assert sum(s.accepted) == 23                       # the first token comes from prefill
+    assert ar[0].rounds == 23
+    assert spec[0].rounds < ar[0].rounds                   # the repetitive prompt accepted drafts
+
+
+def test_one_request_stops_early_the_others_go_on(model):
+    ref = Engine(model, SpecConfig(mode="ar")).generate(prompts(), GenerationParams(max_tokens=12))
+    stop_tok = ref[1].token_ids[3]
+    params = [GenerationParams(max_tokens=12), GenerationParams(max_tokens=12, stop_token_ids=(stop_tok,)),
+              GenerationParams(max_tokens=5)]
+    engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=3)
+    res = engine.generate(prompts(), params, seed=0)
+    first_stop = ref[1].token_ids.index(stop_tok)
+    assert res[1].finish_reason == "stop" and res[1].token_ids == ref[1].token_ids[:first_stop + 1]
+    assert res[0].token_ids == ref[0].token_ids and res[0].finish_reason == "length"
+    assert res[2].token_ids == ref[2].token_ids[:5]
+    assert engine.cache.num_free == 3                        # every slot given back
+
+
+def test_sampled_generation_runs_and_is_seeded(model):
+    p = GenerationParams(max_tokens=16, sampling=SamplingParams(temperature=0.8, top_p=0.9))
+    e = Engine(model, SpecConfig(depth=3, topk=2, budget=8))
+    a = e.generate(prompts(), p, seed=7)
+    b = e.generate(prompts(), p, seed=7)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert all(len(r.token_ids) == 16 for r in a)
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], GenerationParams(), "empty"),
+    ([1] * 200, GenerationParams(max_tokens=100), "context"),
+    ([1, 2], GenerationParams(max_tokens=0), "max_tokens"),
+    ([1, 2], GenerationParams(sampling=SamplingParams(temperature=-1)), "temperature"),
+    ([1, 2], GenerationParams(sampling=SamplingParams(top_p=2.0)), "top_p"),
+    ([1, 999], GenerationParams(), "token ids"),
+])
+def test_bad_requests(model, prompt, params, match):
+    e = Engine(model, SpecConfig(), max_len=256)
+    with pytest.raises(ValueError, match=match):
+        e.generate([prompt], params)
+    assert e.cache.num_free == 8                             # nothing leaked
+
+
+def test_bad_spec_config(model):
+    with pytest.raises(ValueError, match="mode"):
+        Engine(model, SpecConfig(mode="magic"))
+    with pytest.raises(ValueError, match="drafter"):
+        Engine(model, SpecConfig(drafter="mtp"))

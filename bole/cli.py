@@ -20,7 +20,74 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="tree sizes to verify (default: 64 128)")
     demo.add_argument("--depth", type=int, default=8, help="maximum tree depth (default: 8)")
     demo.add_argument("--seed", type=int, default=0)
+    gen = sub.add_parser("generate", help="generate text from a checkpoint folder; the text goes "
+                         "to stdout, statistics to stderr")
+    gen.add_argument("--model", required=True,
+                     help="checkpoint folder (config.json, safetensors, tokenizer.json)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--mode", default="bole", choices=["ar", "bole", "tree-serial", "chain"])
+    gen.add_argument("--drafter", default="ngram", choices=["ngram"],
+                     help="draft source (mtp and draft-model drafters are not implemented yet)")
+    gen.add_argument("--depth", type=int, default=8)
+    gen.add_argument("--topk", type=int, default=4)
+    gen.add_argument("--budget", type=int, default=32, help="draft-tree nodes per request")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object (text, token_ids, rounds, mean_accepted_tokens, "
+                          "tokens_per_s) instead of the text")
     return parser
+
+
+def _generate(args) -> int:
+    import json
+    import time
+    from pathlib import Path
+
+    import torch
+    from tokenizers import Tokenizer
+
+    from bole.engine import Engine, GenerationParams, SpecConfig
+    from bole.models.qwen3_hybrid import HybridModel
+    from bole.spec.sampling import SamplingParams
+
+    folder = Path(args.model)
+    tok_file = folder / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ValueError(f"{tok_file} not found: bole generate needs the checkpoint's tokenizer")
+    tokenizer = Tokenizer.from_file(str(tok_file))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = HybridModel.from_pretrained(folder, dtype=dtype, device=device)
+    ids = tokenizer.encode(args.prompt).ids
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens; give a non-empty prompt")
+    params = GenerationParams(
+        max_tokens=args.max_tokens, stop_token_ids=model.config.eos_token_id,
+        stop_strings=tuple(args.stop),
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
+    spec = SpecConfig(args.mode, args.drafter, args.depth, args.topk, args.budget)
+    engine = Engine(model, spec, max_slots=1,
+                    max_len=len(ids) + max(args.max_tokens, 1) + args.depth + 2, tokenizer=tokenizer)
+    t0 = time.perf_counter()
+    result = engine.generate([ids], params, seed=args.seed)[0]
+    elapsed = time.perf_counter() - t0
+    text = engine.text(result, params)
+    stats = dict(rounds=result.rounds, mean_accepted_tokens=result.mean_accepted_tokens,
+                 tokens_per_s=len(result.token_ids) / elapsed)
+    if args.json:
+        print(json.dumps(dict(text=text, token_ids=result.token_ids, **stats)))
+    else:
+        print(text)
+        print(f"[bole] {len(result.token_ids)} tokens in {elapsed:.2f} s ({stats['tokens_per_s']:.1f} "
+              f"tokens/s), {result.rounds} rounds, {result.mean_accepted_tokens:.2f} tokens/round, "
+              f"mode {args.mode}, finish: {result.finish_reason}", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
             print("bole demo: --nodes must be >= 1 and --depth >= 0", file=sys.stderr)
             return 2
         demo.main(args.shape, tuple(args.nodes), args.depth, args.seed)
+    elif args.command == "generate":
+        try:
+            return _generate(args)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"bole generate: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

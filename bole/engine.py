@@ -53,10 +53,13 @@ class GenerationParams:
     max_tokens: int = 64
     sampling: SamplingParams = SamplingParams(temperature=0)
     stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()      # need the engine's tokenizer
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if any(not isinstance(t, str) or not t for t in self.stop_strings):
+            raise ValueError("stop strings must be non-empty strings")
         self.sampling.validate()
 
 
@@ -91,9 +94,9 @@ class Engine:
                    "chain": ("torch-serial", "triton-serial"), "ar": ("torch", "triton")}
 
     def __init__(self, model: HybridModel, spec: SpecConfig = SpecConfig(), *,
-                 max_slots: int = 8, max_len: int = 4096):
+                 max_slots: int = 8, max_len: int = 4096, tokenizer=None):
         spec.validate()
-        self.model, self.spec = model, spec
+        self.model, self.spec, self.tokenizer = model, spec, tokenizer
         on_gpu = model.device.type == "cuda"
         model.gdn_backend = self.GDN_BACKEND[spec.mode][on_gpu]
         self.cache = model.new_cache(max_slots, max_len)
@@ -110,6 +113,8 @@ class Engine:
         vocab = self.model.config.vocab_size
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             p.validate()
+            if p.stop_strings and self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer: build the Engine with one")
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty; give at least one token")
             if any(not 0 <= int(t) < vocab for t in prompt):
@@ -188,8 +193,29 @@ class Engine:
             if len(r.out) >= r.params.max_tokens:
                 reason = "length"
                 break
+        if r.params.stop_strings:
+            cut = self._stop_string_cut(r)
+            if cut is not None:
+                del r.out[cut:]
+                reason = "stop"
         if rounds:
             r.rounds += 1
             r.accepted.append(len(r.out) - before)
         if reason is not None:
             r.result = GenerationResult(list(r.out), reason, r.rounds, list(r.accepted))
+
+    def _stop_string_cut(self, r: _Request) -> int | None:
+        """Fewest output tokens whose text contains a stop string, or None."""
+        text = self.tokenizer.decode(r.out)
+        if not any(stop in text for stop in r.params.stop_strings):
+            return None
+        for m in range(1, len(r.out) + 1):
+            if any(stop in self.tokenizer.decode(r.out[:m]) for stop in r.params.stop_strings):
+                return m
+        return len(r.out)
+
+    def text(self, result: GenerationResult, params: GenerationParams) -> str:
+        """Decoded output, cut before the first stop string (the stop string is not returned)."""
+        text = self.tokenizer.decode(result.token_ids)
+        hits = [text.find(s) for s in params.stop_strings if s in text]
+        return text[: min(hits)] if hits else text

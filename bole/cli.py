@@ -41,7 +41,56 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (text, token_ids, rounds, mean_accepted_tokens, "
                           "tokens_per_s) instead of the text")
+    bench = sub.add_parser("bench", help="the same prompts through every mode side by side; "
+                           "JSON and a plot under bench/results/")
+    src = bench.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint folder")
+    src.add_argument("--preset", help="random weights of a preset (e.g. qwen3.5-9b, tiny)")
+    bench.add_argument("--modes", nargs="+", default=["ar", "bole", "tree-serial", "chain"])
+    bench.add_argument("--prompts", type=int, default=4, help="number of repetitive prompts")
+    bench.add_argument("--prompt-len", type=int, default=64)
+    bench.add_argument("--max-tokens", type=int, default=64)
+    bench.add_argument("--depth", type=int, default=8)
+    bench.add_argument("--topk", type=int, default=4)
+    bench.add_argument("--budget", type=int, default=32)
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--out", default="bench/results")
     return parser
+
+
+def _bench(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from bole.benchmark import repetitive_prompts, run_modes, write_results
+    from bole.models.presets import preset_config
+    from bole.models.qwen3_hybrid import HybridModel
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if args.model:
+        model = HybridModel.from_pretrained(args.model, dtype=dtype, device=device)
+        name = Path(args.model).name
+    else:
+        model = HybridModel.random(preset_config(args.preset), dtype=dtype, device=device)
+        name = f"{args.preset}-random"
+    prompts = repetitive_prompts(model.config.vocab_size, args.prompts, args.prompt_len)
+    results = run_modes(model, prompts, args.modes, max_tokens=args.max_tokens, depth=args.depth,
+                        topk=args.topk, budget=args.budget)
+    meta = dict(model_name=name, device=torch.cuda.get_device_name() if device.startswith("cuda")
+                else "cpu", torch=torch.__version__, dtype=str(dtype).replace("torch.", ""),
+                prompts=args.prompts, prompt_len=args.prompt_len, max_tokens=args.max_tokens,
+                depth=args.depth, topk=args.topk, budget=args.budget, drafter="ngram")
+    path, png = write_results(results, meta, Path(args.out))
+    print(f"{'mode':<12} {'tokens/s':>9} {'tok/round':>9} {'fwd ms/round':>12} {'agree w/ ar':>11}")
+    for r in results:
+        agree = "-" if r.agreement_with_ar is None else f"{100 * r.agreement_with_ar:.0f}%"
+        print(f"{r.mode:<12} {r.tokens_per_s:>9.1f} {r.mean_accepted_tokens:>9.2f} "
+              f"{r.verify_ms_per_round:>12.2f} {agree:>11}")
+    print(path)
+    print(png)
+    return 0
 
 
 def _generate(args) -> int:
@@ -98,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
             print("bole demo: --nodes must be >= 1 and --depth >= 0", file=sys.stderr)
             return 2
         demo.main(args.shape, tuple(args.nodes), args.depth, args.seed)
+    elif args.command == "bench":
+        try:
+            return _bench(args)
+        except ValueError as exc:
+            print(f"bole bench: {exc}", file=sys.stderr)
+            return 2
     elif args.command == "generate":
         try:
             return _generate(args)

@@ -78,3 +78,18 @@ def test_bad_spec_config(model):
         Engine(model, SpecConfig(mode="magic"))
     with pytest.raises(ValueError, match="drafter"):
         Engine(model, SpecConfig(drafter="mtp"))
+
+
+def test_bole_bench_command(tmp_path, capsys):
+    import json
+
+    from bole.cli import main
+    assert main(["bench", "--preset", "tiny", "--prompts", "2", "--prompt-len", "16",
+                 "--max-tokens", "12", "--depth", "3", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    files = sorted(p.suffix for p in tmp_path.iterdir())
+    assert files == [".json", ".png"]
+    data = json.loads(next(tmp_path.glob("*.json")).read_text())
+    modes = {r["mode"]: r for r in data["results"]}
+    assert set(modes) == {"ar", "bole", "tree-serial", "chain"}
+    assert all(modes[m]["agreement_with_ar"] == 1.0 for m in ("bole", "tree-serial", "chain"))
+    assert "tokens/s" in capsys.readouterr().out

@@ -24,10 +24,12 @@ from bole.models.qwen3_hybrid import HybridModel
 from bole.spec.accept import accept_forest
 from bole.spec.draft_tree import build_draft_tree
 from bole.spec.drafters import NgramDrafter
+from bole.spec.mtp import MTPDrafter
 from bole.spec.sampling import SamplingParams, target_probs
 from bole.tree import DraftTree, PackedForest
 
 MODES = ("ar", "bole", "tree-serial", "chain")
+DRAFTERS = ("ngram", "mtp")
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,9 @@ class SpecConfig:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.drafter != "ngram":
-            raise ValueError(f"drafter {self.drafter!r} is not available yet; use 'ngram'")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {DRAFTERS} (the draft-model drafter is not "
+                             f"implemented yet), got {self.drafter!r}")
         if self.depth < 1 or self.topk < 1 or self.budget < 2:
             raise ValueError(f"need depth >= 1, topk >= 1, budget >= 2; got depth={self.depth}, "
                              f"topk={self.topk}, budget={self.budget}")
@@ -100,7 +103,8 @@ class Engine:
         on_gpu = model.device.type == "cuda"
         model.gdn_backend = self.GDN_BACKEND[spec.mode][on_gpu]
         self.cache = model.new_cache(max_slots, max_len)
-        self.drafter = NgramDrafter()
+        self.ngram = NgramDrafter()
+        self.mtp = MTPDrafter(model, max_slots, max_len) if spec.drafter == "mtp" else None
         self.stats = dict(forward_s=0.0, rounds=0)
 
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -134,8 +138,12 @@ class Engine:
                 slot = self.cache.allocate(len(prompt) + p.max_tokens + self.spec.depth + 1)
                 reqs.append(_Request(i, [int(t) for t in prompt], p, slot))
             for r in reqs:                    # prefill, then the first token from its logits
-                logits = self.model.prefill(self.cache, r.slot, torch.tensor(r.prompt))[-1]
-                first = self._sample(logits[None], r.params.sampling, gen)[0]
+                logits, hidden = self.model.prefill(self.cache, r.slot, torch.tensor(r.prompt),
+                                                    return_hidden=True)
+                if self.mtp is not None:
+                    self.mtp.reset(r.slot)
+                    self.mtp.observe(r.slot, r.prompt, hidden, 0)
+                first = self._sample(logits[-1][None], r.params.sampling, gen)[0]
                 self._emit(r, [first], rounds=0)
             while any(r.result is None for r in reqs):
                 self._round([r for r in reqs if r.result is None], gen)
@@ -161,7 +169,14 @@ class Engine:
             target_probs(out.logits[int(forest.cu_nodes[i]):int(forest.cu_nodes[i + 1])],
                          r.params.sampling) for i, r in enumerate(active)])
         acc = accept_forest(probs, torch.cat(tokens), forest, generator=gen)
+        if self.mtp is not None:
+            starts = [int(self.cache.lengths[r.slot]) for r in active]
         self.model.commit(self.cache, out, acc.accepted)
+        if self.mtp is not None:                # the MTP cache follows the accepted paths
+            for i, r in enumerate(active):
+                nodes = [int(forest.cu_nodes[i]) + n for n in acc.path[i]]
+                self.mtp.observe(r.slot, torch.cat(tokens)[nodes].tolist(), out.hidden[nodes],
+                                 starts[i])
         for r, new in zip(active, acc.new_tokens):
             self._emit(r, new, rounds=1)
 
@@ -173,8 +188,9 @@ class Engine:
         depth = max(0, min(self.spec.depth, remaining - 1))
         topk = 1 if self.spec.mode == "chain" else self.spec.topk
         budget = depth + 1 if self.spec.mode == "chain" else self.spec.budget
-        res = build_draft_tree(root, self.drafter.expander(r.prompt + r.out), depth=depth,
-                               topk=topk, budget=budget)
+        expander = (self.mtp.expander(r.slot) if self.mtp is not None
+                    else self.ngram.expander(r.prompt + r.out))
+        res = build_draft_tree(root, expander, depth=depth, topk=topk, budget=budget)
         return res.tree, res.tokens
 
     def _sample(self, logits: torch.Tensor, sampling: SamplingParams, gen) -> list[int]:

@@ -76,8 +76,10 @@ def test_bad_requests(model, prompt, params, match):
 def test_bad_spec_config(model):
     with pytest.raises(ValueError, match="mode"):
         Engine(model, SpecConfig(mode="magic"))
-    with pytest.raises(ValueError, match="drafter"):
+    with pytest.raises(ValueError, match="no MTP head"):
         Engine(model, SpecConfig(drafter="mtp"))
+    with pytest.raises(ValueError, match="drafter must be one of"):
+        Engine(model, SpecConfig(drafter="draft-model"))
 
 
 def test_bole_bench_command(tmp_path, capsys):

@@ -96,7 +96,8 @@ class TreeForwardOutput:
     """What one tree forward leaves for sampling, drafting and the commit.
 
     logits [N, V] (fp32), hidden [N, H] (final-norm input for the MTP drafter: the last layer's
-    output before the final norm), and per layer the state pieces the commit needs.
+    output after the final norm, what the lm_head and an MTP head read), and per layer the state
+    pieces the commit needs.
     """
 
     logits: torch.Tensor
@@ -182,37 +183,49 @@ class HybridModel:
         rot, rest = x[..., :rd], x[..., rd:]
         return torch.cat((rot * cos + rotate_half(rot) * sin, rest), dim=-1)
 
+    def attention_qkv(self, prefix: str, x: torch.Tensor, positions: torch.Tensor):
+        """Projections of a gated full-attention layer: ``(q [N, H, hd], k, v [N, H_kv, hd],
+        gate [N, H * hd])``, q and k normalised and rotated at ``positions``."""
+        c, w = self.config, self.w
+        N, hd = x.shape[0], c.head_dim
+        q_gate = F.linear(x, w[prefix + "q_proj.weight"], w.get(prefix + "q_proj.bias"))
+        q, gate = q_gate.view(N, -1, 2 * hd).chunk(2, dim=-1)
+        k = F.linear(x, w[prefix + "k_proj.weight"], w.get(prefix + "k_proj.bias")).view(N, -1, hd)
+        v = F.linear(x, w[prefix + "v_proj.weight"], w.get(prefix + "v_proj.bias")).view(N, -1, hd)
+        q = self._rope(rms_norm(q, w[prefix + "q_norm.weight"], c.rms_norm_eps), positions)
+        k = self._rope(rms_norm(k, w[prefix + "k_norm.weight"], c.rms_norm_eps), positions)
+        return q, k, v, gate.reshape(N, -1)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """Softmax attention of ``q [T, H, hd]`` over ``keys, vals [C, H_kv, hd]`` where
+        ``visible [T, C]``; fp32 scores, GQA by repeating each KV head. Returns ``[T, H, hd]``."""
+        c = self.config
+        group = c.num_attention_heads // c.num_key_value_heads
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).float()   # [H, C, hd]
+        vals = vals.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        scores = q.transpose(0, 1).float() @ keys.transpose(1, 2) * c.head_dim ** -0.5
+        scores = scores.masked_fill(~visible, float("-inf"))
+        return (torch.softmax(scores, dim=-1) @ vals).transpose(0, 1).to(q.dtype)
+
     def _attention(self, layer: int, x: torch.Tensor, cache: HybridCache, out: TreeForwardOutput,
                    positions: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
-        c, p, w = self.config, self._p(layer) + "self_attn.", self.w
-        N, hd = x.shape[0], c.head_dim
-        q_gate = F.linear(x, w[p + "q_proj.weight"], w.get(p + "q_proj.bias"))
-        q, gate = q_gate.view(N, -1, 2 * hd).chunk(2, dim=-1)
-        gate = gate.reshape(N, -1)
-        k = F.linear(x, w[p + "k_proj.weight"], w.get(p + "k_proj.bias")).view(N, -1, hd)
-        v = F.linear(x, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(N, -1, hd)
-        q = self._rope(rms_norm(q, w[p + "q_norm.weight"], c.rms_norm_eps), positions)
-        k = self._rope(rms_norm(k, w[p + "k_norm.weight"], c.rms_norm_eps), positions)
+        p = self._p(layer) + "self_attn."
+        q, k, v, gate = self.attention_qkv(p, x, positions)
         out.kv[layer] = (k, v)
         li = self.full_index[layer]
-        group = c.num_attention_heads // c.num_key_value_heads
-        o = torch.empty(N, c.num_attention_heads, hd, dtype=x.dtype, device=x.device)
+        o = torch.empty_like(q)
         f = out.forest
         for r, slot in enumerate(out.slots):
             lo, hi = int(f.cu_nodes[r]), int(f.cu_nodes[r + 1])
             n_ctx = int(cache.lengths[slot])
-            keys = torch.cat([cache.k[li, slot, :n_ctx], k[lo:hi]])            # [C + T, H_kv, hd]
+            keys = torch.cat([cache.k[li, slot, :n_ctx], k[lo:hi]])
             vals = torch.cat([cache.v[li, slot, :n_ctx], v[lo:hi]])
-            keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).float()  # [H, C + T, hd]
-            vals = vals.repeat_interleave(group, dim=1).transpose(0, 1).float()
-            qr = q[lo:hi].transpose(0, 1).float()                                 # [H, T, hd]
-            scores = qr @ keys.transpose(1, 2) * hd ** -0.5
             visible = torch.cat([torch.ones(hi - lo, n_ctx, dtype=torch.bool, device=x.device),
                                  anc[lo:hi, lo:hi]], dim=1)
-            scores = scores.masked_fill(~visible, float("-inf"))
-            o[lo:hi] = (torch.softmax(scores, dim=-1) @ vals).transpose(0, 1).to(x.dtype)
-        o = o.reshape(N, -1) * torch.sigmoid(gate)
-        return F.linear(o, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+            o[lo:hi] = self.attend(q[lo:hi], keys, vals, visible)
+        o = o.reshape(x.shape[0], -1) * torch.sigmoid(gate)
+        return F.linear(o, self.w[p + "o_proj.weight"], self.w.get(p + "o_proj.bias"))
 
     def _gdn_projections(self, layer: int, x: torch.Tensor):
         """``(mixed_qkv [N, conv_dim], z [N, H_v, d_v], b [N, H_v], a [N, H_v])``."""
@@ -324,7 +337,7 @@ class HybridModel:
         if self.gdn_backend != "torch":
             out.meta = forest.kernel_meta(self.device)
         with self._section("rest"):
-            h = F.embedding(tokens.to(self.device), self.w[f"{c.weight_prefix}embed_tokens.weight"])
+            h = self.embed(tokens)
         for layer in range(c.num_hidden_layers):
             p = self._p(layer)
             full = c.is_full_attention(layer)
@@ -338,12 +351,20 @@ class HybridModel:
                 x = rms_norm(h, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
                 h = h + self._mlp(layer, x)
         with self._section("rest"):
-            out.hidden = h
-            normed = rms_norm(h, self.w[f"{c.weight_prefix}norm.weight"], c.rms_norm_eps)
-            head = self.w["lm_head.weight"] if not c.tie_word_embeddings else \
-                self.w[f"{c.weight_prefix}embed_tokens.weight"]
-            out.logits = F.linear(normed, head).float()
+            out.hidden = rms_norm(h, self.w[f"{c.weight_prefix}norm.weight"], c.rms_norm_eps)
+            out.logits = self.lm_head(out.hidden)
         return out
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-norm hidden states (tied to the embedding when the config says so)."""
+        c = self.config
+        head = self.w[f"{c.weight_prefix}embed_tokens.weight"] if c.tie_word_embeddings else \
+            self.w["lm_head.weight"]
+        return F.linear(hidden, head).float()
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens.to(self.device),
+                           self.w[f"{self.config.weight_prefix}embed_tokens.weight"])
 
     @torch.no_grad()
     def commit(self, cache: HybridCache, out: TreeForwardOutput, accepted) -> None:
@@ -396,15 +417,19 @@ class HybridModel:
         return out.logits
 
     def prefill(self, cache: HybridCache, slot: int, prompt: torch.Tensor,
-                chunk: int = PREFILL_CHUNK) -> torch.Tensor:
-        """Commit a prompt into ``slot`` chunk by chunk; returns the logits of every prompt token."""
+                chunk: int = PREFILL_CHUNK, return_hidden: bool = False):
+        """Commit a prompt into ``slot`` chunk by chunk; returns the logits of every prompt token
+        (and, with ``return_hidden``, their final-norm hidden states as a second value)."""
         if prompt.dim() != 1 or prompt.numel() == 0:
             raise ValueError("prompt must be a non-empty 1-D tensor of token ids")
-        logits = []
+        logits, hidden = [], []
         for lo in range(0, prompt.numel(), chunk):
             part = prompt[lo:lo + chunk]
             out = self.forward_tree(cache, [slot], PackedForest.pack([DraftTree.chain(len(part))]),
                                     part)
             self.commit(cache, out, [len(part) - 1])
             logits.append(out.logits)
+            hidden.append(out.hidden)
+        if return_hidden:
+            return torch.cat(logits), torch.cat(hidden)
         return torch.cat(logits)

@@ -27,9 +27,11 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--mode", default="bole", choices=["ar", "bole", "tree-serial", "chain"])
-    gen.add_argument("--drafter", default=None, choices=["ngram", "mtp"],
+    gen.add_argument("--drafter", default=None, choices=["ngram", "mtp", "draft"],
                      help="draft source (default: the checkpoint's MTP head when it has one, "
-                          "else n-gram lookup; the draft-model drafter is not implemented yet)")
+                          "else n-gram lookup; 'draft' needs --draft-model)")
+    gen.add_argument("--draft-model", default=None,
+                     help="checkpoint folder of a separate draft model (same tokenizer)")
     gen.add_argument("--depth", type=int, default=8)
     gen.add_argument("--topk", type=int, default=4)
     gen.add_argument("--budget", type=int, default=32, help="draft-tree nodes per request")
@@ -121,10 +123,14 @@ def _generate(args) -> int:
         max_tokens=args.max_tokens, stop_token_ids=model.config.eos_token_id,
         stop_strings=tuple(args.stop),
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
-    drafter = args.drafter or ("mtp" if "mtp.fc.weight" in model.w else "ngram")
+    draft_model = (HybridModel.from_pretrained(args.draft_model, dtype=dtype, device=device)
+                   if args.draft_model else None)
+    drafter = args.drafter or ("draft" if draft_model is not None else
+                               "mtp" if "mtp.fc.weight" in model.w else "ngram")
     spec = SpecConfig(args.mode, drafter, args.depth, args.topk, args.budget)
     engine = Engine(model, spec, max_slots=1,
-                    max_len=len(ids) + max(args.max_tokens, 1) + args.depth + 2, tokenizer=tokenizer)
+                    max_len=len(ids) + max(args.max_tokens, 1) + args.depth + 2, tokenizer=tokenizer,
+                    draft_model=draft_model)
     t0 = time.perf_counter()
     result = engine.generate([ids], params, seed=args.seed)[0]
     elapsed = time.perf_counter() - t0

@@ -23,13 +23,13 @@ import torch
 from bole.models.qwen3_hybrid import HybridModel
 from bole.spec.accept import accept_forest
 from bole.spec.draft_tree import build_draft_tree
-from bole.spec.drafters import NgramDrafter
+from bole.spec.drafters import DraftModelDrafter, NgramDrafter
 from bole.spec.mtp import MTPDrafter
 from bole.spec.sampling import SamplingParams, target_probs
 from bole.tree import DraftTree, PackedForest
 
 MODES = ("ar", "bole", "tree-serial", "chain")
-DRAFTERS = ("ngram", "mtp")
+DRAFTERS = ("ngram", "mtp", "draft")
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,7 @@ class SpecConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.drafter not in DRAFTERS:
-            raise ValueError(f"drafter must be one of {DRAFTERS} (the draft-model drafter is not "
-                             f"implemented yet), got {self.drafter!r}")
+            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if self.depth < 1 or self.topk < 1 or self.budget < 2:
             raise ValueError(f"need depth >= 1, topk >= 1, budget >= 2; got depth={self.depth}, "
                              f"topk={self.topk}, budget={self.budget}")
@@ -97,7 +96,8 @@ class Engine:
                    "chain": ("torch-serial", "triton-serial"), "ar": ("torch", "triton")}
 
     def __init__(self, model: HybridModel, spec: SpecConfig = SpecConfig(), *,
-                 max_slots: int = 8, max_len: int = 4096, tokenizer=None):
+                 max_slots: int = 8, max_len: int = 4096, tokenizer=None,
+                 draft_model: HybridModel | None = None):
         spec.validate()
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         on_gpu = model.device.type == "cuda"
@@ -105,6 +105,11 @@ class Engine:
         self.cache = model.new_cache(max_slots, max_len)
         self.ngram = NgramDrafter()
         self.mtp = MTPDrafter(model, max_slots, max_len) if spec.drafter == "mtp" else None
+        self.draft = None
+        if spec.drafter == "draft":
+            if draft_model is None:
+                raise ValueError("the draft drafter needs a draft_model (--draft-model)")
+            self.draft = DraftModelDrafter(draft_model, model.config.vocab_size, max_slots, max_len)
         self.stats = dict(forward_s=0.0, rounds=0)
 
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -143,6 +148,8 @@ class Engine:
                 if self.mtp is not None:
                     self.mtp.reset(r.slot)
                     self.mtp.observe(r.slot, r.prompt, hidden, 0)
+                if self.draft is not None:
+                    self.draft.start(r.slot, r.prompt)
                 first = self._sample(logits[-1][None], r.params.sampling, gen)[0]
                 self._emit(r, [first], rounds=0)
             while any(r.result is None for r in reqs):
@@ -150,6 +157,8 @@ class Engine:
         finally:
             for r in reqs:
                 self.cache.free(r.slot)
+                if self.draft is not None:
+                    self.draft.finish(r.slot)
         return [r.result for r in reqs]
 
     # ---- one round ----
@@ -172,11 +181,13 @@ class Engine:
         if self.mtp is not None:
             starts = [int(self.cache.lengths[r.slot]) for r in active]
         self.model.commit(self.cache, out, acc.accepted)
-        if self.mtp is not None:                # the MTP cache follows the accepted paths
-            for i, r in enumerate(active):
-                nodes = [int(forest.cu_nodes[i]) + n for n in acc.path[i]]
-                self.mtp.observe(r.slot, torch.cat(tokens)[nodes].tolist(), out.hidden[nodes],
-                                 starts[i])
+        for i, r in enumerate(active):          # the drafters' caches follow the accepted paths
+            nodes = [int(forest.cu_nodes[i]) + n for n in acc.path[i]]
+            path_tokens = torch.cat(tokens)[nodes].tolist()
+            if self.mtp is not None:
+                self.mtp.observe(r.slot, path_tokens, out.hidden[nodes], starts[i])
+            if self.draft is not None:
+                self.draft.observe(r.slot, path_tokens)
         for r, new in zip(active, acc.new_tokens):
             self._emit(r, new, rounds=1)
 
@@ -188,8 +199,12 @@ class Engine:
         depth = max(0, min(self.spec.depth, remaining - 1))
         topk = 1 if self.spec.mode == "chain" else self.spec.topk
         budget = depth + 1 if self.spec.mode == "chain" else self.spec.budget
-        expander = (self.mtp.expander(r.slot) if self.mtp is not None
-                    else self.ngram.expander(r.prompt + r.out))
+        if self.mtp is not None:
+            expander = self.mtp.expander(r.slot)
+        elif self.draft is not None:
+            expander = self.draft.expander(r.slot)
+        else:
+            expander = self.ngram.expander(r.prompt + r.out)
         res = build_draft_tree(root, expander, depth=depth, topk=topk, budget=budget)
         return res.tree, res.tokens
 

@@ -91,3 +91,12 @@ def test_stop_string_cuts_the_text(checkpoint, capsys):
     obj = json.loads(out)
     assert rc == 0 and obj["text"] == full[: full.find(stop)]
     assert len(obj["token_ids"]) < 16
+
+
+def test_draft_model_flag(checkpoint, capsys):
+    base = ["--model", str(checkpoint), "--prompt", "def add(a, b):", "--max-tokens", "12", "--json",
+            "--device", "cpu"]
+    _, ar, _ = run(capsys, *base, "--mode", "ar")
+    rc, out, _ = run(capsys, *base, "--draft-model", str(checkpoint), "--depth", "3")
+    assert rc == 0 and json.loads(out)["text"] == json.loads(ar)["text"]
+    assert json.loads(out)["mean_accepted_tokens"] > 1.5           # the target drafts for itself

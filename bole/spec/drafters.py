@@ -46,3 +46,68 @@ class NgramDrafter:
         def expand(paths, k):
             return [self.lookup(before + list(path), k) for path in paths]
         return expand
+
+
+class DraftModelDrafter:
+    """A separate (smaller) hybrid model drafting for the target, with its own cache slots.
+
+    Its committed state follows the target's: the prompt at prefill, the accepted path after every
+    round (:meth:`observe`). Expanding frontier nodes runs one tree forward over the trie of their
+    paths on top of the committed state, so every node gets the GDN state after its own ancestors
+    (the draft model's own per-node states, exactly).
+    """
+
+    def __init__(self, draft_model, target_vocab: int, max_slots: int, max_len: int):
+        if draft_model.config.vocab_size != target_vocab:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the "
+                f"target's ({target_vocab}); drafter and target must share a tokenizer")
+        self.model = draft_model
+        self.cache = draft_model.new_cache(max_slots, max_len)
+        self.slots: dict[int, int] = {}
+
+    def start(self, target_slot: int, prompt: Sequence[int]) -> None:
+        import torch
+        if target_slot in self.slots:
+            self.cache.free(self.slots.pop(target_slot))
+        slot = self.cache.allocate(self.cache.max_len)
+        self.slots[target_slot] = slot
+        self.model.prefill(self.cache, slot, torch.tensor(list(prompt)))
+
+    def finish(self, target_slot: int) -> None:
+        if target_slot in self.slots:
+            self.cache.free(self.slots.pop(target_slot))
+
+    def observe(self, target_slot: int, tokens: Sequence[int]) -> None:
+        """The target committed ``tokens`` (root .. accepted): commit them here too."""
+        import torch
+        from bole.tree import DraftTree, PackedForest
+        slot = self.slots[target_slot]
+        out = self.model.forward_tree(self.cache, [slot], PackedForest.pack(
+            [DraftTree.chain(len(tokens))]), torch.tensor(list(tokens)))
+        self.model.commit(self.cache, out, [len(tokens) - 1])
+
+    def expander(self, target_slot: int) -> Expander:
+        import torch
+        from bole.tree import DraftTree, PackedForest
+        slot = self.slots[target_slot]
+
+        def expand(paths, k):
+            trie: dict[tuple[int, ...], int] = {}
+            parents, tokens = [], []
+            for path in paths:
+                for d in range(1, len(path) + 1):
+                    key = tuple(int(t) for t in path[:d])
+                    if key not in trie:
+                        trie[key] = len(parents)
+                        parents.append(trie[key[:-1]] if d > 1 else -1)
+                        tokens.append(key[-1])
+            forest = PackedForest.pack([DraftTree.from_parents(parents)])
+            out = self.model.forward_tree(self.cache, [slot], forest, torch.tensor(tokens))
+            result = []
+            for path in paths:
+                probs = torch.softmax(out.logits[trie[tuple(int(t) for t in path)]], -1)
+                top = torch.topk(probs, k)
+                result.append(list(zip(top.indices.tolist(), top.values.tolist())))
+            return result
+        return expand

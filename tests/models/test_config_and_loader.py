@@ -32,6 +32,9 @@ def build(kind):
     torch.manual_seed(0)
     if kind == "qwen3_5_text":
         return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**SMALL, intermediate_size=48))
+    if kind == "qwen3_5_text_tied":
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**SMALL, intermediate_size=48,
+                                                    tie_word_embeddings=True))
     if kind == "qwen3_5":
         return Qwen3_5ForConditionalGeneration(Qwen3_5Config(
             text_config=dict(**SMALL, intermediate_size=48), vision_config=VISION))

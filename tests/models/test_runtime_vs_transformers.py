@@ -30,7 +30,7 @@ def rel(a, b):
 # Each model type with the torch GDN path; the Triton paths (interpreted on CPU) on two types.
 CASES = [(kind, "torch") for kind in KINDS] + [
     ("qwen3_5_text", "triton"), ("qwen3_next", "triton"), ("qwen3_5", "triton-serial"),
-    ("qwen3_5_moe_text", "torch-serial")]
+    ("qwen3_5_moe_text", "torch-serial"), ("qwen3_5_text_tied", "torch")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{k}-{b}" for k, b in CASES])

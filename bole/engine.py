@@ -136,7 +136,10 @@ class Engine:
         if len(prompts) > self.cache.num_free:
             raise ValueError(f"{len(prompts)} prompts but only {self.cache.num_free} free slots")
         gen = torch.Generator(device=self.model.device)
-        gen.manual_seed(seed if seed is not None else torch.seed())
+        if seed is None:
+            gen.seed()                        # non-deterministic, without touching the global RNG
+        else:
+            gen.manual_seed(seed)
         reqs = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -169,21 +172,21 @@ class Engine:
             trees.append(tree)
             tokens.append(toks)
         forest = PackedForest.pack(trees)
+        node_tokens = torch.cat(tokens)
         t0 = time.perf_counter()
-        out = self.model.forward_tree(self.cache, [r.slot for r in active], forest,
-                                      torch.cat(tokens))
+        out = self.model.forward_tree(self.cache, [r.slot for r in active], forest, node_tokens)
         self.stats["forward_s"] += time.perf_counter() - t0
         self.stats["rounds"] += 1
         probs = torch.cat([
             target_probs(out.logits[int(forest.cu_nodes[i]):int(forest.cu_nodes[i + 1])],
                          r.params.sampling) for i, r in enumerate(active)])
-        acc = accept_forest(probs, torch.cat(tokens), forest, generator=gen)
+        acc = accept_forest(probs, node_tokens, forest, generator=gen)
         if self.mtp is not None:
             starts = [int(self.cache.lengths[r.slot]) for r in active]
         self.model.commit(self.cache, out, acc.accepted)
         for i, r in enumerate(active):          # the drafters' caches follow the accepted paths
             nodes = [int(forest.cu_nodes[i]) + n for n in acc.path[i]]
-            path_tokens = torch.cat(tokens)[nodes].tolist()
+            path_tokens = node_tokens[nodes].tolist()
             if self.mtp is not None:
                 self.mtp.observe(r.slot, path_tokens, out.hidden[nodes], starts[i])
             if self.draft is not None:

@@ -28,7 +28,7 @@ from bole.cache import CacheShape, HybridCache
 from bole.models.config import HybridConfig
 from bole.models.loader import load_checkpoint
 from bole.models.weights import FP32_SUFFIXES, text_model_specs
-from bole.ops.conv import conv_state_commit, tree_conv1d
+from bole.ops.conv import conv_state_commit, tree_conv1d, tree_conv_windows
 from bole.ops.gdn.closed_form import TreeFactors, commit_factored, tree_gdn_closed_form
 from bole.ops.gdn.reference import tree_gdn_serial
 from bole.tree import DraftTree, PackedForest
@@ -109,6 +109,8 @@ class TreeForwardOutput:
     factors: dict[int, TreeFactors]                           # GDN layer -> factors
     snapshots: dict[int, torch.Tensor] = field(default_factory=dict)  # triton-serial only
     meta: object = None                                       # ForestMeta for the kernels
+    conv_windows: torch.Tensor | None = None                  # [N, K] built once per forward
+    attention_rows: list = field(default_factory=list)        # per request: lo, hi, n_ctx, visible
 
 
 class HybridModel:
@@ -209,20 +211,15 @@ class HybridModel:
         return (torch.softmax(scores, dim=-1) @ vals).transpose(0, 1).to(q.dtype)
 
     def _attention(self, layer: int, x: torch.Tensor, cache: HybridCache, out: TreeForwardOutput,
-                   positions: torch.Tensor, anc: torch.Tensor) -> torch.Tensor:
+                   positions: torch.Tensor) -> torch.Tensor:
         p = self._p(layer) + "self_attn."
         q, k, v, gate = self.attention_qkv(p, x, positions)
         out.kv[layer] = (k, v)
         li = self.full_index[layer]
         o = torch.empty_like(q)
-        f = out.forest
-        for r, slot in enumerate(out.slots):
-            lo, hi = int(f.cu_nodes[r]), int(f.cu_nodes[r + 1])
-            n_ctx = int(cache.lengths[slot])
+        for slot, (lo, hi, n_ctx, visible) in zip(out.slots, out.attention_rows):
             keys = torch.cat([cache.k[li, slot, :n_ctx], k[lo:hi]])
             vals = torch.cat([cache.v[li, slot, :n_ctx], v[lo:hi]])
-            visible = torch.cat([torch.ones(hi - lo, n_ctx, dtype=torch.bool, device=x.device),
-                                 anc[lo:hi, lo:hi]], dim=1)
             o[lo:hi] = self.attend(q[lo:hi], keys, vals, visible)
         o = o.reshape(x.shape[0], -1) * torch.sigmoid(gate)
         return F.linear(o, self.w[p + "o_proj.weight"], self.w.get(p + "o_proj.bias"))
@@ -255,7 +252,7 @@ class HybridModel:
         mixed, z, b, a = self._gdn_projections(layer, x)
         out.conv_inputs[layer] = mixed
         conv = tree_conv1d(mixed[None], w[p + "conv1d.weight"], cache.conv_state[gi, slots],
-                           out.forest)[0]
+                           out.forest, windows=out.conv_windows)[0]
         q, k, v = torch.split(conv, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
         q, k, v = q.reshape(1, N, Hk, dk), k.reshape(1, N, Hk, dk), v.reshape(1, N, Hv, dv)
         gates = dict(a=a[None], b=b[None], A_log=w[p + "A_log"], dt_bias=w[p + "dt_bias"],
@@ -332,10 +329,19 @@ class HybridModel:
             raise ValueError(f"the tree would reach position {int(need.max()) - 1}, past the "
                              f"cache's {cache.max_len} tokens per slot")
         positions = forest.positions(lengths)
-        anc = forest.ancestor_mask().to(self.device)
         out = TreeForwardOutput(None, None, forest, slots, {}, {}, {})
+        # per-forest structure, built once and shared by every layer
         if self.gdn_backend != "torch":
             out.meta = forest.kernel_meta(self.device)
+        if c.gdn_layers:
+            out.conv_windows = tree_conv_windows(forest, c.linear_conv_kernel_dim).to(self.device)
+        cu = forest.cu_nodes.tolist()
+        for r, slot in enumerate(slots):
+            lo, hi, n_ctx = cu[r], cu[r + 1], int(cache.lengths[slot])
+            anc = forest.tree(r).ancestor_mask().to(self.device)
+            visible = torch.cat([torch.ones(hi - lo, n_ctx, dtype=torch.bool, device=self.device),
+                                 anc], dim=1)
+            out.attention_rows.append((lo, hi, n_ctx, visible))
         with self._section("rest"):
             h = self.embed(tokens)
         for layer in range(c.num_hidden_layers):
@@ -344,7 +350,7 @@ class HybridModel:
             with self._section("attention" if full else "gdn"):
                 x = rms_norm(h, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
                 if full:
-                    h = h + self._attention(layer, x, cache, out, positions, anc)
+                    h = h + self._attention(layer, x, cache, out, positions)
                 else:
                     h = h + self._gdn(layer, x, cache, out)
             with self._section("mlp"):
@@ -404,7 +410,7 @@ class HybridModel:
         for layer, mixed in out.conv_inputs.items():
             gi = self.gdn_index[layer]
             cache.conv_state[gi, slots] = conv_state_commit(
-                mixed[None], cache.conv_state[gi, slots], f, accepted)
+                mixed[None], cache.conv_state[gi, slots], f, accepted, windows=out.conv_windows)
         for r, slot in enumerate(slots):
             cache.lengths[slot] += int(lengths[r])
 

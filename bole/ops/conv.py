@@ -76,13 +76,17 @@ def _check_conv(x, weight, conv_state, forest):
 
 def tree_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                 forest: PackedForest, bias: torch.Tensor | None = None,
-                activation: str | None = "silu") -> torch.Tensor:
-    """Depthwise causal conv of every tree node over its ancestor window. Returns ``[B, T, C]``."""
+                activation: str | None = "silu", windows: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv of every tree node over its ancestor window. Returns ``[B, T, C]``.
+
+    ``windows``: :func:`tree_conv_windows` of the forest on x's device, when the caller reuses
+    them across layers (they depend only on the forest).
+    """
     B, T, C, w, K = _check_conv(x, weight, conv_state, forest)
     if activation not in (None, "silu"):
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     rows = torch.cat([conv_state.transpose(1, 2).reshape(-1, C), x.reshape(B * T, C)])
-    idx = tree_conv_windows(forest, K).to(x.device)
+    idx = tree_conv_windows(forest, K).to(x.device) if windows is None else windows
     win = rows[idx]                                                  # [N, K, C]
     dt = torch.promote_types(torch.float32, x.dtype)
     out = torch.einsum("nkc,ck->nc", win.to(dt), w.to(dt))
@@ -95,7 +99,7 @@ def tree_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
 
 
 def conv_state_commit(x: torch.Tensor, conv_state: torch.Tensor, forest: PackedForest, accepted,
-                      *, inplace: bool = False) -> torch.Tensor:
+                      *, inplace: bool = False, windows: torch.Tensor | None = None) -> torch.Tensor:
     """The conv state after each request's accepted node: the last K-1 inputs along its path.
 
     ``accepted``: ``[R]`` local node index per request. Returns ``[R, C, K-1]`` (written into
@@ -110,7 +114,9 @@ def conv_state_commit(x: torch.Tensor, conv_state: torch.Tensor, forest: PackedF
     nodes, _ = forest.padded_paths(accepted)
     last = nodes[:, -1]                                               # accepted global nodes
     rows = torch.cat([conv_state.transpose(1, 2).reshape(-1, C), x.reshape(B * T, C)])
-    idx = tree_conv_windows(forest, K)[last][:, 1:].to(x.device)     # [R, K-1] newest last
+    if windows is None:
+        windows = tree_conv_windows(forest, K)
+    idx = windows[last.to(windows.device)][:, 1:].to(x.device)        # [R, K-1] newest last
     new = rows[idx].transpose(1, 2)                                   # [R, C, K-1]
     if inplace:
         conv_state.copy_(new)

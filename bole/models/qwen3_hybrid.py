@@ -30,6 +30,7 @@ from bole.models.loader import load_checkpoint
 from bole.models.weights import FP32_SUFFIXES, text_model_specs
 from bole.ops.conv import conv_state_commit, tree_conv1d, tree_conv_windows
 from bole.ops.gdn.closed_form import TreeFactors, commit_factored, tree_gdn_closed_form
+from bole.ops.gdn.common import gates_from_raw
 from bole.ops.gdn.reference import tree_gdn_serial
 from bole.tree import DraftTree, PackedForest
 
@@ -70,6 +71,15 @@ class SectionTimer:
         self.totals.clear()
 
 
+def _fla_chunk():
+    """fla's chunked GDN kernel, or None when fla is not installed (the tree path then prefills)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:               # fla absent, or failing to import on this machine
+        return None
+    return chunk_gated_delta_rule
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm: ``x / rms(x) * (1 + w)`` in fp32, back to x's dtype."""
     h = x.float()
@@ -108,7 +118,9 @@ class TreeForwardOutput:
     conv_inputs: dict[int, torch.Tensor]                      # GDN layer -> [N, conv_dim]
     factors: dict[int, TreeFactors]                           # GDN layer -> factors
     snapshots: dict[int, torch.Tensor] = field(default_factory=dict)  # triton-serial only
+    final_states: dict[int, torch.Tensor] = field(default_factory=dict)  # chain prefill (fla)
     meta: object = None                                       # ForestMeta for the kernels
+    chain_prefill: bool = False                               # GDN by the chunked chain kernel
     conv_windows: torch.Tensor | None = None                  # [N, K] built once per forward
     attention_rows: list = field(default_factory=list)        # per request: lo, hi, n_ctx, visible
 
@@ -134,6 +146,8 @@ class HybridModel:
             raise ValueError(f"gdn_backend must be one of {GDN_BACKENDS} or 'auto', got {gdn_backend!r}")
         self.gdn_backend = gdn_backend
         self.timer: SectionTimer | None = None
+        #: chunked chain kernel for prefill: fla's chunk_gated_delta_rule on the GPU when installed
+        self.prefill_gdn = _fla_chunk() if self.device.type == "cuda" else None
 
     # ---- construction ----
     @classmethod
@@ -257,7 +271,13 @@ class HybridModel:
         q, k, v = q.reshape(1, N, Hk, dk), k.reshape(1, N, Hk, dk), v.reshape(1, N, Hv, dv)
         gates = dict(a=a[None], b=b[None], A_log=w[p + "A_log"], dt_bias=w[p + "dt_bias"],
                      use_qk_l2norm_in_kernel=True)
-        if self.gdn_backend == "torch":
+        if out.chain_prefill:                       # one chain: the chunked prefill kernel
+            g, beta = gates_from_raw(a[None], b[None], w[p + "A_log"], w[p + "dt_bias"])
+            o, out.final_states[layer] = self.prefill_gdn(
+                q, k, v, g=g, beta=beta, initial_state=cache.gdn_state[gi, slots].contiguous(),
+                output_final_state=True, use_qk_l2norm_in_kernel=True)
+            o = o.to(v.dtype)
+        elif self.gdn_backend == "torch":
             o, out.factors[layer] = tree_gdn_closed_form(
                 q, k, v, out.forest, initial_state=cache.gdn_state[gi, slots],
                 check_values=False, **gates)
@@ -306,7 +326,7 @@ class HybridModel:
     # ---- the forward and the commit ----
     @torch.no_grad()
     def forward_tree(self, cache: HybridCache, slots, forest: PackedForest,
-                     tokens: torch.Tensor) -> TreeForwardOutput:
+                     tokens: torch.Tensor, *, chain_prefill: bool = False) -> TreeForwardOutput:
         """Run every node of ``forest`` (one tree per slot) on top of each slot's committed state.
 
         ``tokens [N]``: node tokens, node 0 of each tree the last sampled (not yet seen) token.
@@ -330,8 +350,9 @@ class HybridModel:
                              f"cache's {cache.max_len} tokens per slot")
         positions = forest.positions(lengths)
         out = TreeForwardOutput(None, None, forest, slots, {}, {}, {})
+        out.chain_prefill = chain_prefill and self.prefill_gdn is not None
         # per-forest structure, built once and shared by every layer
-        if self.gdn_backend != "torch":
+        if self.gdn_backend != "torch" and not out.chain_prefill:
             out.meta = forest.kernel_meta(self.device)
         if c.gdn_layers:
             out.conv_windows = tree_conv_windows(forest, c.linear_conv_kernel_dim).to(self.device)
@@ -384,7 +405,12 @@ class HybridModel:
                 path = index[r, :n].to(self.device)
                 cache.k[li, slot, n0:n0 + n] = k[path]
                 cache.v[li, slot, n0:n0 + n] = v[path]
-        if self.gdn_backend == "torch":
+        if out.chain_prefill:                       # the chain kernel's final state
+            if [int(a) for a in accepted] != [n - 1 for n in f.sizes().tolist()]:
+                raise ValueError("a chain prefill commits the whole chunk")
+            for layer, final in out.final_states.items():
+                cache.gdn_state[self.gdn_index[layer], slots] = final.float()
+        elif self.gdn_backend == "torch":
             for layer, factors in out.factors.items():
                 gi = self.gdn_index[layer]
                 cache.gdn_state[gi, slots] = commit_factored(
@@ -432,7 +458,7 @@ class HybridModel:
         for lo in range(0, prompt.numel(), chunk):
             part = prompt[lo:lo + chunk]
             out = self.forward_tree(cache, [slot], PackedForest.pack([DraftTree.chain(len(part))]),
-                                    part)
+                                    part, chain_prefill=True)
             self.commit(cache, out, [len(part) - 1])
             logits.append(out.logits)
             hidden.append(out.hidden)

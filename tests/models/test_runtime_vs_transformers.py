@@ -114,3 +114,28 @@ def test_cache_errors(pair):
         model.decode(cache, [slot], torch.tensor([1]))
     again = cache.allocate(4)                       # freed slots come back zeroed
     assert int(cache.lengths[again]) == 0 and not cache.gdn_state[:, again].any()
+
+
+def test_chain_prefill_plumbing(pair):
+    """The fla prefill path (used on GPUs with fla) wired to a stand-in with fla's signature."""
+    from bole.ops.gdn.reference import chain_gdn_recurrent
+    hf, model = pair
+
+    def fake_fla(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        assert output_final_state and use_qk_l2norm_in_kernel
+        return chain_gdn_recurrent(q, k, v, g, beta, initial_state=initial_state,
+                                   use_qk_l2norm_in_kernel=True)
+
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 64, (13,), generator=gen)
+    saved = model.prefill_gdn
+    model.prefill_gdn = fake_fla
+    try:
+        cache = model.new_cache(1, 64)
+        slot = cache.allocate(32)
+        logits = model.prefill(cache, slot, prompt, chunk=5)
+        step = model.decode(cache, [slot], torch.tensor([3]))
+    finally:
+        model.prefill_gdn = saved
+    assert rel(logits, hf_logits(hf, prompt.tolist())) <= TOL
+    assert rel(step[0], hf_logits(hf, prompt.tolist() + [3])[-1]) <= TOL

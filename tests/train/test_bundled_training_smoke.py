@@ -1,0 +1,72 @@
+"""The bundled-model training script, smoke-run on CPU: its checkpoint loads in transformers and in
+Bole with equal logits, and the trained MTP head means the same thing in training and in Bole's
+drafter (same inputs, same positions, same logits)."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+for blocked in ("fla", "causal_conv1d"):
+    sys.modules.setdefault(blocked, None)
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("bundled_model", ROOT / "train" / "bundled_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path_factory.mktemp("bundled")
+    assert mod.main(["--out", str(out), "--steps", "2", "--tiny", "--seq", "32", "--batch", "2"]) == 0
+    return mod, out
+
+
+def test_checkpoint_layout_and_log(trained):
+    _, out = trained
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "tokenizer.json", "mtp.safetensors", "model.safetensors.index.json",
+            "train_log.json"} <= names
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["eval"]["perplexity"] > 1 and log["held_out_modules"]
+
+
+def test_transformers_and_bole_agree_and_mtp_means_the_same(trained):
+    from transformers import Qwen3_5ForCausalLM
+
+    from bole.models.qwen3_hybrid import HybridModel
+    from bole.spec.mtp import MTPDrafter
+    mod, out = trained
+    hf = Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = HybridModel.from_pretrained(out, dtype=torch.float32)
+    assert "mtp.fc.weight" in ours.w
+    ids = torch.randint(0, ours.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hf_out = hf.model(input_ids=ids[None])
+        hf_logits = hf.lm_head(hf_out.last_hidden_state)[0]
+    cache = ours.new_cache(1, 64)
+    slot = cache.allocate(32)
+    logits, hidden = ours.prefill(cache, slot, ids[:-1], return_hidden=True)
+    assert torch.allclose(logits, hf_logits[:-1], atol=1e-4, rtol=1e-4)
+    # the training MTP head on the whole window ...
+    mtp = mod.MTPHead(hf.config)
+    from safetensors.torch import load_file
+    state = {k.removeprefix("mtp."): v.float() for k, v in load_file(str(out / "mtp.safetensors")).items()}
+    mtp.load_state_dict(state)
+    with torch.no_grad():
+        emb = hf.model.embed_tokens(ids[None, 1:])
+        T = ids.numel() - 1
+        pos = torch.arange(1, T + 1)[None]
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        m = mtp(emb, hf_out.last_hidden_state[:, :-1], hf.model.rotary_emb(emb, pos), mask)
+        train_logits = hf.lm_head(m)[0]                      # row p-1: position p, predicts x_{p+1}
+    # ... equals Bole's drafter: prompt x_0..x_10 observed, root x_11 drafted at position 11
+    drafter = MTPDrafter(ours, 1, 64)
+    drafter.observe(slot, ids[:-1].tolist(), hidden, 0)
+    draft_logits = drafter.expander(slot).node((int(ids[-1]),))[3]
+    assert torch.allclose(draft_logits, train_logits[-1], atol=1e-4, rtol=1e-4)

@@ -70,3 +70,16 @@ def test_transformers_and_bole_agree_and_mtp_means_the_same(trained):
     drafter.observe(slot, ids[:-1].tolist(), hidden, 0)
     draft_logits = drafter.expander(slot).node((int(ids[-1]),))[3]
     assert torch.allclose(draft_logits, train_logits[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_eval_script_runs_every_mode_and_checks_greedy_equality(trained, capsys):
+    spec = importlib.util.spec_from_file_location("eval_bundled", ROOT / "train" / "eval_bundled.py")
+    ev = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ev)
+    _, out = trained
+    assert ev.main(["--model", str(out), "--snippets", "3", "--snippet-len", "24", "--humaneval", "2",
+                    "--max-tokens", "8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for name in ("heldout_stdlib", "humaneval"):
+        assert report[name]["tree"]["equal_to_ar"] and report[name]["chain"]["equal_to_ar"]
+        assert report[name]["tree"]["mean_accepted_tokens"] >= 1.0

@@ -410,29 +410,28 @@ class HybridModel:
                 raise ValueError("a chain prefill commits the whole chunk")
             for layer, final in out.final_states.items():
                 cache.gdn_state[self.gdn_index[layer], slots] = final.float()
-        elif self.gdn_backend == "torch":
-            for layer, factors in out.factors.items():
-                gi = self.gdn_index[layer]
-                cache.gdn_state[gi, slots] = commit_factored(
-                    factors, cache.gdn_state[gi, slots], f, accepted)
-        elif self.gdn_backend == "triton":          # every GDN layer in one launch, in place
-            from bole.ops.gdn.triton_commit import commit_factored_triton
+        elif self.gdn_backend in ("torch", "triton"):   # every GDN layer at once
             layers = sorted(out.factors, key=self.gdn_index.get)
             if [self.gdn_index[g] for g in layers] != list(range(len(self.gdn_index))):
                 raise RuntimeError("the cross-layer commit needs the factors of every GDN layer")
-            commit_factored_triton(TreeFactors.stack([out.factors[g] for g in layers]),
-                                   cache.gdn_state, self._slot_tensor(slots),
-                                   index.to(self.device), lengths.to(self.device))
-        elif self.gdn_backend == "torch-serial":    # copy the accepted node's snapshot
-            last = index.gather(1, (lengths - 1)[:, None])[:, 0].to(self.device)
+            stacked = TreeFactors.stack([out.factors[g] for g in layers])
+            if self.gdn_backend == "torch":
+                cache.gdn_state[:, slots] = commit_factored(stacked, cache.gdn_state[:, slots],
+                                                            f, accepted)
+            else:                                       # one launch, in place
+                from bole.ops.gdn.triton_commit import commit_factored_triton
+                commit_factored_triton(stacked, cache.gdn_state, self._slot_tensor(slots),
+                                       index.to(self.device), lengths.to(self.device))
+        else:                                           # copy the accepted node's snapshot
+            last = index[:, -1].to(self.device)         # rows are padded with the accepted node
             for layer, snaps in out.snapshots.items():
-                cache.gdn_state[self.gdn_index[layer], slots] = snaps[last]
-        else:                                       # copy the accepted node's snapshot
-            from bole.ops.gdn.triton_serial import commit_from_snapshots_triton
-            last = index.gather(1, (lengths - 1)[:, None])[:, 0].to(self.device)
-            for layer, snaps in out.snapshots.items():
-                commit_from_snapshots_triton(snaps, cache.gdn_state[self.gdn_index[layer]],
-                                             self._slot_tensor(slots), last)
+                gi = self.gdn_index[layer]
+                if self.gdn_backend == "torch-serial":
+                    cache.gdn_state[gi, slots] = snaps[last]
+                else:
+                    from bole.ops.gdn.triton_serial import commit_from_snapshots_triton
+                    commit_from_snapshots_triton(snaps, cache.gdn_state[gi],
+                                                 self._slot_tensor(slots), last)
         for layer, mixed in out.conv_inputs.items():
             gi = self.gdn_index[layer]
             cache.conv_state[gi, slots] = conv_state_commit(

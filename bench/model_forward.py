@@ -94,10 +94,21 @@ def main(argv=None) -> int:
     model = HybridModel.random(config, dtype=DTYPES[args.dtype], device=device,
                                gdn_backend=args.backends[0])
     build_s = time.perf_counter() - t0
-    cache = model.new_cache(max_slots=1, max_len=args.prefill + args.depth + 8)
-    slot = cache.allocate(args.prefill + args.depth + 8)
+    cache = model.new_cache(max_slots=2, max_len=args.prefill + args.depth + 8)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (args.prefill,), generator=gen)
+    prefill_kernel = "fla chunk_gated_delta_rule" if model.prefill_gdn is not None else "bole tree path"
+    prefill_check = None
+    if model.prefill_gdn is not None:
+        try:
+            prefill_check = check_prefill(model, cache, prompt[:256])
+        except Exception as exc:  # reported, and the timings still run
+            prefill_check = dict(error=repr(exc))
+        print("prefill check:", json.dumps(prefill_check), flush=True)
+    slot = cache.allocate(args.prefill + args.depth + 8)
+    model.prefill(cache, slot, prompt[:256], chunk=128)          # warm-up (kernel compilation)
+    cache.free(slot)
+    slot = cache.allocate(args.prefill + args.depth + 8)
     sync(device)
     t0 = time.perf_counter()
     model.prefill(cache, slot, prompt, chunk=128)
@@ -140,6 +151,7 @@ def main(argv=None) -> int:
                                             if device.type == "cuda" else "cpu"),
                 torch=torch.__version__, dtype=args.dtype, date=_dt.date.today().isoformat(),
                 prefill_tokens=args.prefill, prefill_s=prefill_s, build_s=build_s,
+                prefill_kernel=prefill_kernel, prefill_check=prefill_check,
                 context=int(cache.lengths[slot]), batch=1)
     try:
         import triton
@@ -161,6 +173,29 @@ def main(argv=None) -> int:
     except Exception as exc:  # the numbers are saved either way
         print(f"plot failed: {exc!r}")
     return 0
+
+
+def check_prefill(model: HybridModel, cache, prompt: torch.Tensor) -> dict:
+    """Prefill logits and committed GDN states with fla's chunk kernel against Bole's own tree path
+    (fla switched off) on the same prompt, next to a control: the tree path against itself with
+    another chunking (equal in exact arithmetic), i.e. how far rounding alone moves this model."""
+    results = {}
+    fla = model.prefill_gdn
+    for name, kernel, chunk in (("fla", fla, 128), ("bole", None, 128), ("bole64", None, 64)):
+        model.prefill_gdn = kernel
+        slot = cache.allocate(prompt.numel() + 1)
+        logits = model.prefill(cache, slot, prompt, chunk=chunk).float()
+        results[name] = (logits, cache.gdn_state[:, slot].float().clone())
+        cache.free(slot)
+    model.prefill_gdn = fla
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    agree = lambda a, b: float((a.argmax(-1) == b.argmax(-1)).float().mean())  # noqa: E731
+    fl, bo, b64 = results["fla"], results["bole"], results["bole64"]
+    return dict(tokens=prompt.numel(), logits_rel_diff=rel(fl[0], bo[0]),
+                gdn_state_rel_diff=rel(fl[1], bo[1]), argmax_agreement=agree(fl[0], bo[0]),
+                control_chunk64_vs_128=dict(logits_rel_diff=rel(b64[0], bo[0]),
+                                            gdn_state_rel_diff=rel(b64[1], bo[1]),
+                                            argmax_agreement=agree(b64[0], bo[0])))
 
 
 def plot(path: Path) -> Path:

@@ -38,14 +38,17 @@ def repetitive_prompts(vocab: int, count: int, length: int, seed: int = 0) -> li
 
 
 def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_tokens: int = 64,
-              depth: int = 8, topk: int = 4, budget: int = 32, seed: int = 0) -> list[ModeResult]:
+              depth: int = 8, topk: int = 4, budget: int = 32, seed: int = 0,
+              drafter: str = "ngram") -> list[ModeResult]:
     params = GenerationParams(max_tokens=max_tokens)
     max_len = max(len(p) for p in prompts) + max_tokens + depth + 2
     outputs, results = {}, []
     for mode in modes:
-        engine = Engine(model, SpecConfig(mode=mode, depth=depth, topk=topk, budget=budget),
+        engine = Engine(model, SpecConfig(mode=mode, drafter=drafter, depth=depth, topk=topk,
+                                          budget=budget),
                         max_slots=len(prompts), max_len=max_len)
-        engine.generate(prompts[:1], GenerationParams(max_tokens=2), seed=seed)   # warm-up
+        # warm-up on the same prompts: kernels compile for the tree sizes this run will see
+        engine.generate(prompts, GenerationParams(max_tokens=min(max_tokens, 2 * depth + 2)), seed=seed)
         engine.stats.update(forward_s=0.0, rounds=0)
         if model.device.type == "cuda":
             torch.cuda.synchronize()
@@ -75,8 +78,9 @@ def write_results(results: list[ModeResult], meta: dict, out_dir: Path) -> tuple
 
     out_dir.mkdir(parents=True, exist_ok=True)
     date = _dt.date.today().isoformat()
-    stem = out_dir / f"bench-{date}-{meta.get('model_name', 'model')}"
-    path = stem.with_suffix(".json")
+    where = "cpu" if meta.get("device", "cpu") == "cpu" else "cuda"
+    stem = f"bench-{date}-{meta.get('model_name', 'model')}-{meta.get('dtype', '')}-{where}"
+    path = out_dir / f"{stem}.json"      # names may hold dots (qwen3.5-9b): no with_suffix
     path.write_text(json.dumps(dict(meta=dict(meta, date=date),
                                     results=[asdict(r) for r in results]), indent=1))
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
@@ -87,6 +91,6 @@ def write_results(results: list[ModeResult], meta: dict, out_dir: Path) -> tuple
         ax.set_title(label, fontsize=9)
     fig.suptitle(f"{meta.get('model_name')} on {meta.get('device')}, {date}", fontsize=9)
     fig.tight_layout()
-    png = stem.with_suffix(".png")
+    png = out_dir / f"{stem}.png"
     fig.savefig(png, dpi=110)
     return path, png

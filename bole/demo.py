@@ -70,7 +70,7 @@ def main(shape_name: str = "qwen3.5-9b", nodes: tuple[int, ...] = (64, 128), dep
          seed: int = 0) -> list[DemoRow]:
     shape = gdn_shape(shape_name)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(f"Bole demo: exact tree verification of one {shape.name} GDN layer "
+    print(f"Bole demo 2/2: exact tree verification of one {shape.name} GDN layer "
           f"(H_k={shape.num_k_heads}, H_v={shape.num_v_heads}, d_k={shape.head_k_dim}, "
           f"d_v={shape.head_v_dim}), random draft trees of depth <= {depth}, raw gates, "
           f"in-kernel q/k l2-norm; CPU torch {torch.__version__}")

@@ -88,10 +88,24 @@ def test_bole_bench_command(tmp_path, capsys):
     from bole.cli import main
     assert main(["bench", "--preset", "tiny", "--prompts", "2", "--prompt-len", "16",
                  "--max-tokens", "12", "--depth", "3", "--out", str(tmp_path), "--device", "cpu"]) == 0
-    files = sorted(p.suffix for p in tmp_path.iterdir())
-    assert files == [".json", ".png"]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert [f.endswith(("tiny-random-float32-cpu.json", "tiny-random-float32-cpu.png")) for f in files] == [True] * 2
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
     modes = {r["mode"]: r for r in data["results"]}
     assert set(modes) == {"ar", "bole", "tree-serial", "chain"}
     assert all(modes[m]["agreement_with_ar"] == 1.0 for m in ("bole", "tree-serial", "chain"))
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_bole_bench_defaults_to_the_bundled_model_with_its_mtp_head(tmp_path, capsys):
+    import json
+
+    pytest.importorskip("tokenizers")
+    from bole.cli import main
+    assert main(["bench", "--prompts", "2", "--max-tokens", "10", "--modes", "ar", "bole",
+                 "--out", str(tmp_path), "--device", "cpu"]) == 0
+    data = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert data["meta"]["model_name"] == "bundled" and data["meta"]["drafter"] == "mtp"
+    assert data["meta"]["prompt_set"] == "code"
+    bole = next(r for r in data["results"] if r["mode"] == "bole")
+    assert bole["agreement_with_ar"] == 1.0 and bole["mean_accepted_tokens"] > 1.0

@@ -33,3 +33,4 @@ def test_demo_prints_agreement_and_ratio(capsys):
     assert main(["demo", "--shape", "qwen3.5-4b", "--nodes", "16", "--depth", "4"]) == 0
     out = capsys.readouterr().out
     assert "agreement: OK" in out and "84.5x" in out
+    assert "identical to plain greedy decoding: yes" in out and "tokens per round" in out

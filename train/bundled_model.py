@@ -29,31 +29,52 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if os.environ.get("BOLE_BLOCK_FLA"):           # fall back to transformers' torch GDN code
+    sys.modules["fla"] = None
 
 EOS = "<|endoftext|>"
 
 
 # ----------------------------------------------------------------------------- data
 
-def stdlib_files() -> list[Path]:
-    base = Path(sysconfig.get_paths()["stdlib"])
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def _rel(f: Path) -> list[str]:
+    return os.path.relpath(f, STDLIB).split(os.sep)
+
+
+def is_test(f: Path) -> bool:
+    parts = _rel(f)
+    return parts[0] == "test" or any(p in ("tests", "idle_test") for p in parts)
+
+
+def module_key(f: Path) -> str:
+    """The module a file belongs to: its top-level package, or for test/test_X the tested module X
+    (so that a held-out module's own tests are held out with it)."""
+    parts = _rel(f)
+    if parts[0] == "test" and len(parts) > 1:
+        return parts[1].removesuffix(".py").removeprefix("test_")
+    return parts[0].removesuffix(".py")
+
+
+def stdlib_files(tests: bool = True) -> list[Path]:
+    """The standard library's own .py files (its test suite too when ``tests`` and installed)."""
     files = []
-    for f in sorted(glob.glob(str(base / "**" / "*.py"), recursive=True)):
-        rel = os.path.relpath(f, base)
-        if rel.startswith(("site-packages", "test", "idlelib/idle_test", "lib2to3/tests")) \
-                or "/test" in rel:
+    for f in sorted(glob.glob(str(STDLIB / "**" / "*.py"), recursive=True)):
+        f = Path(f)
+        if _rel(f)[0] == "site-packages" or (not tests and is_test(f)):
             continue
-        files.append(Path(f))
+        files.append(f)
     return files
 
 
 def split_modules(files: list[Path], eval_share: int = 20) -> tuple[list[Path], list[Path]]:
-    """Whole modules held out: a file goes to eval when hash(top-level module) % eval_share == 0."""
-    base = Path(sysconfig.get_paths()["stdlib"])
+    """Whole modules held out: a file goes to eval when sha1(module_key) % eval_share == 0."""
     train, held = [], []
     for f in files:
-        top = os.path.relpath(f, base).split(os.sep)[0].removesuffix(".py")
-        (held if int(hashlib.sha1(top.encode()).hexdigest(), 16) % eval_share == 0 else train).append(f)
+        key = module_key(f)
+        (held if int(hashlib.sha1(key.encode()).hexdigest(), 16) % eval_share == 0 else train).append(f)
     return train, held
 
 
@@ -79,6 +100,31 @@ def token_stream(tok, texts: list[str]) -> torch.Tensor:
         ids.extend(enc.ids)
         ids.append(eos)
     return torch.tensor(ids, dtype=torch.int64)
+
+
+def corpus(args):
+    """(tokenizer, train stream, held-out stream, held-out file names), built from this machine's
+    standard library, or loaded from ``args.data`` when a previous run prepared it there (so that a
+    machine whose Python lacks the test suite trains on the same corpus)."""
+    from tokenizers import Tokenizer
+    cache = Path(args.data) / "corpus.pt" if args.data else None
+    if cache is not None and cache.is_file():
+        d = torch.load(cache)
+        return (Tokenizer.from_str(d["tokenizer"]), d["train"].long(), d["held"].long(),
+                d["held_files"])
+    train_files, held_files = split_modules(stdlib_files())
+    if args.tiny:
+        train_files, held_files = train_files[:40], held_files[:5]
+    train_texts, held_texts = read(train_files), read(held_files)
+    tok = train_tokenizer(train_texts, args.vocab if not args.tiny else 512)
+    train_stream, held_stream = token_stream(tok, train_texts), token_stream(tok, held_texts)
+    held_names = [os.path.relpath(f, STDLIB) for f in held_files]
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(dict(tokenizer=tok.to_str(), train=train_stream.to(torch.int16),
+                        held=held_stream.to(torch.int16), held_files=held_names,
+                        python=sys.version), cache)
+    return tok, train_stream, held_stream, held_names
 
 
 # ----------------------------------------------------------------------------- model
@@ -126,27 +172,36 @@ class MTPHead(torch.nn.Module):
         return self.norm(x)
 
 
-def losses(model, mtp, batch: torch.Tensor):
-    """(next-token loss, MTP loss) for token windows ``batch [B, T + 1]``."""
+def losses(model, mtp, batch: torch.Tensor, mtp_steps: int = 1):
+    """(next-token loss, [MTP loss of step 1 .. mtp_steps]) for token windows ``batch [B, L + 1]``.
+
+    MTP step 1 at position p reads embed(x_p) and the target's h_{p-1} and predicts x_{p+1}; step
+    k > 1 reads embed(x_p) and step k-1's own output at p - 1 and predicts x_{p+1} — exactly how the
+    drafter chains the head for deeper tree nodes (bole/spec/mtp.py).
+    """
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    out = model.model(input_ids=inputs)
+    out = model.model(input_ids=inputs, use_cache=False)
     hidden = out.last_hidden_state                           # final-norm hidden states
     logits = model.lm_head(hidden)
     main = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    # MTP at positions p = 1 .. T-1: reads embed(x_p) and h_{p-1}, predicts x_{p+1}
-    emb = model.model.embed_tokens(inputs[:, 1:])
-    T = inputs.shape[1] - 1
-    pos = torch.arange(1, T + 1, device=batch.device)[None].expand(batch.shape[0], -1)
-    cos_sin = model.model.rotary_emb(emb, pos)
-    mask = torch.full((T, T), float("-inf"), device=batch.device).triu(1)[None, None]
-    m = mtp(emb, hidden[:, :-1], cos_sin, mask.to(emb.dtype))
-    mtp_logits = model.lm_head(m)
-    aux = F.cross_entropy(mtp_logits.float().reshape(-1, mtp_logits.shape[-1]),
-                          targets[:, 1:].reshape(-1))
+    L = inputs.shape[1]
+    prev, aux = hidden, []
+    for k in range(1, mtp_steps + 1):
+        emb = model.model.embed_tokens(inputs[:, k:])         # positions p = k .. L-1
+        T = L - k
+        pos = torch.arange(k, L, device=batch.device)[None].expand(batch.shape[0], -1)
+        cos_sin = model.model.rotary_emb(emb, pos)
+        mask = torch.full((T, T), float("-inf"), device=batch.device).triu(1)[None, None]
+        prev = mtp(emb, prev[:, :-1], cos_sin, mask.to(emb.dtype))
+        mtp_logits = model.lm_head(prev)
+        aux.append(F.cross_entropy(mtp_logits.float().reshape(-1, mtp_logits.shape[-1]),
+                                   targets[:, k:].reshape(-1)))
     return main, aux
 
 
-def evaluate(model, mtp, stream: torch.Tensor, seq: int, batches: int, device) -> dict:
+def evaluate(model, mtp, stream: torch.Tensor, seq: int, batches: int, device,
+             mtp_steps: int) -> dict:
+    """Held-out loss and perplexity of the model, and the loss of each MTP step."""
     model.eval()
     mains, auxs = [], []
     with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16,
@@ -154,12 +209,13 @@ def evaluate(model, mtp, stream: torch.Tensor, seq: int, batches: int, device) -
         n = (len(stream) - 1) // seq
         for i in range(min(batches, n)):
             w = stream[i * seq: i * seq + seq + 1][None].to(device)
-            a, b = losses(model, mtp, w)
+            a, b = losses(model, mtp, w, mtp_steps)
             mains.append(float(a))
-            auxs.append(float(b))
+            auxs.append([float(x) for x in b])
     model.train()
     loss = sum(mains) / max(1, len(mains))
-    return dict(loss=loss, perplexity=math.exp(loss), mtp_loss=sum(auxs) / max(1, len(auxs)))
+    steps = [sum(a[k] for a in auxs) / max(1, len(auxs)) for k in range(mtp_steps)]
+    return dict(loss=loss, perplexity=math.exp(loss), mtp_loss_per_step=steps)
 
 
 # ----------------------------------------------------------------------------- main
@@ -172,10 +228,18 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--mtp-weight", type=float, default=0.3)
-    ap.add_argument("--minutes", type=float, default=8.0, help="stop training after this long")
+    ap.add_argument("--mtp-weight", type=float, default=0.5,
+                    help="weight of the mean MTP loss over its steps")
+    ap.add_argument("--mtp-steps", type=int, default=3,
+                    help="chained MTP steps trained (the drafter chains the head up to the depth)")
+    ap.add_argument("--minutes", type=float, default=8.0,
+                    help="wall-clock budget of the whole run; the cosine schedule follows whichever "
+                         "of steps or time runs out first")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes for a CPU smoke run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", default=None,
+                    help="corpus cache folder: loaded when it holds corpus.pt, else written there")
+    ap.add_argument("--prepare-only", action="store_true", help="build the corpus cache and stop")
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -183,15 +247,12 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
 
-    train_files, held_files = split_modules(stdlib_files())
-    if args.tiny:
-        train_files, held_files = train_files[:40], held_files[:5]
-    train_texts, held_texts = read(train_files), read(held_files)
-    tok = train_tokenizer(train_texts, args.vocab if not args.tiny else 512)
+    tok, train_stream, held_stream, held_names = corpus(args)
     tok.save(str(out / "tokenizer.json"))
-    train_stream, held_stream = token_stream(tok, train_texts), token_stream(tok, held_texts)
     print(f"tokens: train {len(train_stream)}, held-out {len(held_stream)} "
-          f"({len(held_files)} files)", flush=True)
+          f"({len(held_names)} files)", flush=True)
+    if args.prepare_only:
+        return 0
 
     from transformers import Qwen3_5ForCausalLM
     config = make_config(tok.get_vocab_size(), tok.token_to_id(EOS), args.tiny)
@@ -202,34 +263,44 @@ def main(argv=None) -> int:
           f"MTP {sum(p.numel() for p in mtp.parameters()) / 1e6:.2f} M", flush=True)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, min(200, args.steps // 10))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, s / max(1, args.steps)))))
+    deadline = t_start + args.minutes * 60 - 45        # leave time for evaluation and saving
+    t_train = time.time()
+
+    def lr_at(step: int) -> float:
+        progress = max(step / max(1, args.steps),
+                       (time.time() - t_train) / max(1.0, deadline - t_train))
+        return args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
     log = dict(args=vars(args), train=[], eval=[])
     gen = torch.Generator().manual_seed(args.seed)
     for step in range(args.steps):
         starts = torch.randint(0, len(train_stream) - args.seq - 2, (args.batch,), generator=gen)
         batch = torch.stack([train_stream[s: s + args.seq + 1] for s in starts]).to(device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            main_loss, mtp_loss = losses(model, mtp, batch)
-            loss = main_loss + args.mtp_weight * mtp_loss
+            main_loss, mtp_losses = losses(model, mtp, batch, args.mtp_steps)
+            loss = main_loss + args.mtp_weight * sum(mtp_losses) / len(mtp_losses)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        sched.step()
-        if step % 50 == 0 or step == args.steps - 1:
+        last = step == args.steps - 1 or time.time() > deadline
+        if step % 50 == 0 or last:
             log["train"].append(dict(step=step, loss=float(main_loss.detach()),
-                                     mtp_loss=float(mtp_loss.detach()),
-                                     seconds=time.time() - t_start))
+                                     mtp_loss_per_step=[float(x.detach()) for x in mtp_losses],
+                                     lr=lr_at(step), seconds=time.time() - t_start))
             print(json.dumps(log["train"][-1]), flush=True)
-        if time.time() - t_start > args.minutes * 60:
-            print(f"time limit reached at step {step}", flush=True)
+        if last:
+            if step < args.steps - 1:
+                print(f"time limit reached at step {step}", flush=True)
             break
-    log["eval"] = evaluate(model, mtp, held_stream, args.seq, 64 if not args.tiny else 2, device)
+    log["eval"] = evaluate(model, mtp, held_stream, args.seq, 64 if not args.tiny else 2, device,
+                           args.mtp_steps)
     print("held-out:", json.dumps(log["eval"]), flush=True)
 
     save(model, mtp, out)
-    log["held_out_modules"] = sorted({f.name for f in held_files})
+    log["held_out_files"] = held_names
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     return 0
 

@@ -35,7 +35,7 @@ def _training_module():
 def heldout_prompts(tokenizer, count: int, length: int, seed: int = 0) -> list[list[int]]:
     """``count`` windows of ``length`` tokens from the held-out standard-library modules."""
     mod = _training_module()
-    _, held = mod.split_modules(mod.stdlib_files())
+    _, held = mod.split_modules(mod.stdlib_files(tests=False))
     stream = mod.token_stream(tokenizer, mod.read(held))
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(stream) - length - 1, (count,), generator=gen).tolist()

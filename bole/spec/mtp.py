@@ -91,34 +91,50 @@ class MTPDrafter:
 
     # ---- drafting ----
     def expander(self, slot: int) -> Expander:
-        """Expander for one round: the root is the next token, at position ``length[slot]``."""
+        """Expander for one round: the root is the next token, at position ``length[slot]``.
+
+        Each call computes the MTP step of all its new nodes in one batched layer call (a tree
+        level), each node attending to the committed context, its own ancestors and itself."""
         n = self.length[slot]
         memo: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}   # path -> (m, k, v, logits)
         ctx_k, ctx_v = self._context(slot)
+        dev = self.k.device
 
         @torch.no_grad()
+        def compute(paths: list[tuple[int, ...]]) -> None:
+            todo = {p[:i] for p in paths for i in range(1, len(p) + 1)} - memo.keys()
+            for depth in sorted({len(p) for p in todo}):
+                level = sorted(p for p in todo if len(p) == depth)
+                ancestors = sorted({p[:i] for p in level for i in range(1, depth)})
+                where = {a: i for i, a in enumerate(ancestors)}
+                C, A, T = ctx_k.shape[0], len(ancestors), len(level)
+                visible = torch.zeros(T, C + A + T, dtype=torch.bool)
+                visible[:, :C] = True
+                for j, p in enumerate(level):
+                    for i in range(1, depth):
+                        visible[j, C + where[p[:i]]] = True
+                    visible[j, C + A + j] = True
+                keys = torch.cat([ctx_k] + [memo[a][1] for a in ancestors])
+                vals = torch.cat([ctx_v] + [memo[a][2] for a in ancestors])
+                parent_m = torch.stack([memo[p[:-1]][0] if depth > 1 else self.last_hidden[slot]
+                                        for p in level])
+                logits, m, k, v = self._step(
+                    torch.tensor([p[-1] for p in level], device=dev), parent_m,
+                    torch.full((T,), n + depth - 1), keys, vals, visible.to(dev))
+                for j, p in enumerate(level):
+                    memo[p] = (m[j], k[j:j + 1], v[j:j + 1], logits[j])
+
         def node(path: tuple[int, ...]):
             """(m, k, v, logits) of the last node of ``path``, computing ancestors first."""
-            if path in memo:
-                return memo[path]
-            anc = [node(path[:i]) for i in range(1, len(path))]
-            parent_m = anc[-1][0] if anc else self.last_hidden[slot]
-            keys = torch.cat([ctx_k] + [a[1] for a in anc]) if anc else ctx_k
-            vals = torch.cat([ctx_v] + [a[2] for a in anc]) if anc else ctx_v
-            visible = torch.ones(1, keys.shape[0] + 1, dtype=torch.bool, device=self.k.device)
-            logits, m, k, v = self._step(torch.tensor([path[-1]], device=self.k.device),
-                                         parent_m[None], torch.tensor([n + len(path) - 1]),
-                                         keys, vals, visible)
-            memo[path] = (m[0], k, v, logits[0])
+            if path not in memo:
+                compute([path])
             return memo[path]
 
         def expand(paths, k):
-            out = []
-            for path in paths:
-                logits = node(tuple(int(t) for t in path))[3]
-                probs = torch.softmax(logits.float(), -1)
-                top = torch.topk(probs, k)
-                out.append(list(zip(top.indices.tolist(), top.values.tolist())))
-            return out
+            paths = [tuple(int(t) for t in path) for path in paths]
+            compute(paths)
+            probs = torch.softmax(torch.stack([memo[p][3] for p in paths]).float(), -1)
+            top = torch.topk(probs, k)
+            return [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
         expand.node = node          # (m, k, v, logits) of a path's last node, for tests
         return expand

@@ -33,7 +33,7 @@ def test_checkpoint_layout_and_log(trained):
     assert {"config.json", "tokenizer.json", "mtp.safetensors", "model.safetensors.index.json",
             "train_log.json"} <= names
     log = json.loads((out / "train_log.json").read_text())
-    assert log["eval"]["perplexity"] > 1 and log["held_out_modules"]
+    assert log["eval"]["perplexity"] > 1 and log["held_out_files"]
 
 
 def test_transformers_and_bole_agree_and_mtp_means_the_same(trained):

@@ -155,7 +155,8 @@ def _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h
               D_K: tl.constexpr, D_V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, L2NORM: tl.constexpr):
     """Padding rows ``p0 .. p0 + BT`` of this program's value tile: o = u = 0, L = 0 (once per head),
-    and k_inv_norm of the padding keys (once per key head), so keys() is defined on every row."""
+    and k_inv_norm of the padding keys (once per key head), so keys() is defined on every row.
+    ``first_tile`` is a [BT] vector (all equal): whether this is the head's first value tile."""
     rows = tl.arange(0, BT)
     p_ok = (p0 + rows) < num_nodes
     base = p0.to(tl.int64)                                           # 64-bit scalar row base
@@ -167,7 +168,7 @@ def _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h
     tl.store(L_ptr + base * H_V + rows * H_V + h, tl.zeros([BT], dtype=tl.float64),
              mask=p_ok & first_tile)
     if L2NORM:
-        w_ok = p_ok & first_tile & (h % GROUP == 0)
+        w_ok = p_ok & first_tile & ((rows * 0 + h % GROUP) == 0)
         k_rows = k_ptr + base * s_kn + hk * s_kh
         ss = tl.zeros([BT], dtype=tl.float32)
         for k0 in range(0, D_K, BK):
@@ -235,7 +236,8 @@ def _neumann(G, Rm, max_depth, PREC: tl.constexpr, INTERPRET: tl.constexpr):
     return U
 
 
-@triton.jit
+# the sizes vary round to round: specialising on them (== 1, % 16) would compile a variant each
+@triton.jit(do_not_specialize=["num_nodes", "num_requests", "max_depth"])
 def _tree_gdn_verify_kernel(
     q_ptr, k_ptr, v_ptr,
     g_ptr, beta_ptr,                # g, beta  -- or the raw a, b when RAW_GATES
@@ -379,11 +381,12 @@ def _tree_gdn_verify_kernel(
     out_mask = row_ok[:, None] & v_ok[None, :]
     tl.store(o_ptr + lo * (H_V * D_V) + out_off, O.to(o_ptr.dtype.element_ty), mask=out_mask)
     tl.store(u_ptr + lo * (H_V * D_V) + out_off, U, mask=out_mask)
-    first_tile = iv == 0
+    # masks as row vectors (Triton >= 3.7's interpreter refuses a scalar bool in a mask)
+    first_tile = (rows * 0 + iv) == 0                    # [BT], all equal
     tl.store(L_ptr + lo * H_V + rows * H_V + h, L, mask=row_ok & first_tile)
     if L2NORM:
         tl.store(kinv_ptr + lo * H_K + rows * H_K + hk, rk,
-                 mask=row_ok & first_tile & (h % GROUP == 0))
+                 mask=row_ok & first_tile & ((rows * 0 + h % GROUP) == 0))
 
     # ---- padding rows (past cu_nodes[-1]) are written by the last request's programs ----
     if r == num_requests - 1:

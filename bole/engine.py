@@ -22,7 +22,7 @@ import torch
 
 from bole.models.qwen3_hybrid import HybridModel
 from bole.spec.accept import accept_forest
-from bole.spec.draft_tree import build_draft_tree
+from bole.spec.draft_tree import build_draft_trees, per_request
 from bole.spec.drafters import DraftModelDrafter, NgramDrafter
 from bole.spec.mtp import MTPDrafter
 from bole.spec.sampling import SamplingParams, target_probs
@@ -166,11 +166,7 @@ class Engine:
 
     # ---- one round ----
     def _round(self, active: list[_Request], gen: torch.Generator) -> None:
-        trees, tokens = [], []
-        for r in active:
-            tree, toks = self._draft(r)
-            trees.append(tree)
-            tokens.append(toks)
+        trees, tokens = self._draft(active)
         forest = PackedForest.pack(trees)
         node_tokens = torch.cat(tokens)
         t0 = time.perf_counter()
@@ -194,22 +190,25 @@ class Engine:
         for r, new in zip(active, acc.new_tokens):
             self._emit(r, new, rounds=1)
 
-    def _draft(self, r: _Request) -> tuple[DraftTree, torch.Tensor]:
-        root = r.out[-1]
+    def _draft(self, active: list[_Request]) -> tuple[list[DraftTree], list[torch.Tensor]]:
+        """Draft every active request's tree; all requests' frontiers grow together, one batched
+        drafter call per tree level."""
+        roots = [r.out[-1] for r in active]
         if self.spec.mode == "ar":
-            return DraftTree.chain(1), torch.tensor([root])
-        remaining = r.params.max_tokens - len(r.out)
-        depth = max(0, min(self.spec.depth, remaining - 1))
-        topk = 1 if self.spec.mode == "chain" else self.spec.topk
-        budget = depth + 1 if self.spec.mode == "chain" else self.spec.budget
+            return [DraftTree.chain(1)] * len(active), [torch.tensor([t]) for t in roots]
+        # never draft past max_tokens: the round emits at most depth + 1 tokens
+        depths = [max(0, min(self.spec.depth, r.params.max_tokens - len(r.out) - 1)) for r in active]
+        chain = self.spec.mode == "chain"
+        topk = 1 if chain else self.spec.topk
+        budget = self.spec.depth + 1 if chain else self.spec.budget
         if self.mtp is not None:
-            expander = self.mtp.expander(r.slot)
+            expand = self.mtp.batch_expander([r.slot for r in active])
         elif self.draft is not None:
-            expander = self.draft.expander(r.slot)
+            expand = self.draft.batch_expander([r.slot for r in active])
         else:
-            expander = self.ngram.expander(r.prompt + r.out)
-        res = build_draft_tree(root, expander, depth=depth, topk=topk, budget=budget)
-        return res.tree, res.tokens
+            expand = per_request([self.ngram.expander(r.prompt + r.out) for r in active])
+        results = build_draft_trees(roots, expand, depths=depths, topk=topk, budget=budget)
+        return [res.tree for res in results], [res.tokens for res in results]
 
     def _sample(self, logits: torch.Tensor, sampling: SamplingParams, gen) -> list[int]:
         probs = target_probs(logits, sampling)

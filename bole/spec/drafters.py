@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from bole.spec.draft_tree import Expander
+from bole.spec.draft_tree import BatchExpander, Expander
 
 
 class NgramDrafter:
@@ -87,27 +87,51 @@ class DraftModelDrafter:
             [DraftTree.chain(len(tokens))]), torch.tensor(list(tokens)))
         self.model.commit(self.cache, out, [len(tokens) - 1])
 
-    def expander(self, target_slot: int) -> Expander:
+    def batch_expander(self, target_slots: Sequence[int]) -> BatchExpander:
+        """One tree forward of the draft model per call, over the tries of every request's paths
+        (each request on its own slot, so each node gets the state after its own ancestors)."""
         import torch
         from bole.tree import DraftTree, PackedForest
-        slot = self.slots[target_slot]
+        slots = [self.slots[t] for t in target_slots]
+
+        def expand_batch(paths_per_request, k):
+            live = [i for i, paths in enumerate(paths_per_request) if paths]
+            result: list[list] = [[] for _ in paths_per_request]
+            if not live:
+                return result
+            trees, tokens, index = [], [], []
+            for i in live:
+                trie: dict[tuple[int, ...], int] = {}
+                parents, toks = [], []
+                for path in paths_per_request[i]:
+                    for d in range(1, len(path) + 1):
+                        key = tuple(int(t) for t in path[:d])
+                        if key not in trie:
+                            trie[key] = len(parents)
+                            parents.append(trie[key[:-1]] if d > 1 else -1)
+                            toks.append(key[-1])
+                trees.append(DraftTree.from_parents(parents))
+                index.append(trie)
+                tokens.extend(toks)
+            forest = PackedForest.pack(trees)
+            out = self.model.forward_tree(self.cache, [slots[i] for i in live], forest,
+                                          torch.tensor(tokens))
+            rows = [int(forest.cu_nodes[j]) + index[j][tuple(int(t) for t in path)]
+                    for j, i in enumerate(live) for path in paths_per_request[i]]
+            top = torch.topk(torch.softmax(out.logits[rows].float(), -1), k)
+            flat = [list(zip(a, b)) for a, b in zip(top.indices.tolist(), top.values.tolist())]
+            pos = 0
+            for i in live:
+                n = len(paths_per_request[i])
+                result[i] = flat[pos: pos + n]
+                pos += n
+            return result
+        return expand_batch
+
+    def expander(self, target_slot: int) -> Expander:
+        """Expander for one request (the batch expander over ``[target_slot]``)."""
+        batch = self.batch_expander([target_slot])
 
         def expand(paths, k):
-            trie: dict[tuple[int, ...], int] = {}
-            parents, tokens = [], []
-            for path in paths:
-                for d in range(1, len(path) + 1):
-                    key = tuple(int(t) for t in path[:d])
-                    if key not in trie:
-                        trie[key] = len(parents)
-                        parents.append(trie[key[:-1]] if d > 1 else -1)
-                        tokens.append(key[-1])
-            forest = PackedForest.pack([DraftTree.from_parents(parents)])
-            out = self.model.forward_tree(self.cache, [slot], forest, torch.tensor(tokens))
-            result = []
-            for path in paths:
-                probs = torch.softmax(out.logits[trie[tuple(int(t) for t in path)]], -1)
-                top = torch.topk(probs, k)
-                result.append(list(zip(top.indices.tolist(), top.values.tolist())))
-            return result
+            return batch([paths], k)[0] if paths else []
         return expand

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from bole.models.qwen3_hybrid import HybridModel, rms_norm
-from bole.spec.draft_tree import Expander
+from bole.spec.draft_tree import BatchExpander, Expander
 
 MTP_LAYER = "mtp.layers.0."
 
@@ -90,51 +90,75 @@ class MTPDrafter:
         self.last_hidden[slot] = hiddens[-1]
 
     # ---- drafting ----
-    def expander(self, slot: int) -> Expander:
-        """Expander for one round: the root is the next token, at position ``length[slot]``.
-
-        Each call computes the MTP step of all its new nodes in one batched layer call (a tree
-        level), each node attending to the committed context, its own ancestors and itself."""
-        n = self.length[slot]
-        memo: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}   # path -> (m, k, v, logits)
-        ctx_k, ctx_v = self._context(slot)
+    def batch_expander(self, slots: list[int]) -> BatchExpander:
+        """Batch expander for one round over ``slots``: each root is its slot's next token, at
+        position ``length[slot]``. Each call computes all new nodes of all requests in one layer
+        call per tree level; a node attends to its own slot's committed MTP context, its own
+        ancestors and itself (a block-structured mask over the concatenated keys)."""
         dev = self.k.device
+        starts = [self.length[s] for s in slots]
+        contexts = [self._context(s) for s in slots]
+        ctx_k = torch.cat([c[0] for c in contexts])
+        ctx_v = torch.cat([c[1] for c in contexts])
+        ctx_lo = [0]
+        for c in contexts:
+            ctx_lo.append(ctx_lo[-1] + c[0].shape[0])
+        memo: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, ...]] = {}  # (m, k, v, logits)
 
         @torch.no_grad()
-        def compute(paths: list[tuple[int, ...]]) -> None:
-            todo = {p[:i] for p in paths for i in range(1, len(p) + 1)} - memo.keys()
-            for depth in sorted({len(p) for p in todo}):
-                level = sorted(p for p in todo if len(p) == depth)
-                ancestors = sorted({p[:i] for p in level for i in range(1, depth)})
-                where = {a: i for i, a in enumerate(ancestors)}
+        def compute(nodes: list[tuple[int, tuple[int, ...]]]) -> None:
+            """Compute (request, path) nodes missing from the memo, their ancestors first."""
+            todo = {(i, p[:d]) for i, p in nodes for d in range(1, len(p) + 1)} - memo.keys()
+            for depth in sorted({len(p) for _, p in todo}):
+                level = sorted(x for x in todo if len(x[1]) == depth)
+                ancestors = sorted({(i, p[:d]) for i, p in level for d in range(1, depth)})
+                where = {a: j for j, a in enumerate(ancestors)}
                 C, A, T = ctx_k.shape[0], len(ancestors), len(level)
                 visible = torch.zeros(T, C + A + T, dtype=torch.bool)
-                visible[:, :C] = True
-                for j, p in enumerate(level):
-                    for i in range(1, depth):
-                        visible[j, C + where[p[:i]]] = True
+                for j, (i, p) in enumerate(level):
+                    visible[j, ctx_lo[i]:ctx_lo[i + 1]] = True
+                    for d in range(1, depth):
+                        visible[j, C + where[(i, p[:d])]] = True
                     visible[j, C + A + j] = True
                 keys = torch.cat([ctx_k] + [memo[a][1] for a in ancestors])
                 vals = torch.cat([ctx_v] + [memo[a][2] for a in ancestors])
-                parent_m = torch.stack([memo[p[:-1]][0] if depth > 1 else self.last_hidden[slot]
-                                        for p in level])
+                parent_m = torch.stack([memo[(i, p[:-1])][0] if depth > 1
+                                        else self.last_hidden[slots[i]] for i, p in level])
+                positions = torch.tensor([starts[i] + depth - 1 for i, _ in level])
                 logits, m, k, v = self._step(
-                    torch.tensor([p[-1] for p in level], device=dev), parent_m,
-                    torch.full((T,), n + depth - 1), keys, vals, visible.to(dev))
-                for j, p in enumerate(level):
-                    memo[p] = (m[j], k[j:j + 1], v[j:j + 1], logits[j])
+                    torch.tensor([p[-1] for _, p in level], device=dev), parent_m, positions,
+                    keys, vals, visible.to(dev))
+                for j, x in enumerate(level):
+                    memo[x] = (m[j], k[j:j + 1], v[j:j + 1], logits[j])
 
-        def node(path: tuple[int, ...]):
-            """(m, k, v, logits) of the last node of ``path``, computing ancestors first."""
-            if path not in memo:
-                compute([path])
-            return memo[path]
+        def node(i: int, path: tuple[int, ...]):
+            """(m, k, v, logits) of the last node of request ``i``'s ``path``."""
+            if (i, path) not in memo:
+                compute([(i, path)])
+            return memo[(i, path)]
+
+        def expand_batch(paths_per_request, k):
+            nodes = [(i, tuple(int(t) for t in path))
+                     for i, paths in enumerate(paths_per_request) for path in paths]
+            if not nodes:
+                return [[] for _ in paths_per_request]
+            compute(nodes)
+            probs = torch.softmax(torch.stack([memo[x][3] for x in nodes]).float(), -1)
+            top = torch.topk(probs, k)
+            flat = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+            out, pos = [], 0
+            for paths in paths_per_request:
+                out.append(flat[pos: pos + len(paths)])
+                pos += len(paths)
+            return out
+        expand_batch.node = node
+        return expand_batch
+
+    def expander(self, slot: int) -> Expander:
+        """Expander for one slot (the batch expander over ``[slot]``)."""
+        batch = self.batch_expander([slot])
 
         def expand(paths, k):
-            paths = [tuple(int(t) for t in path) for path in paths]
-            compute(paths)
-            probs = torch.softmax(torch.stack([memo[p][3] for p in paths]).float(), -1)
-            top = torch.topk(probs, k)
-            return [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
-        expand.node = node          # (m, k, v, logits) of a path's last node, for tests
+            return batch([paths], k)[0]
+        expand.node = lambda path: batch.node(0, tuple(path))  # (m, k, v, logits), for tests
         return expand

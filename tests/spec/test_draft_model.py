@@ -48,3 +48,20 @@ def test_draft_model_errors():
                                dtype=torch.float32)
     with pytest.raises(ValueError, match="vocabulary"):
         Engine(target, SpecConfig(drafter="draft"), draft_model=other)
+
+
+def test_batched_draft_model_expansion_equals_each_request_alone():
+    from bole.spec.drafters import DraftModelDrafter
+    draft = tiny(2)
+    drafter = DraftModelDrafter(draft, draft.config.vocab_size, max_slots=3, max_len=64)
+    for target_slot, prompt in zip((0, 2), PROMPTS):
+        drafter.start(target_slot, prompt)
+    paths = [[[5], [5, 3]], [[7], [7, 1], [7, 1, 2]]]
+    batched = drafter.batch_expander([0, 2])(paths, 3)
+    for slot, p, got in zip((0, 2), paths, batched):
+        alone = drafter.expander(slot)(p, 3)
+        for x, y in zip(got, alone):
+            assert [t for t, _ in x] == [t for t, _ in y]
+            assert torch.allclose(torch.tensor([q for _, q in x]), torch.tensor([q for _, q in y]),
+                                  atol=1e-5)
+    assert drafter.batch_expander([0, 2])([[], []], 3) == [[], []]

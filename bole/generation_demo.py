@@ -41,9 +41,10 @@ def run(model_dir: str | Path = BUNDLED_MODEL, prompt: str | None = None, max_to
         result = engine.generate([ids], params)[0]
         runs[mode] = (result, time.perf_counter() - t0, engine.text(result, params))
     (spec, spec_s, text), (ar, ar_s, _) = runs["bole"], runs["ar"]
-    print(f"Bole demo 1/2: the bundled model ({model_dir.name}, {device}, {str(dtype)[6:]}) "
-          f"continues a prompt; its MTP head drafts a depth-{depth}, top-{topk} tree of up to "
-          f"{budget} nodes per round\n")
+    who = "the bundled model" if model_dir.resolve() == BUNDLED_MODEL.resolve() else model_dir.name
+    source = "its MTP head" if drafter == "mtp" else "n-gram lookup"
+    print(f"Bole demo 1/2: {who} ({device}, {str(dtype)[6:]}) continues a prompt; {source} drafts "
+          f"a depth-{depth}, top-{topk} tree of up to {budget} nodes per round\n")
     print(prompt + text)
     stats = dict(tokens=len(spec.token_ids), rounds=spec.rounds,
                  mean_accepted_tokens=spec.mean_accepted_tokens,

@@ -28,12 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
-from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.engine import Engine, GenerationParams, SpecConfig, default_drafter  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 
 
 def generate(model, prompts, mode: str, max_tokens: int, gdn_backend: str | None = None):
-    drafter = "mtp" if "mtp.fc.weight" in model.w else "ngram"
+    drafter = default_drafter(model)
     engine = Engine(model, SpecConfig(mode=mode, drafter=drafter, depth=8, topk=4, budget=32),
                     max_slots=len(prompts), max_len=max(map(len, prompts)) + max_tokens + 12)
     if gdn_backend is not None:

@@ -83,6 +83,7 @@ def _bench(args) -> int:
 
     from bole.assets import code_prompts
     from bole.benchmark import repetitive_prompts, run_modes, write_results
+    from bole.engine import default_drafter
     from bole.models.presets import preset_config
     from bole.models.qwen3_hybrid import HybridModel
 
@@ -108,7 +109,7 @@ def _bench(args) -> int:
         prompts = [tokenizer.encode(texts[i % len(texts)]).ids for i in range(args.prompts)]
     else:
         prompts = repetitive_prompts(model.config.vocab_size, args.prompts, args.prompt_len)
-    drafter = args.drafter or ("mtp" if "mtp.fc.weight" in model.w else "ngram")
+    drafter = args.drafter or default_drafter(model)
     results = run_modes(model, prompts, args.modes, max_tokens=args.max_tokens, depth=args.depth,
                         topk=args.topk, budget=args.budget, drafter=drafter)
     meta = dict(model_name=name, device=torch.cuda.get_device_name() if device.startswith("cuda")
@@ -137,7 +138,7 @@ def _generate(args) -> int:
     import torch
     from tokenizers import Tokenizer
 
-    from bole.engine import Engine, GenerationParams, SpecConfig
+    from bole.engine import Engine, GenerationParams, SpecConfig, default_drafter
     from bole.models.qwen3_hybrid import HybridModel
     from bole.spec.sampling import SamplingParams
 
@@ -158,8 +159,7 @@ def _generate(args) -> int:
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
     draft_model = (HybridModel.from_pretrained(args.draft_model, dtype=dtype, device=device)
                    if args.draft_model else None)
-    drafter = args.drafter or ("draft" if draft_model is not None else
-                               "mtp" if "mtp.fc.weight" in model.w else "ngram")
+    drafter = args.drafter or ("draft" if draft_model is not None else default_drafter(model))
     spec = SpecConfig(args.mode, drafter, args.depth, args.topk, args.budget)
     engine = Engine(model, spec, max_slots=1,
                     max_len=len(ids) + max(args.max_tokens, 1) + args.depth + 2, tokenizer=tokenizer,

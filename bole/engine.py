@@ -32,6 +32,11 @@ MODES = ("ar", "bole", "tree-serial", "chain")
 DRAFTERS = ("ngram", "mtp", "draft")
 
 
+def default_drafter(model: HybridModel) -> str:
+    """The checkpoint's MTP head when it has one, else n-gram lookup."""
+    return "mtp" if model.has_mtp_head else "ngram"
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     mode: str = "bole"

@@ -18,7 +18,7 @@ def run(model_dir: str | Path = BUNDLED_MODEL, prompt: str | None = None, max_to
     from tokenizers import Tokenizer
 
     from bole.assets import code_prompts
-    from bole.engine import Engine, GenerationParams, SpecConfig
+    from bole.engine import Engine, GenerationParams, SpecConfig, default_drafter
     from bole.models.qwen3_hybrid import HybridModel
 
     model_dir = Path(model_dir)
@@ -27,7 +27,7 @@ def run(model_dir: str | Path = BUNDLED_MODEL, prompt: str | None = None, max_to
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     model = HybridModel.from_pretrained(model_dir, dtype=dtype, device=device)
-    drafter = "mtp" if "mtp.fc.weight" in model.w else "ngram"
+    drafter = default_drafter(model)
     ids = tok.encode(prompt).ids
     # one function: stop where the next top-level definition would begin
     params = GenerationParams(max_tokens=max_tokens, stop_token_ids=model.config.eos_token_id,

@@ -176,6 +176,11 @@ class HybridModel:
             tensors[name] = t.to(torch.float32 if name.endswith(FP32_SUFFIXES) else dtype)
         return cls(config, tensors, gdn_backend)
 
+    @property
+    def has_mtp_head(self) -> bool:
+        """Whether the checkpoint carried an MTP head (its ``mtp.*`` tensors were loaded)."""
+        return "mtp.fc.weight" in self.w
+
     def new_cache(self, max_slots: int, max_len: int) -> HybridCache:
         return HybridCache(CacheShape.from_config(self.config), max_slots, max_len,
                            dtype=self.dtype, device=self.device)

@@ -114,6 +114,19 @@ def build_draft_tree(root_token: int, expand: Expander, *, depth: int, topk: int
                              depths=[depth], topk=topk, budget=budget)[0]
 
 
+def top_k_per_request(logits: torch.Tensor, paths_per_request, k: int) -> list[list]:
+    """A batch expander's answer from the drafter's logits ``[N, V]`` of every path, in request
+    order (request ``i`` owns the next ``len(paths_per_request[i])`` rows): the ``k`` most
+    probable ``(token, probability)`` pairs of each path, one list per request."""
+    top = torch.topk(torch.softmax(logits.float(), -1), k)
+    flat = [list(zip(t, p)) for t, p in zip(top.indices.tolist(), top.values.tolist())]
+    out, pos = [], 0
+    for paths in paths_per_request:
+        out.append(flat[pos: pos + len(paths)])
+        pos += len(paths)
+    return out
+
+
 def per_request(expanders: Sequence[Expander]) -> BatchExpander:
     """A batch expander from one expander per request (no batching across requests)."""
     def expand_batch(paths, k):

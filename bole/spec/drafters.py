@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Sequence
 
-from bole.spec.draft_tree import BatchExpander, Expander
+from bole.spec.draft_tree import BatchExpander, Expander, top_k_per_request
 
 
 class NgramDrafter:
@@ -96,9 +96,8 @@ class DraftModelDrafter:
 
         def expand_batch(paths_per_request, k):
             live = [i for i, paths in enumerate(paths_per_request) if paths]
-            result: list[list] = [[] for _ in paths_per_request]
             if not live:
-                return result
+                return [[] for _ in paths_per_request]
             trees, tokens, index = [], [], []
             for i in live:
                 trie: dict[tuple[int, ...], int] = {}
@@ -118,14 +117,7 @@ class DraftModelDrafter:
                                           torch.tensor(tokens))
             rows = [int(forest.cu_nodes[j]) + index[j][tuple(int(t) for t in path)]
                     for j, i in enumerate(live) for path in paths_per_request[i]]
-            top = torch.topk(torch.softmax(out.logits[rows].float(), -1), k)
-            flat = [list(zip(a, b)) for a, b in zip(top.indices.tolist(), top.values.tolist())]
-            pos = 0
-            for i in live:
-                n = len(paths_per_request[i])
-                result[i] = flat[pos: pos + n]
-                pos += n
-            return result
+            return top_k_per_request(out.logits[rows], paths_per_request, k)
         return expand_batch
 
     def expander(self, target_slot: int) -> Expander:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from bole.models.qwen3_hybrid import HybridModel, rms_norm
-from bole.spec.draft_tree import BatchExpander, Expander
+from bole.spec.draft_tree import BatchExpander, Expander, top_k_per_request
 
 MTP_LAYER = "mtp.layers.0."
 
@@ -143,14 +143,7 @@ class MTPDrafter:
             if not nodes:
                 return [[] for _ in paths_per_request]
             compute(nodes)
-            probs = torch.softmax(torch.stack([memo[x][3] for x in nodes]).float(), -1)
-            top = torch.topk(probs, k)
-            flat = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
-            out, pos = [], 0
-            for paths in paths_per_request:
-                out.append(flat[pos: pos + len(paths)])
-                pos += len(paths)
-            return out
+            return top_k_per_request(torch.stack([memo[x][3] for x in nodes]), paths_per_request, k)
         expand_batch.node = node
         return expand_batch
 

@@ -3,6 +3,7 @@
 For Qwen3.5 GDN layer shapes, batches and tree sizes (depth 8) it times, per layer:
 
     bole          value-tiled closed-form kernel (tf32 dots; best of a small config sweep)
+    bole-fp32-out the picked launch with O written in fp32 (accuracy without bf16 output rounding)
     bole-ieee     the same kernel in exact-fp32 mode on fp32 copies of the inputs
     tree-serial   node-by-node kernel with one fp32 snapshot per node (SGLang's design; best of its
                   configs, the engines' own launch included)
@@ -24,6 +25,7 @@ torch closed form in fp64 on the same (bf16-valued) inputs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -167,7 +169,7 @@ def sweep_configs(level: str, block_nodes: int):
     if level == "picked":
         return []
     if level == "small":
-        grid = [(16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 32, 8), (128, 32, 8)]
+        grid = [(16, 64, 4), (32, 64, 4), (64, 32, 4), (128, 32, 4), (128, 32, 8)]
     else:
         grid = [(bv, bk, nw) for bv in (16, 32, 64, 128) for bk in (32, 64) for nw in (4, 8)]
     splits = (False, True) if block_nodes >= 128 else (False,)
@@ -233,8 +235,7 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
             us = time_calls([lambda x=x, cfg=cfg: tree_gdn_verify_triton(
                 x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"], config=cfg,
                 **gate(x), **common) for x in sets])
-            cfgd = dict(BV=cfg.BV, BK=cfg.BK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                        split_gram=cfg.split_gram)
+            cfgd = dataclasses.asdict(cfg)
             record("bole-config", us, err, factor_bytes, config=cfgd, picked=cfg == picked, **more)
             if best is None or us < best[0]:
                 best = (us, err, cfgd, more)
@@ -244,6 +245,19 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
             record("bole-config", None, None, factor_bytes, config=str(cfg), error=repr(exc))
     if best is not None:
         record("bole", best[0], best[1], factor_bytes, config=best[2], **best[3])
+
+    # --- the same bf16 inputs and launch, O written in fp32: the kernel's own error (tf32 dots),
+    #     without bf16's output rounding
+    try:
+        o, _ = tree_gdn_verify_triton(base["q"], base["k"], base["v"], meta,
+                                      initial_state=base["initial_state"], config=picked,
+                                      out_dtype=torch.float32, **gate(base), **common)
+        us = time_calls([lambda x=x: tree_gdn_verify_triton(
+            x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"], config=picked,
+            out_dtype=torch.float32, **gate(x), **common) for x in sets])
+        record("bole-fp32-out", us, rel_err(o, ref64), factor_bytes)
+    except Exception as exc:
+        record("bole-fp32-out", None, None, factor_bytes, error=repr(exc))
 
     # --- accuracy without the output rounding: fp32 copies of the same values, O written in fp32,
     #     in the fast tf32 mode and the exact IEEE-fp32 mode (timed only with a full sweep)
@@ -356,9 +370,10 @@ def summary(records) -> str:
         by.setdefault((r["model"], r["batch"], r["nodes"]), {})[r["impl"]] = r
     lines = [f"{'model':<18} {'B':>3} {'T':>4} {'bole us':>8} {'serial us':>9} {'x':>6} "
              f"{'fla us':>7} {'floor us':>8} {'/floor':>6} {'err bf16':>9} {'err rnd':>8} "
-             f"{'err ieee':>9}"]
+             f"{'err ieee':>9} {'err f32o':>9}"]
     for (model, b, t), d in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
-        bo, se, fl, ie = (d.get(k, {}) for k in ("bole", "tree-serial", "fla-chain", "bole-ieee"))
+        bo, se, fl, ie, fo = (d.get(k, {}) for k in ("bole", "tree-serial", "fla-chain", "bole-ieee",
+                                                     "bole-fp32-out"))
         fmt = lambda v, p=".1f": "-" if v is None else format(v, p)  # noqa: E731
         ratio = se.get("median_us") / bo["median_us"] if bo.get("median_us") and se.get("median_us") else None
         over = bo["median_us"] / bo["floor_us"] if bo.get("median_us") else None
@@ -366,7 +381,7 @@ def summary(records) -> str:
                      f"{fmt(se.get('median_us')):>9} {fmt(ratio):>6} {fmt(fl.get('median_us')):>7} "
                      f"{fmt(bo.get('floor_us'), '.2f'):>8} {fmt(over):>6} "
                      f"{fmt(bo.get('rel_err'), '.1e'):>9} {fmt(bo.get('rel_err_vs_rounded'), '.1e'):>8} "
-                     f"{fmt(ie.get('rel_err'), '.1e'):>9}")
+                     f"{fmt(ie.get('rel_err'), '.1e'):>9} {fmt(fo.get('rel_err'), '.1e'):>9}")
     return "\n".join(lines)
 
 

@@ -93,11 +93,14 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #:   * BK = 32 is best or within 3%; 4 warps for small tiles, 8 for BT = 128 or BT * BV >= 8192;
 #:   * split_gram makes no measurable difference up to BT = 128 (it is kept for BT = 256);
 #:   * 16 warps at BT = 128 gave wrong results (U error 3e-3 vs 1e-5), so it is never chosen.
+#: At BT = 64 and batch >= 4, BV = 64 with 4 warps (two programs per head, two per SM) beat
+#: BV = 128 with 8 warps by 5-8% (bench/results/kernel-probe-2026-11-30-run1.json: 28.7 vs 30.2 us
+#: at batch 4, 98.0 vs 106.1 us at batch 16), so BT = 64 caps BV at 64.
 #: CONFIG_TABLE maps BT to the warps, BK and split choice; pick_config sets BV from the wave rule.
 CONFIG_TABLE: dict[int, VerifyConfig] = {
     16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=2),
     32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=2),
-    64: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=2),
+    64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=2),
     128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2),
     256: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2, split_gram=True),
 }
@@ -426,6 +429,7 @@ def tree_gdn_verify_triton(
     initial_state: torch.Tensor, state_indices: torch.Tensor | None = None,
     scale: float | None = None, use_qk_l2norm_in_kernel: bool = False,
     precision: str | None = None, check_values: bool = False, config: VerifyConfig | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, TreeFactors]:
     """Verify every node of a packed forest in one launch.
 
@@ -446,8 +450,10 @@ def tree_gdn_verify_triton(
             for "tf32" explicitly only where that is acceptable.
         check_values: also check for NaN/inf, positive g and out-of-range slots (syncs the device).
         config: override of :func:`pick_config`'s choice (benchmark sweeps).
+        out_dtype: dtype of ``o`` (fp16, bf16 or fp32), default v's dtype. fp32 keeps the kernel's
+            own accuracy: a bf16 ``o`` carries bf16's rounding (~2e-3 relative) on top of it.
 
-    Returns ``(o, factors)``: ``o`` shaped like ``v`` in v's dtype; ``factors`` with
+    Returns ``(o, factors)``: ``o`` shaped like ``v`` in ``out_dtype``; ``factors`` with
     ``log_decay [N, H_v]`` fp64, ``k`` the raw keys ``[N, H_k, d_k]`` (a view), ``u [N, H_v, d_v]``
     fp32 and ``k_inv_norm [N, H_k]`` fp32 when ``use_qk_l2norm_in_kernel`` (else None).
     Padding nodes get ``o = 0``, ``u = 0``, ``log_decay = 0``; their ``k_inv_norm`` is the true
@@ -461,6 +467,8 @@ def tree_gdn_verify_triton(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if initial_state is None:
         raise ValueError("initial_state (the state pool [S, H_v, d_k, d_v]) is required")
+    if out_dtype is not None and out_dtype not in KERNEL_INPUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.float16, torch.bfloat16 or torch.float32, got {out_dtype}")
 
     # raw gates are validated but not computed here: the kernel fuses the gating
     B, T, H_k, d_k, H_v, d_v, _, _ = check_gdn_tensors(
@@ -531,7 +539,7 @@ def tree_gdn_verify_triton(
     else:
         A_log_t = dt_bias_t = gate1               # never read
 
-    o = torch.empty(v.shape, dtype=v.dtype, device=device)
+    o = torch.empty(v.shape, dtype=v.dtype if out_dtype is None else out_dtype, device=device)
     u = torch.empty(N, H_v, d_v, dtype=torch.float32, device=device)
     log_decay = torch.empty(N, H_v, dtype=torch.float64, device=device)
     k_inv_norm = (torch.empty(N, H_k, dtype=torch.float32, device=device)

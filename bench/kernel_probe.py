@@ -1,0 +1,143 @@
+"""Where the verification kernel's time goes, by variants that leave a stage out (H200 METHOD.md).
+
+For Qwen3.5-9B GDN shapes at T = 64, depth 8, it times every configuration in a grid
+(BV x BK x warps x stages) twice: as is, and with ``max_depth = 0`` (no Neumann sweep: wrong
+results, time of everything else), so the difference is the solve's cost. It also times an empty
+Triton kernel captured the same way (the launch floor) and records registers / spills of each
+compiled variant. Output: ``kernel-probe-<date>.json`` with one record per (batch, config).
+
+    python bench/kernel_probe.py --batches 1 4 16 [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import kernels as kb  # noqa: E402  (bench/kernels.py: inputs, timing, byte floor)
+
+from bole.config import gdn_shape  # noqa: E402
+from bole.ops.gdn.closed_form import tree_gdn_closed_form  # noqa: E402
+from bole.tree import PackedForest  # noqa: E402
+
+
+def compiled_stats(kernel) -> dict:
+    """registers / spills / shared memory of the variants compiled so far, by constexpr key."""
+    out = {}
+    try:
+        for cache in kernel.device_caches.values():
+            for key, ck in cache[0].items():
+                out[str(hash(key))] = dict(n_regs=ck.n_regs, n_spills=ck.n_spills,
+                                           shared=ck.metadata.shared,
+                                           num_warps=ck.metadata.num_warps)
+    except Exception as exc:  # the cache layout is a Triton internal
+        out["error"] = repr(exc)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="qwen3.5-9b")
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument("--nodes", type=int, default=64)
+    ap.add_argument("--bv", nargs="+", type=int, default=[32, 64, 128])
+    ap.add_argument("--bk", nargs="+", type=int, default=[32, 64])
+    ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
+    ap.add_argument("--stages", nargs="+", type=int, default=[2])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--once", action="store_true",
+                    help="launch pick_config's choice once per batch, no timing (for ncu)")
+    args = ap.parse_args(argv)
+
+    import triton
+    import triton.language as tl
+
+    from bole.ops.gdn import triton_verify as tv
+
+    @triton.jit
+    def _empty(x_ptr):
+        if tl.program_id(0) < 0:
+            tl.store(x_ptr, 0.0)
+
+    dev = torch.device("cuda")
+    bw = kb.copy_bandwidth(dev)
+    date = _dt.date.today().isoformat()
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, date=date, model=args.model, nodes=args.nodes,
+                depth=kb.DEPTH, copy_bandwidth_TBps=bw / 1e12)
+    dummy = torch.zeros(1, device=dev)
+    meta["empty_kernel_us"] = kb.time_calls([lambda: _empty[(128,)](dummy)] * 8)
+    print(json.dumps(meta), flush=True)
+    out_dir = Path(args.out or os.environ.get("OUT") or HERE / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"kernel-probe-{date}.json"
+    shape = gdn_shape(args.model)
+    Hv, dk, dv = shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
+    records = []
+    for batch in args.batches:
+        rng = np.random.default_rng(batch * 1000 + args.nodes)
+        forest = PackedForest.pack([kb.bench_tree(args.nodes, kb.DEPTH, rng) for _ in range(batch)])
+        meta_f = forest.kernel_meta(dev)
+        no_sweep = dataclasses.replace(meta_f, max_depth=0)
+        N, R = forest.num_nodes, forest.num_requests
+        sets = [kb.make_inputs(shape, forest, dev, seed=batch + 100 * i) for i in range(8)]
+        floor_us = kb.floor_bytes(shape, N, R) / bw * 1e6
+        x0 = sets[0]
+        ref, _ = tree_gdn_closed_form(
+            x0["q"].double(), x0["k"].double(), x0["v"].double(), forest,
+            initial_state=x0["initial_state"].double(), a=x0["a"].double(), b=x0["b"].double(),
+            A_log=x0["A_log"].double(), dt_bias=x0["dt_bias"].double(),
+            use_qk_l2norm_in_kernel=True, check_values=False)
+        picked = tv.pick_config(meta_f.block_nodes, dk, dv, R * Hv)
+        if args.once:
+            x = sets[0]
+            tv.tree_gdn_verify_triton(x["q"], x["k"], x["v"], meta_f, a=x["a"], b=x["b"],
+                                      A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                      initial_state=x["initial_state"], use_qk_l2norm_in_kernel=True)
+            torch.cuda.synchronize()
+            print(f"batch {batch}: {picked}", flush=True)
+            continue
+        grid = [tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st)
+                for bv, bk, nw, st in itertools.product(args.bv, args.bk, args.warps, args.stages)]
+        if picked not in grid:
+            grid.insert(0, picked)
+        for cfg in grid:
+            rec = dict(batch=batch, nodes=args.nodes, floor_us=floor_us, picked=cfg == picked,
+                       config=dataclasses.asdict(cfg))
+            try:
+                def call(x, m, cfg=cfg):
+                    return tv.tree_gdn_verify_triton(
+                        x["q"], x["k"], x["v"], m, a=x["a"], b=x["b"], A_log=x["A_log"],
+                        dt_bias=x["dt_bias"], initial_state=x["initial_state"],
+                        use_qk_l2norm_in_kernel=True, config=cfg)
+                before = set(compiled_stats(tv._tree_gdn_verify_kernel))
+                o, fac = call(sets[0], meta_f)
+                rec["rel_err"] = kb.rel_err(o, ref)
+                rec["us"] = kb.time_calls([lambda x=x: call(x, meta_f) for x in sets])
+                rec["us_no_sweep"] = kb.time_calls([lambda x=x: call(x, no_sweep) for x in sets])
+                stats = compiled_stats(tv._tree_gdn_verify_kernel)
+                rec["compiled"] = [v for k, v in stats.items() if k not in before]
+            except Exception as exc:
+                rec["error"] = repr(exc)[:500]
+            records.append(rec)
+            print(json.dumps({k: v for k, v in rec.items() if k != "floor_us"}), flush=True)
+            path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Registers and spills of the verification kernel for the H200 (sm_90), compiled on a machine
+without a GPU.
+
+Triton compiles to a cubin with its bundled ptxas on any machine; ``cuobjdump -res-usage`` then
+reports registers per thread and the spill stack. The launch is specialised as on the device
+(pointers and strides divisible by 16, unit strides as constants), so with the device's Triton
+version the counts match the compiled kernel there (checked: 242 registers for BV = 128 / 8 warps,
+as ncu reported on the H200). Use the device's version:
+
+    python -m pip install --target /tmp/triton36 --no-deps triton==3.6.0
+    PYTHONPATH=/tmp/triton36 python bench/kernel_registers.py [--model qwen3.5-9b] [--block-nodes 64]
+
+A ``stack`` above zero is spilled registers (bytes per thread, in local memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from bole.config import gdn_shape  # noqa: E402
+from bole.ops.gdn import triton_verify as tv  # noqa: E402
+
+POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*bf16",
+            "beta_ptr": "*bf16", "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
+            "state_ptr": "*fp32", "state_idx_ptr": "*i32", "cu_ptr": "*i32", "mask_ptr": "*u8",
+            "o_ptr": "*bf16", "u_ptr": "*fp32", "L_ptr": "*fp64", "kinv_ptr": "*fp32"}
+UNIT_STRIDES = ("s_gh", "s_bh", "s_sv")      # contiguous last dims: Triton specialises 1 away
+
+
+def compile_verify(shape, block_nodes: int, cfg: tv.VerifyConfig, maxnreg: int | None = None):
+    """The verification kernel compiled for sm_90 as bench/kernels.py launches it (bf16, raw gates,
+    in-kernel l2 norm, tf32)."""
+    fn = tv._tree_gdn_verify_kernel
+    names = fn.arg_names
+    const = dict(H_V=shape.num_v_heads, H_K=shape.num_k_heads,
+                 GROUP=shape.num_v_heads // shape.num_k_heads, D_K=shape.head_k_dim,
+                 D_V=shape.head_v_dim, BT=block_nodes, BK=cfg.BK, BV=cfg.BV,
+                 SPLIT=cfg.split_gram, RAW_GATES=True, L2NORM=True, PREC="tf32", INTERPRET=False,
+                 **{n: 1 for n in UNIT_STRIDES})
+    signature, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in POINTERS:
+            signature[n] = POINTERS[n]
+        elif n in const:
+            signature[n] = "constexpr"
+        elif n == "scale":
+            signature[n] = "fp32"
+        else:
+            signature[n] = "i32"
+        if n in POINTERS or (n.startswith("s_") and n not in UNIT_STRIDES):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    constexprs = {(names.index(k),): v for k, v in const.items() if k in names}
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resource_usage(compiled) -> dict:
+    """registers, stack (spill bytes), static shared memory per thread/block from the cubin."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", out)
+    if not m:
+        raise RuntimeError(f"unexpected cuobjdump output:\n{out}")
+    return dict(registers=int(m[1]), stack_bytes=int(m[2]), static_shared=int(m[3]),
+                dynamic_shared=compiled.metadata.shared)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3.5-9b")
+    ap.add_argument("--block-nodes", type=int, default=64)
+    ap.add_argument("--bv", nargs="+", type=int, default=[32, 64, 128])
+    ap.add_argument("--bk", nargs="+", type=int, default=[32])
+    ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
+    ap.add_argument("--maxnreg", nargs="+", type=int, default=[0], help="0: no register cap")
+    args = ap.parse_args(argv)
+    shape = gdn_shape(args.model)
+    print(f"triton {triton.__version__}, {shape.name}, BT = {args.block_nodes}")
+    print(f"{'BV':>4} {'BK':>4} {'warps':>5} {'cap':>4} {'regs':>5} {'spill B':>8} {'smem B':>7}")
+    for bv in args.bv:
+        for bk in args.bk:
+            for nw in args.warps:
+                for cap in args.maxnreg:
+                    cfg = tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw,
+                                          split_gram=args.block_nodes >= 256)
+                    use = resource_usage(compile_verify(shape, args.block_nodes, cfg, cap or None))
+                    print(f"{bv:>4} {bk:>4} {nw:>5} {cap or '-':>4} {use['registers']:>5} "
+                          f"{use['stack_bytes']:>8} {use['dynamic_shared']:>7}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

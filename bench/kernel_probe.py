@@ -1,7 +1,7 @@
 """Where the verification kernel's time goes, by variants that leave a stage out (H200 METHOD.md).
 
 For Qwen3.5-9B GDN shapes at T = 64, depth 8, it times every configuration in a grid
-(BV x BK x warps x stages) twice: as is, and with ``max_depth = 0`` (no Neumann sweep: wrong
+(BV x BK x warps x stages, optionally one or two passes) twice: as is, and with ``max_depth = 0`` (no Neumann sweep: wrong
 results, time of everything else), so the difference is the solve's cost. It also times an empty
 Triton kernel captured the same way (the launch floor) and records registers / spills of each
 compiled variant. Output: ``kernel-probe-<date>.json`` with one record per (batch, config).
@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bk", nargs="+", type=int, default=[32, 64])
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--stages", nargs="+", type=int, default=[2])
+    ap.add_argument("--two-pass", action="store_true", help="also time the two-pass variant")
     ap.add_argument("--out", default=None)
     ap.add_argument("--once", action="store_true",
                     help="launch pick_config's choice once per batch, no timing (for ncu)")
@@ -110,8 +111,10 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             print(f"batch {batch}: {picked}", flush=True)
             continue
-        grid = [tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st)
-                for bv, bk, nw, st in itertools.product(args.bv, args.bk, args.warps, args.stages)]
+        grid = [tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st, two_pass=tp)
+                for bv, bk, nw, st, tp in itertools.product(
+                    args.bv, args.bk, args.warps, args.stages,
+                    (False, True) if args.two_pass else (False,))]
         if picked not in grid:
             grid.insert(0, picked)
         for cfg in grid:

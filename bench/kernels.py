@@ -2,7 +2,8 @@
 
 For Qwen3.5 GDN layer shapes, batches and tree sizes (depth 8) it times, per layer:
 
-    bole          value-tiled closed-form kernel (tf32 dots; best of a small config sweep)
+    bole          value-tiled closed-form kernel (tf32 dots; best of a small config sweep, the
+                  two-pass variant included; each config's time and error in "bole-config")
     bole-fp32-out the picked launch with O written in fp32 (accuracy without bf16 output rounding)
     bole-ieee     the same kernel in exact-fp32 mode on fp32 copies of the inputs
     tree-serial   node-by-node kernel with one fp32 snapshot per node (SGLang's design; best of its
@@ -49,6 +50,7 @@ BATCHES = (1, 4, 16, 64)
 NODES = (8, 16, 32, 64, 128)
 DEPTH = 8
 ROTATE_BYTES = 256 * 2**20       # input sets rotated per timing: at least this many bytes
+MAX_BOLE_ERR = 4e-3              # bf16 output: 1.8e-3 measured, 2.0e-3 is bf16's own rounding
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -170,11 +172,15 @@ def sweep_configs(level: str, block_nodes: int):
         return []
     if level == "small":
         grid = [(16, 64, 4), (32, 64, 4), (64, 32, 4), (128, 32, 4), (128, 32, 8)]
+        two_pass = [(32, 32, 8), (64, 32, 4), (64, 32, 8)]
     else:
         grid = [(bv, bk, nw) for bv in (16, 32, 64, 128) for bk in (32, 64) for nw in (4, 8)]
+        two_pass = grid
     splits = (False, True) if block_nodes >= 128 else (False,)
-    return [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=2, split_gram=sp)
-            for bv, bk, nw in grid for sp in splits]
+    return ([VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=2, split_gram=sp)
+             for bv, bk, nw in grid for sp in splits]
+            + [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=2, two_pass=True)
+               for bv, bk, nw in two_pass])
 
 
 def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: float,
@@ -237,7 +243,8 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
                 **gate(x), **common) for x in sets])
             cfgd = dataclasses.asdict(cfg)
             record("bole-config", us, err, factor_bytes, config=cfgd, picked=cfg == picked, **more)
-            if best is None or us < best[0]:
+            # a config whose output is off (a miscompile, say) never counts as the best
+            if err <= MAX_BOLE_ERR and (best is None or us < best[0]):
                 best = (us, err, cfgd, more)
             if cfg == picked:
                 record("bole-picked", us, err, factor_bytes, config=cfgd, **more)

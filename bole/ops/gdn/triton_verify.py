@@ -65,6 +65,12 @@ class VerifyConfig:
     split_gram: stream d_k twice (K: G, R and the solve; then Q: C and O) so that only one
         ``[BT, BT]`` Gram accumulator is live at a time; trades a second read of K and the S_pre
         tile (from L2) for registers, for large trees.
+    two_pass: two launches instead of one. A prep kernel per (request, head) forms G and C once,
+        ``T = (I + G)^{-1}`` by the same exact sweeps on the identity, and ``C T``, and writes them
+        (fp32, ``[R, H_v, BT, BT]`` each); an apply kernel per value tile then needs only
+        ``K S_pre``, ``Q S_pre`` and two ``[BT, BT] x [BT, BV]`` products, with about half the live
+        accumulators of the one-pass program (more blocks per SM). Not measured on a GPU yet, so
+        pick_config never chooses it (bench/NOTES.md, "Next").
     """
 
     BV: int
@@ -72,6 +78,7 @@ class VerifyConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_gram: bool = False
+    two_pass: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -183,6 +190,49 @@ def _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h
 
 
 @triton.jit
+def _load_gates(g_rows, b_rows, s_gn, s_bn, A_log_ptr, dt_bias_ptr, h, rows, row_ok,
+                RAW_GATES: tl.constexpr):
+    """Per-node gates of one tree and head in fp32, zero on padding rows: ``g`` (log decay) and
+    ``beta``, loaded, or fused from the raw ``a, b`` with ``A_log, dt_bias`` when RAW_GATES."""
+    if RAW_GATES:
+        a_raw = tl.load(g_rows + rows * s_gn, mask=row_ok, other=0.0).to(tl.float32)
+        b_raw = tl.load(b_rows + rows * s_bn, mask=row_ok, other=0.0).to(tl.float32)
+        A_log = tl.load(A_log_ptr + h).to(tl.float32)
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        x = a_raw + dt_bias
+        # softplus(x) = max(x, 0) + log1p(exp(-|x|)), log1p by its series where 1 + t rounds to 1
+        t = tl.exp(-tl.abs(x))
+        log1p_t = tl.where(t < 1e-4, t * (1.0 - 0.5 * t), tl.log(1.0 + t))
+        g = -tl.exp(A_log) * (tl.maximum(x, 0.0) + log1p_t)
+        e_b = tl.exp(-tl.abs(b_raw))                                  # sigmoid without overflow
+        beta = tl.where(b_raw >= 0, 1.0, e_b) / (1.0 + e_b)
+    else:
+        g = tl.load(g_rows + rows * s_gn, mask=row_ok, other=0.0).to(tl.float32)
+        beta = tl.load(b_rows + rows * s_bn, mask=row_ok, other=0.0).to(tl.float32)
+    return tl.where(row_ok, g, 0.0), tl.where(row_ok, beta, 0.0)
+
+
+@triton.jit
+def _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L, scale, BT: tl.constexpr,
+                   L2NORM: tl.constexpr):
+    """G (strict ancestors) and C (ancestors and self) from the Gram products, with the l2
+    normalisation and the query scale as row / column scalings; also the key inverse norms and the
+    row factors ``e^L rk`` of ``K S_pre`` and ``e^L rq`` of ``Q S_pre``."""
+    e_L = tl.exp(L.to(tl.float32))
+    if L2NORM:
+        rk = tl.rsqrt(ss_k + 1e-6)                                   # k_inv_norm
+        rq = tl.rsqrt(ss_q + 1e-6) * scale
+        G = tl.where(strict, (beta * rk)[:, None] * decay * kk * rk[None, :], 0.0)
+        C = decay * qk * (rq[:, None] * rk[None, :])
+    else:
+        rk = tl.full([BT], 1.0, dtype=tl.float32)
+        rq = tl.full([BT], 1.0, dtype=tl.float32) * scale
+        G = tl.where(strict, beta[:, None] * decay * kk, 0.0)
+        C = decay * qk * scale
+    return G, C, rk, e_L * rk, e_L * rq
+
+
+@triton.jit
 def _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT: tl.constexpr):
     """Ancestor mask (self included), strict mask, path log-decay L and the masked decay matrix."""
     anc = tl.load(mask_rows + rows[:, None] * s_mn + rows[None, :],
@@ -272,27 +322,8 @@ def _tree_gdn_verify_kernel(
     rows = tl.arange(0, BT)
     row_ok = rows < n_tree
     # 64-bit offsets live in the scalar per-tree bases; per-element offsets (< BT rows) stay 32-bit
-    g_rows = g_ptr + lo * s_gn + h * s_gh
-    b_rows = beta_ptr + lo * s_bn + h * s_bh
-
-    # ---- gates, fp32 ----
-    if RAW_GATES:
-        a_raw = tl.load(g_rows + rows * s_gn, mask=row_ok, other=0.0).to(tl.float32)
-        b_raw = tl.load(b_rows + rows * s_bn, mask=row_ok, other=0.0).to(tl.float32)
-        A_log = tl.load(A_log_ptr + h).to(tl.float32)
-        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        x = a_raw + dt_bias
-        # softplus(x) = max(x, 0) + log1p(exp(-|x|)), log1p by its series where 1 + t rounds to 1
-        t = tl.exp(-tl.abs(x))
-        log1p_t = tl.where(t < 1e-4, t * (1.0 - 0.5 * t), tl.log(1.0 + t))
-        g = -tl.exp(A_log) * (tl.maximum(x, 0.0) + log1p_t)
-        e_b = tl.exp(-tl.abs(b_raw))                                  # sigmoid without overflow
-        beta = tl.where(b_raw >= 0, 1.0, e_b) / (1.0 + e_b)
-    else:
-        g = tl.load(g_rows + rows * s_gn, mask=row_ok, other=0.0).to(tl.float32)
-        beta = tl.load(b_rows + rows * s_bn, mask=row_ok, other=0.0).to(tl.float32)
-    g = tl.where(row_ok, g, 0.0)
-    beta = tl.where(row_ok, beta, 0.0)
+    g, beta = _load_gates(g_ptr + lo * s_gn + h * s_gh, beta_ptr + lo * s_bn + h * s_bh, s_gn, s_bn,
+                          A_log_ptr, dt_bias_ptr, h, rows, row_ok, RAW_GATES)
 
     vcols = iv * BV + tl.arange(0, BV)
     v_ok = vcols < D_V
@@ -330,6 +361,7 @@ def _tree_gdn_verify_kernel(
         else:
             rq = tl.full([BT], 1.0, dtype=tl.float32) * scale
             C = decay * qk * scale
+        row_qs = e_L * rq
     else:
         # One pass over d_k accumulating both Gram products and both state products.
         kk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -359,25 +391,14 @@ def _tree_gdn_verify_kernel(
         # the ancestor mask is loaded after the loop so that no other [BT, BT] tile is live in it;
         # G and C are formed at once so that kk, qk and decay die before the solve
         strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT)
-        e_L = tl.exp(L.to(tl.float32))
-        if L2NORM:
-            rk = tl.rsqrt(ss_k + 1e-6)                               # k_inv_norm
-            rq = tl.rsqrt(ss_q + 1e-6) * scale
-            G = tl.where(strict, (beta * rk)[:, None] * decay * kk * rk[None, :], 0.0)
-            C = decay * qk * (rq[:, None] * rk[None, :])
-            row_ks = e_L * rk
-        else:
-            rk = tl.full([BT], 1.0, dtype=tl.float32)
-            rq = tl.full([BT], 1.0, dtype=tl.float32) * scale
-            G = tl.where(strict, beta[:, None] * decay * kk, 0.0)
-            C = decay * qk * scale
-            row_ks = e_L
+        G, C, rk, row_ks, row_qs = _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L, scale,
+                                                  BT, L2NORM)
         v_t = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :],
                       other=0.0).to(tl.float32)
         U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC, INTERPRET)
 
     # ---- O = e^L Q S_pre + C U (l2 normalisation and scale applied as row / column scalings) ----
-    O = (e_L * rq)[:, None] * qs + tl.dot(C, U, input_precision=PREC)
+    O = row_qs[:, None] * qs + tl.dot(C, U, input_precision=PREC)
 
     # ---- write O, U (and L, k_inv_norm once per head) ----
     out_off = rows[:, None] * (H_V * D_V) + h * D_V + vcols[None, :]
@@ -393,6 +414,144 @@ def _tree_gdn_verify_kernel(
 
     # ---- padding rows (past cu_nodes[-1]) are written by the last request's programs ----
     if r == num_requests - 1:
+        if INTERPRET:
+            p0 = hi32
+            while p0 < num_nodes:
+                _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h, hk, vcols,
+                          v_ok, first_tile, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM)
+                p0 += BT
+        else:
+            for p0 in range(hi32, num_nodes, BT):
+                _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h, hk, vcols,
+                          v_ok, first_tile, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM)
+
+
+# --------------------------------------------------------------------------------------------
+# Two-pass variant: per-tree preparation, then a GEMM-like apply per value tile
+# --------------------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["max_depth"])
+def _tree_gdn_prep_kernel(
+    q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr,
+    cu_ptr, mask_ptr,
+    L_ptr, kinv_ptr,                # outputs as in the one-pass kernel: L [N, H_v], k_inv_norm [N, H_k]
+    t_ptr, ct_ptr, rv_ptr,          # T, C T [R, H_v, BT, BT] fp32; row factors [3, N, H_v] fp32
+    max_depth, scale, num_nodes,
+    s_qn, s_qh, s_kn, s_kh, s_gn, s_gh, s_bn, s_bh, s_mn,
+    H_V: tl.constexpr, H_K: tl.constexpr, GROUP: tl.constexpr, D_K: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr,
+    RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Pass 1, one program per (request, value head): Gram products, decays, G and C, then
+    ``T = (I + G)^{-1}`` by the exact sweeps on the identity and ``C T``; writes T, C T, the row
+    factors (beta, e^L rk, e^L rq), L and the key inverse norms. Nothing here depends on d_v."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // GROUP
+    lo32 = tl.load(cu_ptr + r)
+    lo = lo32.to(tl.int64)
+    n_tree = tl.load(cu_ptr + r + 1) - lo32
+    rows = tl.arange(0, BT)
+    row_ok = rows < n_tree
+    g, beta = _load_gates(g_ptr + lo * s_gn + h * s_gh, beta_ptr + lo * s_bn + h * s_bh, s_gn, s_bn,
+                          A_log_ptr, dt_bias_ptr, h, rows, row_ok, RAW_GATES)
+    q_base = q_ptr + lo * s_qn + hk * s_qh + rows[:, None] * s_qn
+    k_base = k_ptr + lo * s_kn + hk * s_kh + rows[:, None] * s_kn
+    kk = tl.zeros([BT, BT], dtype=tl.float32)
+    qk = tl.zeros([BT, BT], dtype=tl.float32)
+    ss_k = tl.zeros([BT], dtype=tl.float32)
+    ss_q = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(0, D_K, BK):
+        kc = k0 + tl.arange(0, BK)
+        ld_mask = row_ok[:, None] & (kc < D_K)[None, :]
+        q_t = tl.load(q_base + kc[None, :], mask=ld_mask, other=0.0)
+        k_t = tl.load(k_base + kc[None, :], mask=ld_mask, other=0.0)
+        kt_t = tl.trans(k_t)
+        kk = tl.dot(k_t, kt_t, kk, input_precision=PREC)
+        qk = tl.dot(q_t, kt_t, qk, input_precision=PREC)
+        if L2NORM:
+            k_f = k_t.to(tl.float32)
+            q_f = q_t.to(tl.float32)
+            ss_k += tl.sum(k_f * k_f, axis=1)
+            ss_q += tl.sum(q_f * q_f, axis=1)
+    strict, L, decay = _tree_decay(mask_ptr + lo * s_mn, s_mn, g, rows, row_ok, BT)
+    G, C, rk, row_ks, row_qs = _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L, scale,
+                                              BT, L2NORM)
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    T = _neumann(G, eye, max_depth, PREC, INTERPRET)               # (I + G) T = I, exactly
+    CT = tl.dot(C, T, input_precision=PREC)
+    tile = (r.to(tl.int64) * H_V + h) * (BT * BT) + rows[:, None] * BT + rows[None, :]
+    tl.store(t_ptr + tile, T)
+    tl.store(ct_ptr + tile, CT)
+    rv = rv_ptr + lo * H_V + rows * H_V + h
+    tl.store(rv, beta, mask=row_ok)
+    tl.store(rv + num_nodes * H_V, row_ks, mask=row_ok)
+    tl.store(rv + 2 * num_nodes * H_V, row_qs, mask=row_ok)
+    tl.store(L_ptr + lo * H_V + rows * H_V + h, L, mask=row_ok)
+    if L2NORM:
+        tl.store(kinv_ptr + lo * H_K + rows * H_K + hk, rk,
+                 mask=row_ok & ((rows * 0 + h % GROUP) == 0))
+
+
+@triton.jit(do_not_specialize=["num_nodes", "num_requests"])
+def _tree_gdn_apply_kernel(
+    q_ptr, k_ptr, v_ptr,
+    state_ptr, state_idx_ptr, cu_ptr,
+    t_ptr, ct_ptr, rv_ptr,          # from the prep kernel
+    o_ptr, u_ptr, L_ptr, kinv_ptr,  # L and kinv: padding rows only (prep wrote the rest)
+    num_nodes, num_requests,
+    s_qn, s_qh, s_kn, s_kh, s_vn, s_vh,
+    s_ss, s_sh, s_sk, s_sv,
+    H_V: tl.constexpr, H_K: tl.constexpr, GROUP: tl.constexpr,
+    D_K: tl.constexpr, D_V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Pass 2, one program per (value tile, request, value head):
+    ``R = beta (V - e^L rk K S_pre)``, ``U = T R``, ``O = e^L rq Q S_pre + (C T) R``."""
+    iv = tl.program_id(0)
+    r = tl.program_id(1)
+    h = tl.program_id(2)
+    hk = h // GROUP
+    lo32 = tl.load(cu_ptr + r)
+    hi32 = tl.load(cu_ptr + r + 1)
+    lo = lo32.to(tl.int64)
+    rows = tl.arange(0, BT)
+    row_ok = rows < hi32 - lo32
+    vcols = iv * BV + tl.arange(0, BV)
+    v_ok = vcols < D_V
+    slot = tl.load(state_idx_ptr + r).to(tl.int64)
+    s_base = state_ptr + slot * s_ss + h.to(tl.int64) * s_sh
+    q_base = q_ptr + lo * s_qn + hk * s_qh + rows[:, None] * s_qn
+    k_base = k_ptr + lo * s_kn + hk * s_kh + rows[:, None] * s_kn
+    ks = tl.zeros([BT, BV], dtype=tl.float32)
+    qs = tl.zeros([BT, BV], dtype=tl.float32)
+    for k0 in range(0, D_K, BK):
+        kc = k0 + tl.arange(0, BK)
+        kc_ok = kc < D_K
+        ld_mask = row_ok[:, None] & kc_ok[None, :]
+        k_f = tl.load(k_base + kc[None, :], mask=ld_mask, other=0.0).to(tl.float32)
+        q_f = tl.load(q_base + kc[None, :], mask=ld_mask, other=0.0).to(tl.float32)
+        s_t = tl.load(s_base + kc[:, None] * s_sk + vcols[None, :] * s_sv,
+                      mask=kc_ok[:, None] & v_ok[None, :], other=0.0)
+        ks = tl.dot(k_f, s_t, ks, input_precision=PREC)
+        qs = tl.dot(q_f, s_t, qs, input_precision=PREC)
+    rv = rv_ptr + lo * H_V + rows * H_V + h
+    beta = tl.load(rv, mask=row_ok, other=0.0)
+    row_ks = tl.load(rv + num_nodes * H_V, mask=row_ok, other=0.0)
+    row_qs = tl.load(rv + 2 * num_nodes * H_V, mask=row_ok, other=0.0)
+    out_mask = row_ok[:, None] & v_ok[None, :]
+    v_t = tl.load(v_ptr + lo * s_vn + h * s_vh + rows[:, None] * s_vn + vcols[None, :],
+                  mask=out_mask, other=0.0).to(tl.float32)
+    Rm = beta[:, None] * (v_t - row_ks[:, None] * ks)
+    tile = (r.to(tl.int64) * H_V + h) * (BT * BT) + rows[:, None] * BT + rows[None, :]
+    U = tl.dot(tl.load(t_ptr + tile), Rm, input_precision=PREC)
+    O = row_qs[:, None] * qs + tl.dot(tl.load(ct_ptr + tile), Rm, input_precision=PREC)
+    out_off = rows[:, None] * (H_V * D_V) + h * D_V + vcols[None, :]
+    tl.store(o_ptr + lo * (H_V * D_V) + out_off, O.to(o_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(u_ptr + lo * (H_V * D_V) + out_off, U, mask=out_mask)
+    if r == num_requests - 1:                       # padding rows, as in the one-pass kernel
+        first_tile = (rows * 0 + iv) == 0
         if INTERPRET:
             p0 = hi32
             while p0 < num_nodes:
@@ -545,20 +704,36 @@ def tree_gdn_verify_triton(
     k_inv_norm = (torch.empty(N, H_k, dtype=torch.float32, device=device)
                   if use_qk_l2norm_in_kernel else None)
 
-    if N > 0 and R > 0:
-        grid = (triton.cdiv(d_v, config.BV), R, H_v)
-        _tree_gdn_verify_kernel[grid](
+    kinv_arg = k_inv_norm if k_inv_norm is not None else log_decay       # never written then
+    common = dict(H_V=H_v, H_K=H_k, GROUP=H_v // H_k, D_K=d_k, BT=BT, BK=config.BK,
+                  L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision, INTERPRET=_interpreting(),
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    if N > 0 and R > 0 and not config.two_pass:
+        _tree_gdn_verify_kernel[(triton.cdiv(d_v, config.BV), R, H_v)](
             qf, kf, vf, gate1, gate2, A_log_t, dt_bias_t,
             initial_state, state_indices, meta.cu_nodes, meta.ancestor_mask,
-            o, u, log_decay, k_inv_norm if k_inv_norm is not None else log_decay,
+            o, u, log_decay, kinv_arg,
             N, R, int(meta.max_depth), scale,
             qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
             gate1.stride(0), gate1.stride(1), gate2.stride(0), gate2.stride(1),
             *initial_state.stride(),
             meta.ancestor_mask.stride(0),
-            H_V=H_v, H_K=H_k, GROUP=H_v // H_k, D_K=d_k, D_V=d_v,
-            BT=BT, BK=config.BK, BV=config.BV, SPLIT=bool(config.split_gram),
-            RAW_GATES=raw_gates, L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision,
-            INTERPRET=_interpreting(), num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+            D_V=d_v, BV=config.BV, SPLIT=bool(config.split_gram), RAW_GATES=raw_gates, **common)
+    elif N > 0 and R > 0:
+        # per-tree T = (I + G)^{-1} and C T, fp32 [R, H_v, BT, BT] each, and row factors [3, N, H_v]
+        t_inv = torch.empty(R, H_v, BT, BT, dtype=torch.float32, device=device)
+        ct = torch.empty_like(t_inv)
+        row_factors = torch.empty(3, N, H_v, dtype=torch.float32, device=device)
+        _tree_gdn_prep_kernel[(R, H_v)](
+            qf, kf, gate1, gate2, A_log_t, dt_bias_t, meta.cu_nodes, meta.ancestor_mask,
+            log_decay, kinv_arg, t_inv, ct, row_factors,
+            int(meta.max_depth), scale, N,
+            qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1),
+            gate1.stride(0), gate1.stride(1), gate2.stride(0), gate2.stride(1),
+            meta.ancestor_mask.stride(0), RAW_GATES=raw_gates, **common)
+        _tree_gdn_apply_kernel[(triton.cdiv(d_v, config.BV), R, H_v)](
+            qf, kf, vf, initial_state, state_indices, meta.cu_nodes, t_inv, ct, row_factors,
+            o, u, log_decay, kinv_arg, N, R,
+            qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
+            *initial_state.stride(), D_V=d_v, BV=config.BV, **common)
     return o, TreeFactors(log_decay=log_decay, k=k_raw, u=u, k_inv_norm=k_inv_norm)

@@ -190,6 +190,44 @@ def _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h
 
 
 @triton.jit
+def _tree_rows(cu_ptr, r, BT: tl.constexpr):
+    """Request r's tree: its first packed node (64-bit), its end (int32), the local rows
+    ``0 .. BT`` and which of them are nodes of the tree."""
+    lo32 = tl.load(cu_ptr + r)
+    hi32 = tl.load(cu_ptr + r + 1)
+    rows = tl.arange(0, BT)
+    return lo32.to(tl.int64), hi32, rows, rows < hi32 - lo32
+
+
+@triton.jit
+def _pad_tail(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p_start, num_nodes, h, hk, vcols,
+              v_ok, first_tile, H_V: tl.constexpr, H_K: tl.constexpr, GROUP: tl.constexpr,
+              D_K: tl.constexpr, D_V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, L2NORM: tl.constexpr, INTERPRET: tl.constexpr):
+    """Every padding row from ``p_start`` (the end of the last tree) to ``num_nodes``, BT at a time."""
+    if INTERPRET:
+        # the interpreter needs a while loop over a runtime bound (see _neumann)
+        p0 = p_start
+        while p0 < num_nodes:
+            _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h, hk, vcols,
+                      v_ok, first_tile, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM)
+            p0 += BT
+    else:
+        for p0 in range(p_start, num_nodes, BT):
+            _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h, hk, vcols,
+                      v_ok, first_tile, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM)
+
+
+@triton.jit
+def _store_o_u(o_ptr, u_ptr, O, U, lo, rows, h, vcols, out_mask, H_V: tl.constexpr, D_V: tl.constexpr):
+    """One tree's ``[BT, BV]`` tiles of O (in o's dtype) and U (fp32) for value head h."""
+    base = lo * (H_V * D_V)                                         # 64-bit scalar tree base
+    out_off = rows[:, None] * (H_V * D_V) + h * D_V + vcols[None, :]   # 32-bit within the tree
+    tl.store(o_ptr + base + out_off, O.to(o_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(u_ptr + base + out_off, U, mask=out_mask)
+
+
+@triton.jit
 def _load_gates(g_rows, b_rows, s_gn, s_bn, A_log_ptr, dt_bias_ptr, h, rows, row_ok,
                 RAW_GATES: tl.constexpr):
     """Per-node gates of one tree and head in fp32, zero on padding rows: ``g`` (log decay) and
@@ -314,13 +352,7 @@ def _tree_gdn_verify_kernel(
     h = tl.program_id(2)
     hk = h // GROUP
 
-    lo32 = tl.load(cu_ptr + r)
-    hi32 = tl.load(cu_ptr + r + 1)
-    lo = lo32.to(tl.int64)
-    n_tree = hi32 - lo32
-
-    rows = tl.arange(0, BT)
-    row_ok = rows < n_tree
+    lo, hi32, rows, row_ok = _tree_rows(cu_ptr, r, BT)
     # 64-bit offsets live in the scalar per-tree bases; per-element offsets (< BT rows) stay 32-bit
     g, beta = _load_gates(g_ptr + lo * s_gn + h * s_gh, beta_ptr + lo * s_bn + h * s_bh, s_gn, s_bn,
                           A_log_ptr, dt_bias_ptr, h, rows, row_ok, RAW_GATES)
@@ -401,10 +433,7 @@ def _tree_gdn_verify_kernel(
     O = row_qs[:, None] * qs + tl.dot(C, U, input_precision=PREC)
 
     # ---- write O, U (and L, k_inv_norm once per head) ----
-    out_off = rows[:, None] * (H_V * D_V) + h * D_V + vcols[None, :]
-    out_mask = row_ok[:, None] & v_ok[None, :]
-    tl.store(o_ptr + lo * (H_V * D_V) + out_off, O.to(o_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(u_ptr + lo * (H_V * D_V) + out_off, U, mask=out_mask)
+    _store_o_u(o_ptr, u_ptr, O, U, lo, rows, h, vcols, row_ok[:, None] & v_ok[None, :], H_V, D_V)
     # masks as row vectors (Triton >= 3.7's interpreter refuses a scalar bool in a mask)
     first_tile = (rows * 0 + iv) == 0                    # [BT], all equal
     tl.store(L_ptr + lo * H_V + rows * H_V + h, L, mask=row_ok & first_tile)
@@ -414,16 +443,8 @@ def _tree_gdn_verify_kernel(
 
     # ---- padding rows (past cu_nodes[-1]) are written by the last request's programs ----
     if r == num_requests - 1:
-        if INTERPRET:
-            p0 = hi32
-            while p0 < num_nodes:
-                _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h, hk, vcols,
-                          v_ok, first_tile, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM)
-                p0 += BT
-        else:
-            for p0 in range(hi32, num_nodes, BT):
-                _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h, hk, vcols,
-                          v_ok, first_tile, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM)
+        _pad_tail(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, hi32, num_nodes, h, hk, vcols,
+                  v_ok, first_tile, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM, INTERPRET)
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,11 +469,7 @@ def _tree_gdn_prep_kernel(
     r = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
-    lo32 = tl.load(cu_ptr + r)
-    lo = lo32.to(tl.int64)
-    n_tree = tl.load(cu_ptr + r + 1) - lo32
-    rows = tl.arange(0, BT)
-    row_ok = rows < n_tree
+    lo, _, rows, row_ok = _tree_rows(cu_ptr, r, BT)
     g, beta = _load_gates(g_ptr + lo * s_gn + h * s_gh, beta_ptr + lo * s_bn + h * s_bh, s_gn, s_bn,
                           A_log_ptr, dt_bias_ptr, h, rows, row_ok, RAW_GATES)
     q_base = q_ptr + lo * s_qn + hk * s_qh + rows[:, None] * s_qn
@@ -513,11 +530,7 @@ def _tree_gdn_apply_kernel(
     r = tl.program_id(1)
     h = tl.program_id(2)
     hk = h // GROUP
-    lo32 = tl.load(cu_ptr + r)
-    hi32 = tl.load(cu_ptr + r + 1)
-    lo = lo32.to(tl.int64)
-    rows = tl.arange(0, BT)
-    row_ok = rows < hi32 - lo32
+    lo, hi32, rows, row_ok = _tree_rows(cu_ptr, r, BT)
     vcols = iv * BV + tl.arange(0, BV)
     v_ok = vcols < D_V
     slot = tl.load(state_idx_ptr + r).to(tl.int64)
@@ -547,21 +560,10 @@ def _tree_gdn_apply_kernel(
     tile = (r.to(tl.int64) * H_V + h) * (BT * BT) + rows[:, None] * BT + rows[None, :]
     U = tl.dot(tl.load(t_ptr + tile), Rm, input_precision=PREC)
     O = row_qs[:, None] * qs + tl.dot(tl.load(ct_ptr + tile), Rm, input_precision=PREC)
-    out_off = rows[:, None] * (H_V * D_V) + h * D_V + vcols[None, :]
-    tl.store(o_ptr + lo * (H_V * D_V) + out_off, O.to(o_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(u_ptr + lo * (H_V * D_V) + out_off, U, mask=out_mask)
+    _store_o_u(o_ptr, u_ptr, O, U, lo, rows, h, vcols, out_mask, H_V, D_V)
     if r == num_requests - 1:                       # padding rows, as in the one-pass kernel
-        first_tile = (rows * 0 + iv) == 0
-        if INTERPRET:
-            p0 = hi32
-            while p0 < num_nodes:
-                _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h, hk, vcols,
-                          v_ok, first_tile, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM)
-                p0 += BT
-        else:
-            for p0 in range(hi32, num_nodes, BT):
-                _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h, hk, vcols,
-                          v_ok, first_tile, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM)
+        _pad_tail(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, hi32, num_nodes, h, hk, vcols,
+                  v_ok, (rows * 0 + iv) == 0, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM, INTERPRET)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,11 @@ for large trees. 64-bit offsets sit in scalar per-tree bases (``cu_nodes[r] * st
 times its stride); per-element offsets within a tree stay 32-bit. Padding rows past ``cu_nodes[-1]``
 are written (zeros) by the last request's programs, so no output needs a memset.
 
+``VerifyConfig(two_pass=True)`` splits this into two launches: a prep kernel per (request, head)
+that forms G and C once, ``T = (I + G)^{-1}`` (the same sweeps on the identity) and ``C T``, and an
+apply kernel per value tile computing ``U = T R`` and ``O = e^L Q S_pre + (C T) R`` with far fewer
+live registers. It is tested like the one-pass kernel but not yet measured, so never picked.
+
 Inputs may be fp16/bf16/fp32; gates, state and all accumulation are fp32. ``precision`` selects
 tl.dot's ``input_precision`` for fp32 operands ("tf32" fast, "tf32x3", or "ieee" exact); fp16/bf16
 Gram products are formed in the input dtype with fp32 accumulation.
@@ -451,7 +456,7 @@ def _tree_gdn_verify_kernel(
 # Two-pass variant: per-tree preparation, then a GEMM-like apply per value tile
 # --------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["max_depth"])
+@triton.jit(do_not_specialize=["max_depth", "num_nodes"])
 def _tree_gdn_prep_kernel(
     q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr,
     cu_ptr, mask_ptr,

@@ -175,15 +175,13 @@ def _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h
     rows = tl.arange(0, BT)
     p_ok = (p0 + rows) < num_nodes
     base = p0.to(tl.int64)                                           # 64-bit scalar row base
-    p_off = rows[:, None] * (H_V * D_V) + h * D_V + vcols[None, :]
-    p_mask = p_ok[:, None] & v_ok[None, :]
     zero_tile = tl.zeros([BT, BV], dtype=tl.float32)
-    tl.store(o_ptr + base * (H_V * D_V) + p_off, zero_tile.to(o_ptr.dtype.element_ty), mask=p_mask)
-    tl.store(u_ptr + base * (H_V * D_V) + p_off, zero_tile, mask=p_mask)
-    tl.store(L_ptr + base * H_V + rows * H_V + h, tl.zeros([BT], dtype=tl.float64),
-             mask=p_ok & first_tile)
+    _store_o_u(o_ptr, u_ptr, zero_tile, zero_tile, base, rows, h, vcols,
+               p_ok[:, None] & v_ok[None, :], H_V, D_V)
+    mask = p_ok & first_tile
+    rk = tl.full([BT], 1.0, dtype=tl.float32)                        # not stored without L2NORM
     if L2NORM:
-        w_ok = p_ok & first_tile & ((rows * 0 + h % GROUP) == 0)
+        w_ok = mask & ((rows * 0 + h % GROUP) == 0)                  # the rows whose norm is stored
         k_rows = k_ptr + base * s_kn + hk * s_kh
         ss = tl.zeros([BT], dtype=tl.float32)
         for k0 in range(0, D_K, BK):
@@ -191,7 +189,9 @@ def _pad_rows(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, p0, num_nodes, h
             k_t = tl.load(k_rows + rows[:, None] * s_kn + kc[None, :],
                           mask=w_ok[:, None] & (kc < D_K)[None, :], other=0.0).to(tl.float32)
             ss += tl.sum(k_t * k_t, axis=1)
-        tl.store(kinv_ptr + base * H_K + rows * H_K + hk, tl.rsqrt(ss + 1e-6), mask=w_ok)
+        rk = tl.rsqrt(ss + 1e-6)
+    _store_node_factors(L_ptr, kinv_ptr, tl.zeros([BT], dtype=tl.float64), rk, base, rows, mask,
+                        h, hk, H_V, H_K, GROUP, L2NORM)
 
 
 @triton.jit
@@ -230,6 +230,17 @@ def _store_o_u(o_ptr, u_ptr, O, U, lo, rows, h, vcols, out_mask, H_V: tl.constex
     out_off = rows[:, None] * (H_V * D_V) + h * D_V + vcols[None, :]   # 32-bit within the tree
     tl.store(o_ptr + base + out_off, O.to(o_ptr.dtype.element_ty), mask=out_mask)
     tl.store(u_ptr + base + out_off, U, mask=out_mask)
+
+
+@triton.jit
+def _store_node_factors(L_ptr, kinv_ptr, L, rk, lo, rows, mask, h, hk, H_V: tl.constexpr,
+                        H_K: tl.constexpr, GROUP: tl.constexpr, L2NORM: tl.constexpr):
+    """One tree's path log-decays L of value head h and, from the first value head of each key
+    head only, the key inverse norms; ``mask`` a ``[BT]`` row vector (a scalar bool in a mask is
+    refused by Triton >= 3.7's interpreter)."""
+    tl.store(L_ptr + lo * H_V + rows * H_V + h, L, mask=mask)
+    if L2NORM:
+        tl.store(kinv_ptr + lo * H_K + rows * H_K + hk, rk, mask=mask & ((rows * 0 + h % GROUP) == 0))
 
 
 @triton.jit
@@ -441,10 +452,8 @@ def _tree_gdn_verify_kernel(
     _store_o_u(o_ptr, u_ptr, O, U, lo, rows, h, vcols, row_ok[:, None] & v_ok[None, :], H_V, D_V)
     # masks as row vectors (Triton >= 3.7's interpreter refuses a scalar bool in a mask)
     first_tile = (rows * 0 + iv) == 0                    # [BT], all equal
-    tl.store(L_ptr + lo * H_V + rows * H_V + h, L, mask=row_ok & first_tile)
-    if L2NORM:
-        tl.store(kinv_ptr + lo * H_K + rows * H_K + hk, rk,
-                 mask=row_ok & first_tile & ((rows * 0 + h % GROUP) == 0))
+    _store_node_factors(L_ptr, kinv_ptr, L, rk, lo, rows, row_ok & first_tile, h, hk,
+                        H_V, H_K, GROUP, L2NORM)
 
     # ---- padding rows (past cu_nodes[-1]) are written by the last request's programs ----
     if r == num_requests - 1:
@@ -509,10 +518,7 @@ def _tree_gdn_prep_kernel(
     tl.store(rv, beta, mask=row_ok)
     tl.store(rv + num_nodes * H_V, row_ks, mask=row_ok)
     tl.store(rv + 2 * num_nodes * H_V, row_qs, mask=row_ok)
-    tl.store(L_ptr + lo * H_V + rows * H_V + h, L, mask=row_ok)
-    if L2NORM:
-        tl.store(kinv_ptr + lo * H_K + rows * H_K + hk, rk,
-                 mask=row_ok & ((rows * 0 + h % GROUP) == 0))
+    _store_node_factors(L_ptr, kinv_ptr, L, rk, lo, rows, row_ok, h, hk, H_V, H_K, GROUP, L2NORM)
 
 
 @triton.jit(do_not_specialize=["num_nodes", "num_requests"])

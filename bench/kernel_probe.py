@@ -30,19 +30,20 @@ sys.path.insert(0, str(HERE))
 import kernels as kb  # noqa: E402  (bench/kernels.py: inputs, timing, byte floor)
 
 from bole.config import gdn_shape  # noqa: E402
-from bole.ops.gdn.closed_form import tree_gdn_closed_form  # noqa: E402
 from bole.tree import PackedForest  # noqa: E402
 
 
-def compiled_stats(kernel) -> dict:
-    """registers / spills / shared memory of the variants compiled so far, by constexpr key."""
+def compiled_stats(kernels) -> dict:
+    """registers / spills / shared memory of the variants compiled so far, by kernel and
+    constexpr key."""
     out = {}
     try:
-        for cache in kernel.device_caches.values():
-            for key, ck in cache[0].items():
-                out[str(hash(key))] = dict(n_regs=ck.n_regs, n_spills=ck.n_spills,
-                                           shared=ck.metadata.shared,
-                                           num_warps=ck.metadata.num_warps)
+        for kernel in kernels:
+            for cache in kernel.device_caches.values():
+                for key, ck in cache[0].items():
+                    out[f"{kernel.__name__}:{hash(key)}"] = dict(
+                        kernel=kernel.__name__, n_regs=ck.n_regs, n_spills=ck.n_spills,
+                        shared=ck.metadata.shared, num_warps=ck.metadata.num_warps)
     except Exception as exc:  # the cache layout is a Triton internal
         out["error"] = repr(exc)
     return out
@@ -73,6 +74,7 @@ def main(argv=None) -> int:
         if tl.program_id(0) < 0:
             tl.store(x_ptr, 0.0)
 
+    kernels = (tv._tree_gdn_verify_kernel, tv._tree_gdn_prep_kernel, tv._tree_gdn_apply_kernel)
     dev = torch.device("cuda")
     bw = kb.copy_bandwidth(dev)
     date = _dt.date.today().isoformat()
@@ -96,12 +98,6 @@ def main(argv=None) -> int:
         N, R = forest.num_nodes, forest.num_requests
         sets = [kb.make_inputs(shape, forest, dev, seed=batch + 100 * i) for i in range(8)]
         floor_us = kb.floor_bytes(shape, N, R) / bw * 1e6
-        x0 = sets[0]
-        ref, _ = tree_gdn_closed_form(
-            x0["q"].double(), x0["k"].double(), x0["v"].double(), forest,
-            initial_state=x0["initial_state"].double(), a=x0["a"].double(), b=x0["b"].double(),
-            A_log=x0["A_log"].double(), dt_bias=x0["dt_bias"].double(),
-            use_qk_l2norm_in_kernel=True, check_values=False)
         picked = tv.pick_config(meta_f.block_nodes, dk, dv, R * Hv)
         if args.once:
             x = sets[0]
@@ -111,6 +107,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             print(f"batch {batch}: {picked}", flush=True)
             continue
+        ref, _ = kb.reference_fp64(sets[0], forest)
         grid = [tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st, two_pass=tp)
                 for bv, bk, nw, st, tp in itertools.product(
                     args.bv, args.bk, args.warps, args.stages,
@@ -126,12 +123,12 @@ def main(argv=None) -> int:
                         x["q"], x["k"], x["v"], m, a=x["a"], b=x["b"], A_log=x["A_log"],
                         dt_bias=x["dt_bias"], initial_state=x["initial_state"],
                         use_qk_l2norm_in_kernel=True, config=cfg)
-                before = set(compiled_stats(tv._tree_gdn_verify_kernel))
+                before = set(compiled_stats(kernels))
                 o, fac = call(sets[0], meta_f)
                 rec["rel_err"] = kb.rel_err(o, ref)
                 rec["us"] = kb.time_calls([lambda x=x: call(x, meta_f) for x in sets])
                 rec["us_no_sweep"] = kb.time_calls([lambda x=x: call(x, no_sweep) for x in sets])
-                stats = compiled_stats(tv._tree_gdn_verify_kernel)
+                stats = compiled_stats(kernels)
                 rec["compiled"] = [v for k, v in stats.items() if k not in before]
             except Exception as exc:
                 rec["error"] = repr(exc)[:500]

@@ -82,6 +82,17 @@ def make_inputs(shape, forest: PackedForest, dev, seed: int):
         initial_state=rnd(R, Hv, dk, dv, dt=torch.float32) * 0.1)
 
 
+def reference_fp64(x, forest: PackedForest):
+    """The torch closed form in fp64 on the (bf16-valued) inputs of :func:`make_inputs`, gated and
+    normalised as the kernels run them: ``(o, factors)``."""
+    from bole.ops.gdn.closed_form import tree_gdn_closed_form
+    return tree_gdn_closed_form(
+        x["q"].double(), x["k"].double(), x["v"].double(), forest,
+        initial_state=x["initial_state"].double(), a=x["a"].double(), b=x["b"].double(),
+        A_log=x["A_log"].double(), dt_bias=x["dt_bias"].double(), use_qk_l2norm_in_kernel=True,
+        check_values=False)
+
+
 def input_bytes(x) -> int:
     return sum(t.numel() * t.element_size() for t in x.values())
 
@@ -205,10 +216,7 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
     common = dict(use_qk_l2norm_in_kernel=True)
     gate = lambda x: dict(a=x["a"], b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"])  # noqa
 
-    ref64, ref_f = tree_gdn_closed_form(
-        base["q"].double(), base["k"].double(), base["v"].double(), forest,
-        initial_state=base["initial_state"].double(), check_values=False,
-        **{n: t.double() for n, t in gate(base).items()}, **common)
+    ref64, ref_f = reference_fp64(base, forest)
     floor_us = floor_bytes(shape, N, R) / bw * 1e6
     snap_bytes = N * Hv * dk * dv * 4
     factor_bytes = N * Hv * 8 + N * Hv * dv * 4 + N * Hk * 4 + N * Hk * dk * 2

@@ -141,7 +141,7 @@ def test_long_path_several_chunks_and_deep_decay():
     exp = expected_pool(f, pool, slots, forest, accepted)
     pool_dev = pool.clone().to(DEV)
     commit_factored_accepted_triton(factors_to(f, DEV), pool_dev, slots.to(DEV), forest, accepted,
-                                    block_p=16)
+                                    block_k=16)
     assert_rel(pool_dev, exp)
 
 

@@ -10,11 +10,12 @@ with ``S_pre`` the pool slot ``state_indices[r]`` of layer l, which is overwritt
 carry the inverse norms). The weights come from the differences ``L_a - L_j`` (<= 0 on the path),
 masked to -inf off the path *before* exp; separate exponentials are never formed.
 
-Kernel: one program per (layer, request, value head) x (d_k tile) x (d_v tile). It reads its
-``[BK, BV]`` tile of ``S_pre``, adds the path's contribution as ``K_p^T (w * U_p)`` with ``tl.dot``
-over chunks of ``BP`` path nodes (fp32, ``input_precision="ieee"``: no TF32 rounding), and writes
-the tile back. Each program reads only the tile it then overwrites, so in place is hazard-free as
-long as ``state_indices`` holds distinct slots.
+Kernel: one program per (layer, request, value head) x (d_v tile of ``BV`` columns). It loads the
+path's weighted corrections ``w_j u_j`` ``[BP, BV]`` once (``BP`` >= the longest path), then
+streams its ``[d_k, BV]`` column block of ``S_pre`` in ``[BK, BV]`` tiles (the loop's loads are
+pipelined): each tile is scaled, gets ``K_p^T (w U_p)`` by ``tl.dot`` in fp32 ("ieee": no TF32
+rounding; "tf32x3" measured slower) and is written back. Each program reads only the tiles it then
+overwrites, so in place is hazard-free as long as ``state_indices`` holds distinct slots.
 
 The torch oracle is :func:`bole.ops.gdn.closed_form.commit_factored`.
 """
@@ -46,7 +47,7 @@ def _factored_commit_kernel(
     BK: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
     HAS_K_INV: tl.constexpr,
 ):
-    i_lrh, i_k, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_lrh, i_v = tl.program_id(0), tl.program_id(1)
     i_hv = i_lrh % HV
     i_r = (i_lrh // HV) % R
     i_l = (i_lrh // (HV * R)).to(tl.int64)
@@ -59,36 +60,33 @@ def _factored_commit_kernel(
         node0 = i_l * N                                   # first node of this layer
         a = tl.load(row + n - 1).to(tl.int64)             # the accepted node
         b_La = tl.load(L + (node0 + a) * HV + i_hv)      # fp64 (or fp32) path log-decay
-
-        o_k = i_k * BK + tl.arange(0, BK)
+        decay_a = tl.exp(b_La.to(tl.float32))
         o_v = i_v * BV + tl.arange(0, BV)
-        mask_k = o_k < K
         mask_v = o_v < V
-        p_s = (pool + i_l * stride_pool_layer + slot * stride_pool_slot + i_hv * K * V
-               + o_k[:, None] * V + o_v[None, :])
-        mask_s = mask_k[:, None] & mask_v[None, :]
-        b_s = tl.load(p_s, mask=mask_s, other=0.0).to(tl.float32) * tl.exp(b_La.to(tl.float32))
-
-        for j0 in range(0, n, BP):
-            o_p = j0 + tl.arange(0, BP)
-            mask_p = o_p < n
-            idx = node0 + tl.load(row + o_p, mask=mask_p, other=0).to(tl.int64)   # [BP]
-            b_Lj = tl.load(L + idx * HV + i_hv, mask=mask_p, other=0.0)
-            # the difference in L's precision (fp64 factors), then exp in fp32, masked first
-            b_w = tl.exp(tl.where(mask_p, (b_La - b_Lj).to(tl.float32), float("-inf")))  # [BP]
-            # keys, transposed: [BK, BP]
+        # the path's weighted corrections w_j u_j, [BP, BV], once per program (paths fit in BP)
+        o_p = tl.arange(0, BP)
+        mask_p = o_p < n
+        idx = node0 + tl.load(row + o_p, mask=mask_p, other=0).to(tl.int64)       # [BP]
+        b_Lj = tl.load(L + idx * HV + i_hv, mask=mask_p, other=0.0)
+        # the difference in L's precision (fp64 factors), then exp in fp32, masked first
+        b_w = tl.exp(tl.where(mask_p, (b_La - b_Lj).to(tl.float32), float("-inf")))      # [BP]
+        if HAS_K_INV:
+            b_w = b_w * tl.load(k_inv + idx * HK + i_h, mask=mask_p, other=0.0).to(tl.float32)
+        b_u = tl.load(u + (idx[:, None] * HV + i_hv) * V + o_v[None, :],
+                      mask=mask_p[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+        b_u = b_u * b_w[:, None]
+        p_state = pool + i_l * stride_pool_layer + slot * stride_pool_slot + i_hv * K * V
+        # stream the [K, BV] column block of the state in [BK, BV] tiles (pipelined loads)
+        for k0 in range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            mask_k = o_k < K
+            p_s = p_state + o_k[:, None] * V + o_v[None, :]
+            mask_s = mask_k[:, None] & mask_v[None, :]
+            b_s = tl.load(p_s, mask=mask_s, other=0.0).to(tl.float32) * decay_a
             b_kt = tl.load(kk + (idx[None, :] * HK + i_h) * K + o_k[:, None],
                            mask=mask_k[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-            if HAS_K_INV:
-                b_kn = tl.load(k_inv + idx * HK + i_h, mask=mask_p, other=0.0).to(tl.float32)
-                b_w = b_w * b_kn
-            # weighted corrections: [BP, BV]
-            b_u = tl.load(u + (idx[:, None] * HV + i_hv) * V + o_v[None, :],
-                          mask=mask_p[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
-            b_u = b_u * b_w[:, None]
             b_s = tl.dot(b_kt, b_u, acc=b_s, input_precision="ieee")
-
-        tl.store(p_s, b_s.to(pool.dtype.element_ty), mask=mask_s)
+            tl.store(p_s, b_s.to(pool.dtype.element_ty), mask=mask_s)
 
 
 def _check_int_tensor(name: str, x, shape: tuple[int, ...], device) -> None:
@@ -105,8 +103,8 @@ def _check_int_tensor(name: str, x, shape: tuple[int, ...], device) -> None:
 def commit_factored_triton(
     factors: TreeFactors, state_pool: torch.Tensor, state_indices: torch.Tensor,
     path_index: torch.Tensor, path_lengths: torch.Tensor, *,
-    block_k: int | None = None, block_v: int | None = None, block_p: int = 16,
-    num_warps: int = 4, num_stages: int = 2, check_values: bool = False,
+    block_k: int | None = None, block_v: int | None = None,
+    num_warps: int = 4, num_stages: int = 3, check_values: bool = False,
 ) -> torch.Tensor:
     """Commit the accepted paths of every layer, request and head in one launch, in place.
 
@@ -121,8 +119,11 @@ def commit_factored_triton(
         path_index: ``[R, P]`` packed node indices of each accepted path, root first, padded
             (entries past ``path_lengths[r]`` are ignored); see ``PackedForest.padded_paths``.
         path_lengths: ``[R]``; 0 skips the request (nothing written).
-        block_k, block_v, block_p, num_warps, num_stages: launch configuration. ``block_p`` is the
-            chunk of path nodes per ``tl.dot`` (>= 16).
+        block_k, block_v, num_warps, num_stages: launch configuration: ``block_v`` state columns
+            per program, streamed ``block_k`` rows at a time. The whole path is one ``tl.dot``
+            operand (``max(16, next_pow2(P))`` rows). The defaults (16, 64, 4 warps, 3 stages)
+            were the fastest of 56 launches at every batch on the H200
+            (bench/results/commit-configs-2026-11-30.json).
         check_values: also check index ranges and distinct slots (syncs with the device).
 
     Returns ``state_pool``.
@@ -200,16 +201,15 @@ def commit_factored_triton(
             raise ValueError(f"path_index holds node indices outside 0..{N - 1}")
     if R == 0 or P == 0:
         return state_pool
-    BK = block_k or min(64, max(16, triton.next_power_of_2(d_k)))
+    BK = block_k or 16
     BV = block_v or min(64, max(16, triton.next_power_of_2(d_v)))
-    if block_p < 16 or block_p & (block_p - 1):
-        raise ValueError(f"block_p must be a power of two >= 16 (tl.dot), got {block_p}")
-    grid = (Ly * R * H_v, triton.cdiv(d_k, BK), triton.cdiv(d_v, BV))
+    BP = max(16, triton.next_power_of_2(P))               # the whole path in one tl.dot
+    grid = (Ly * R * H_v, triton.cdiv(d_v, BV))
     _factored_commit_kernel[grid](
         L.contiguous(), k.contiguous(), None if k_inv is None else k_inv.contiguous(),
         u.contiguous(), pool, state_indices.contiguous(), path_index.contiguous(),
         path_lengths.contiguous(), R, N, P, pool.stride(0), pool.stride(1),
-        HK=H_k, HV=H_v, K=d_k, V=d_v, BK=BK, BV=BV, BP=block_p, HAS_K_INV=k_inv is not None,
+        HK=H_k, HV=H_v, K=d_k, V=d_v, BK=BK, BV=BV, BP=BP, HAS_K_INV=k_inv is not None,
         num_warps=num_warps, num_stages=num_stages)
     return state_pool
 

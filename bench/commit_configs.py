@@ -1,0 +1,147 @@
+"""The cross-layer factored commit against copy commits, by launch configuration (H200).
+
+For Qwen3.5-9B GDN shapes (24 GDN layers), T = 64 trees of depth 8 and every batch size, it
+commits each request's deepest node (a path of 9 nodes) in every layer:
+
+* ``bole``: :func:`commit_factored_triton`, one launch, for a grid of (block_k, block_v, warps,
+  stages);
+* ``copy-per-layer``: tree-serial's commit, one :func:`commit_from_snapshots_triton` launch per
+  layer, each reading that layer's own accepted snapshots (distinct memory, as an engine holds them);
+* ``copy-one-launch``: the same copies in one launch over all layers (the strongest copy baseline);
+* ``floor``: state bytes read once and written once over the measured copy bandwidth.
+
+Each bole configuration is checked against the fp64 torch commit (:func:`commit_factored`) on the
+first layer before it is timed. Writes ``commit-configs-<date>.json``.
+
+    python bench/commit_configs.py [--batches 1 4 16 64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import kernels as kb  # noqa: E402  (bench/kernels.py: trees, inputs, timing)
+
+from bole.config import gdn_shape  # noqa: E402
+from bole.tree import PackedForest  # noqa: E402
+
+NODES = 64
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="qwen3.5-9b")
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--blocks", nargs="+", default=["16x64", "32x32", "32x64", "64x64", "16x128",
+                                                     "32x128", "64x128"],
+                    help="block_k x block_v")
+    ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
+    ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("commit_configs needs a CUDA device")
+        return 0
+    import triton
+
+    from bole.ops.gdn.closed_form import TreeFactors, commit_factored
+    from bole.ops.gdn.triton_commit import commit_factored_triton
+    from bole.ops.gdn.triton_serial import commit_from_snapshots_triton
+    from bole.ops.gdn.triton_verify import tree_gdn_verify_triton
+
+    dev = torch.device("cuda")
+    shape = gdn_shape(args.model)
+    layers = shape.num_gdn_layers
+    bw = kb.copy_bandwidth(dev)
+    records = []
+    for batch in args.batches:
+        rng = np.random.default_rng(batch * 1000 + NODES)
+        trees = [kb.bench_tree(NODES, kb.DEPTH, rng) for _ in range(batch)]
+        forest = PackedForest.pack(trees)
+        meta = forest.kernel_meta(dev)
+        x = kb.make_inputs(shape, forest, dev, seed=batch)
+        _, fac = tree_gdn_verify_triton(x["q"], x["k"], x["v"], meta,
+                                        initial_state=x["initial_state"], a=x["a"], b=x["b"],
+                                        A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                        use_qk_l2norm_in_kernel=True)
+        stacked = TreeFactors(*(t.expand(layers, *t.shape).contiguous()
+                                for t in (fac.log_decay, fac.k, fac.u, fac.k_inv_norm)))
+        pool0 = x["initial_state"].expand(layers, *x["initial_state"].shape).contiguous()
+        pool = pool0.clone()
+        R = forest.num_requests
+        accepted = [t.num_nodes - 1 for t in trees]        # the deepest-numbered node: depth 8
+        index, lengths = forest.padded_paths(accepted)
+        index, lengths = index.to(dev), lengths.to(dev)
+        slots = torch.arange(R, device=dev)
+        ref = commit_factored(TreeFactors(*(t.double() for t in (
+            fac.log_decay, fac.k, fac.u, fac.k_inv_norm))), x["initial_state"].double(), forest,
+            accepted)
+        state_bytes = pool.numel() * 4
+        floor_us = 2 * state_bytes / bw * 1e6
+
+        def record(impl, us, **extra):
+            rec = dict(model=shape.name, batch=batch, nodes=NODES, layers=layers, impl=impl,
+                       median_us=us, floor_us=floor_us, ratio_to_floor=us / floor_us, **extra)
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+
+        for blocks, warps, stages in itertools.product(args.blocks, args.warps, args.stages):
+            bk, bv = (int(s) for s in blocks.split("x"))
+            cfg = dict(block_k=bk, block_v=bv, num_warps=warps, num_stages=stages)
+            try:
+                pool.copy_(pool0)
+                commit_factored_triton(stacked, pool, slots, index, lengths, **cfg)
+                err = float((pool[0].double() - ref).norm() / ref.norm())
+                us = kb.time_calls([lambda: commit_factored_triton(stacked, pool, slots, index,
+                                                                   lengths, **cfg)])
+                record("bole", us, config=cfg, rel_err=err)
+            except Exception as exc:          # keep going: one failing config must not end it
+                records.append(dict(batch=batch, impl="bole", config=cfg, error=repr(exc)))
+        # tree-serial's copy commit reads per-layer snapshots: distinct memory for every layer
+        snaps = pool0.clone()                                 # [Ly, R, H_v, d_k, d_v]
+        acc = torch.arange(R, device=dev)
+        us = kb.time_calls([lambda: [commit_from_snapshots_triton(snaps[i], pool[i], slots, acc)
+                                     for i in range(layers)]])
+        record("copy-per-layer", us)
+        us = kb.time_calls([lambda: commit_from_snapshots_triton(snaps, pool, slots, acc)])
+        record("copy-one-launch", us)
+        us = kb.time_calls([lambda: pool.copy_(snaps)])
+        record("torch-copy", us)
+        snaps = pool = pool0 = stacked = None      # free the device memory for the next batch
+        torch.cuda.empty_cache()
+
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, date=_dt.date.today().isoformat(), model=args.model,
+                copy_bandwidth_TBps=bw / 1e12, nodes=NODES, depth=kb.DEPTH,
+                timing="CUDA graph replay, median")
+    out_dir = Path(args.out or os.environ.get("OUT") or HERE / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"commit-configs-{meta['date']}.json"
+    path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+    for batch in args.batches:
+        rs = [r for r in records if r["batch"] == batch and r.get("median_us")]
+        best = min((r for r in rs if r["impl"] == "bole"), key=lambda r: r["median_us"], default=None)
+        base = {r["impl"]: r["median_us"] for r in rs if r["impl"] != "bole"}
+        if best:
+            print(f"batch {batch}: bole best {best['median_us']:.1f} us {best['config']} "
+                  f"(err {best['rel_err']:.1e}), floor {best['floor_us']:.1f}; "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in base.items()))
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

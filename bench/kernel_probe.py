@@ -1,7 +1,7 @@
 """Where the verification kernel's time goes, by variants that leave a stage out (H200 METHOD.md).
 
 For Qwen3.5-9B GDN shapes at T = 64, depth 8, it times every configuration in a grid
-(BV x BK x warps x stages, optionally one or two passes) twice: as is, and with ``max_depth = 0`` (no Neumann sweep: wrong
+(BV x BK x warps x stages) twice: as is, and with ``max_depth = 0`` (no Neumann sweep: wrong
 results, time of everything else), so the difference is the solve's cost. It also times an empty
 Triton kernel captured the same way (the launch floor) and records registers / spills of each
 compiled variant. Output: ``kernel-probe-<date>.json`` with one record per (batch, config).
@@ -58,7 +58,6 @@ def main(argv=None) -> int:
     ap.add_argument("--bk", nargs="+", type=int, default=[32, 64])
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--stages", nargs="+", type=int, default=[2])
-    ap.add_argument("--two-pass", action="store_true", help="also time the two-pass variant")
     ap.add_argument("--out", default=None)
     ap.add_argument("--once", action="store_true",
                     help="launch pick_config's choice once per batch, no timing (for ncu)")
@@ -74,7 +73,7 @@ def main(argv=None) -> int:
         if tl.program_id(0) < 0:
             tl.store(x_ptr, 0.0)
 
-    kernels = (tv._tree_gdn_verify_kernel, tv._tree_gdn_prep_kernel, tv._tree_gdn_apply_kernel)
+    kernels = (tv._tree_gdn_verify_kernel,)
     dev = torch.device("cuda")
     bw = kb.copy_bandwidth(dev)
     date = _dt.date.today().isoformat()
@@ -108,10 +107,8 @@ def main(argv=None) -> int:
             print(f"batch {batch}: {picked}", flush=True)
             continue
         ref, _ = kb.reference_fp64(sets[0], forest)
-        grid = [tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st, two_pass=tp)
-                for bv, bk, nw, st, tp in itertools.product(
-                    args.bv, args.bk, args.warps, args.stages,
-                    (False, True) if args.two_pass else (False,))]
+        grid = [tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st)
+                for bv, bk, nw, st in itertools.product(args.bv, args.bk, args.warps, args.stages)]
         if picked not in grid:
             grid.insert(0, picked)
         for cfg in grid:

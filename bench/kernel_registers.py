@@ -36,10 +36,8 @@ from bole.ops.gdn import triton_verify as tv  # noqa: E402
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*bf16",
             "beta_ptr": "*bf16", "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
             "state_ptr": "*fp32", "state_idx_ptr": "*i32", "cu_ptr": "*i32", "mask_ptr": "*u8",
-            "o_ptr": "*bf16", "u_ptr": "*fp32", "L_ptr": "*fp64", "kinv_ptr": "*fp32",
-            "t_ptr": "*fp32", "ct_ptr": "*fp32", "rv_ptr": "*fp32"}
-KERNELS = {"one-pass": "_tree_gdn_verify_kernel", "prep": "_tree_gdn_prep_kernel",
-           "apply": "_tree_gdn_apply_kernel"}
+            "o_ptr": "*bf16", "u_ptr": "*fp32", "L_ptr": "*fp64", "kinv_ptr": "*fp32"}
+KERNELS = {"one-pass": "_tree_gdn_verify_kernel"}
 UNIT_STRIDES = ("s_gh", "s_bh", "s_sv")      # contiguous last dims: Triton specialises 1 away
 
 
@@ -106,7 +104,7 @@ def main(argv=None) -> int:
     print(f"{'kernel':>8} {'BV':>4} {'BK':>4} {'warps':>5} {'cap':>4} {'regs':>5} {'spill B':>8} "
           f"{'smem B':>7}")
     for kernel in args.kernels:
-        for bv in (args.bv if kernel != "prep" else [args.bv[0]]):     # prep has no value tile
+        for bv in args.bv:
             for bk in args.bk:
                 for nw in args.warps:
                     for cap in args.maxnreg:
@@ -114,7 +112,7 @@ def main(argv=None) -> int:
                                               split_gram=args.block_nodes >= 256)
                         use = resource_usage(compile_verify(shape, args.block_nodes, cfg,
                                                             cap or None, kernel))
-                        print(f"{kernel:>8} {bv if kernel != 'prep' else '-':>4} {bk:>4} {nw:>5} "
+                        print(f"{kernel:>8} {bv:>4} {bk:>4} {nw:>5} "
                               f"{cap or '-':>4} {use['registers']:>5} {use['stack_bytes']:>8} "
                               f"{use['dynamic_shared']:>7}", flush=True)
     return 0

@@ -2,8 +2,8 @@
 
 For Qwen3.5 GDN layer shapes, batches and tree sizes (depth 8) it times, per layer:
 
-    bole          value-tiled closed-form kernel (tf32 dots; best of a small config sweep, the
-                  two-pass variant included; each config's time and error in "bole-config")
+    bole          value-tiled closed-form kernel (tf32 dots; best of a small config sweep; each
+                  config's time and error in "bole-config")
     bole-fp32-out the picked launch with O written in fp32 (accuracy without bf16 output rounding)
     bole-ieee     the same kernel in exact-fp32 mode on fp32 copies of the inputs
     tree-serial   node-by-node kernel with one fp32 snapshot per node (SGLang's design; best of its
@@ -183,15 +183,11 @@ def sweep_configs(level: str, block_nodes: int):
         return []
     if level == "small":
         grid = [(16, 64, 4), (32, 64, 4), (64, 32, 4), (128, 32, 4), (128, 32, 8)]
-        two_pass = [(32, 32, 8), (64, 32, 4), (64, 32, 8)]
     else:
         grid = [(bv, bk, nw) for bv in (16, 32, 64, 128) for bk in (32, 64) for nw in (4, 8)]
-        two_pass = grid
     splits = (False, True) if block_nodes >= 128 else (False,)
-    return ([VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=2, split_gram=sp)
-             for bv, bk, nw in grid for sp in splits]
-            + [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=2, two_pass=True)
-               for bv, bk, nw in two_pass])
+    return [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=2, split_gram=sp)
+            for bv, bk, nw in grid for sp in splits]
 
 
 def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: float,
@@ -364,11 +360,14 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
             slots = torch.arange(R, device=dev)
             us = time_calls([lambda: commit_factored_triton(stacked, pool, slots, index, lengths)])
             record("bole-commit-all-layers", us, None, 0, layers=layers)
-            acc_global = index.gather(1, (lengths - 1)[:, None])[:, 0]
-            snaps4 = snaps.view(N, Hv, dk, dv)
-            us = time_calls([lambda: [commit_from_snapshots_triton(snaps4, pool[i], slots, acc_global)
+            # every layer copies its own accepted snapshots (distinct memory, as an engine holds
+            # them; one buffer reused for all layers would be read from L2)
+            layer_snaps = pool.clone()                      # [Ly, R, H_v, d_k, d_v]
+            acc = torch.arange(R, device=dev)
+            us = time_calls([lambda: [commit_from_snapshots_triton(layer_snaps[i], pool[i], slots, acc)
                                       for i in range(layers)]])
             record("tree-serial-commit-all-layers", us, None, 0, layers=layers)
+            layer_snaps = None
         except Exception as exc:
             record("bole-commit-all-layers", None, None, 0, error=repr(exc))
             traceback.print_exc()

@@ -127,7 +127,6 @@ TREES = {
 VARIANTS = {
     "sweep": None,
     "split_gram": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, split_gram=True),
-    "two_pass": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, two_pass=True),
 }
 
 
@@ -140,7 +139,7 @@ def test_tree_shapes(shape, l2norm, variant):
                               config=VARIANTS[variant])
 
 
-@pytest.mark.parametrize("variant", ["sweep", "split_gram", "two_pass"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("nodes", [9, 17, 33])
 def test_deep_chains_with_parallel_keys(nodes, variant):
     """Nearly parallel keys and beta near 1 make |G_ij| ~ 1, so the powers of G grow like
@@ -168,8 +167,7 @@ def test_chain_batch_layout_equals_recurrence():
     assert rel_err(f.u, u_ser) < TOL
 
 
-@pytest.mark.parametrize("raw,variant", [(False, "sweep"), (True, "sweep"), (True, "split_gram"),
-                                         (True, "two_pass"), (False, "two_pass")])
+@pytest.mark.parametrize("raw,variant", [(False, "sweep"), (True, "sweep"), (True, "split_gram")])
 def test_ragged_forest_grouped_pool_padding_and_commit(raw, variant):
     """3 ragged requests + padding, H_k=2 / H_v=4, d = 32 (two key and two value tiles), a
     permuted pool larger than R; the pool stays untouched and the factors commit exactly."""
@@ -331,22 +329,24 @@ def test_bf16_inputs_cuda():
         check_against_closed_form(case, forest, tol=1e-2, precision=precision)
 
 
+#: launches compiled on a GPU besides each CONFIG_TABLE entry and pick_config's choice
+GPU_VARIANTS = (VerifyConfig(BV=32, BK=32), VerifyConfig(BV=64, BK=32),
+                VerifyConfig(BV=32, BK=64, num_warps=8))
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="compiled table configurations need a GPU")
+@pytest.mark.parametrize("config", ["table", "picked", *GPU_VARIANTS], ids=str)
 @pytest.mark.parametrize("nodes", [12, 60, 120, 129])
-def test_table_configs_cuda(nodes):
-    """Every CONFIG_TABLE entry compiles and is correct at the real head dims (d = 128, bf16)."""
+def test_table_configs_cuda(nodes, config):
+    """Every CONFIG_TABLE entry, pick_config's choice and a few variants compile and are correct
+    at the real head dims (d = 128, bf16)."""
     rng = np.random.default_rng(nodes)
     forest = PackedForest.pack([DraftTree.random(nodes, 8, rng), DraftTree.chain(min(nodes, 9))])
     case = make_case(forest, H_k=2, H_v=4, d_k=128, d_v=128, raw=True, dtype=torch.bfloat16,
                      pool_slots=3, seed=nodes)
     block = forest.kernel_meta().block_nodes
-    variants = (VerifyConfig(BV=32, BK=32), VerifyConfig(BV=64, BK=32),
-                VerifyConfig(BV=32, BK=64, num_warps=8),
-                VerifyConfig(BV=32, BK=32, num_warps=8, two_pass=True),
-                VerifyConfig(BV=64, BK=32, num_warps=4, two_pass=True),
-                VerifyConfig(BV=64, BK=32, num_warps=8, two_pass=True))
-    for config in (CONFIG_TABLE[block], None, *variants):
-        check_against_closed_form(case, forest, tol=1e-2, precision="tf32", config=config)
+    config = {"table": CONFIG_TABLE[block], "picked": None}.get(config, config)
+    check_against_closed_form(case, forest, tol=1e-2, precision="tf32", config=config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,8 +423,6 @@ def test_pick_config():
     assert pick_config(64, 128, 128, 128, interpret=False).num_warps == 4
     assert pick_config(32, 128, 128, 128, interpret=False).BV == 128
     assert pick_config(32, 128, 128, 128, interpret=False).num_warps == 4
-    assert not any(pick_config(bt, 128, 128, p, interpret=False).two_pass
-                   for bt in (16, 64, 256) for p in (32, 512))       # not measured yet
     # tiny heads: tiles never exceed the (power-of-two padded) head dims
     c = pick_config(16, 16, 16, 4096, interpret=False)
     assert c.BV == 16 and c.BK == 16

@@ -22,11 +22,6 @@ for large trees. 64-bit offsets sit in scalar per-tree bases (``cu_nodes[r] * st
 times its stride); per-element offsets within a tree stay 32-bit. Padding rows past ``cu_nodes[-1]``
 are written (zeros) by the last request's programs, so no output needs a memset.
 
-``VerifyConfig(two_pass=True)`` splits this into two launches: a prep kernel per (request, head)
-that forms G and C once, ``T = (I + G)^{-1}`` (the same sweeps on the identity) and ``C T``, and an
-apply kernel per value tile computing ``U = T R`` and ``O = e^L Q S_pre + (C T) R`` with far fewer
-live registers. It is tested like the one-pass kernel but not yet measured, so never picked.
-
 Inputs may be fp16/bf16/fp32; gates, state and all accumulation are fp32. ``precision`` selects
 tl.dot's ``input_precision`` for fp32 operands ("tf32" fast, "tf32x3", or "ieee" exact); fp16/bf16
 Gram products are formed in the input dtype with fp32 accumulation.
@@ -70,12 +65,6 @@ class VerifyConfig:
     split_gram: stream d_k twice (K: G, R and the solve; then Q: C and O) so that only one
         ``[BT, BT]`` Gram accumulator is live at a time; trades a second read of K and the S_pre
         tile (from L2) for registers, for large trees.
-    two_pass: two launches instead of one. A prep kernel per (request, head) forms G and C once,
-        ``T = (I + G)^{-1}`` by the same exact sweeps on the identity, and ``C T``, and writes them
-        (fp32, ``[R, H_v, BT, BT]`` each); an apply kernel per value tile then needs only
-        ``K S_pre``, ``Q S_pre`` and two ``[BT, BT] x [BT, BV]`` products, with about half the live
-        accumulators of the one-pass program (more blocks per SM). Not measured on a GPU yet, so
-        pick_config never chooses it (bench/NOTES.md, "Next").
     """
 
     BV: int
@@ -83,7 +72,6 @@ class VerifyConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_gram: bool = False
-    two_pass: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -462,122 +450,6 @@ def _tree_gdn_verify_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Two-pass variant: per-tree preparation, then a GEMM-like apply per value tile
-# --------------------------------------------------------------------------------------------
-
-@triton.jit(do_not_specialize=["max_depth", "num_nodes"])
-def _tree_gdn_prep_kernel(
-    q_ptr, k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr,
-    cu_ptr, mask_ptr,
-    L_ptr, kinv_ptr,                # outputs as in the one-pass kernel: L [N, H_v], k_inv_norm [N, H_k]
-    t_ptr, ct_ptr, rv_ptr,          # T, C T [R, H_v, BT, BT] fp32; row factors [3, N, H_v] fp32
-    max_depth, scale, num_nodes,
-    s_qn, s_qh, s_kn, s_kh, s_gn, s_gh, s_bn, s_bh, s_mn,
-    H_V: tl.constexpr, H_K: tl.constexpr, GROUP: tl.constexpr, D_K: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr,
-    RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """Pass 1, one program per (request, value head): Gram products, decays, G and C, then
-    ``T = (I + G)^{-1}`` by the exact sweeps on the identity and ``C T``; writes T, C T, the row
-    factors (beta, e^L rk, e^L rq), L and the key inverse norms. Nothing here depends on d_v."""
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    hk = h // GROUP
-    lo, _, rows, row_ok = _tree_rows(cu_ptr, r, BT)
-    g, beta = _load_gates(g_ptr + lo * s_gn + h * s_gh, beta_ptr + lo * s_bn + h * s_bh, s_gn, s_bn,
-                          A_log_ptr, dt_bias_ptr, h, rows, row_ok, RAW_GATES)
-    q_base = q_ptr + lo * s_qn + hk * s_qh + rows[:, None] * s_qn
-    k_base = k_ptr + lo * s_kn + hk * s_kh + rows[:, None] * s_kn
-    kk = tl.zeros([BT, BT], dtype=tl.float32)
-    qk = tl.zeros([BT, BT], dtype=tl.float32)
-    ss_k = tl.zeros([BT], dtype=tl.float32)
-    ss_q = tl.zeros([BT], dtype=tl.float32)
-    for k0 in range(0, D_K, BK):
-        kc = k0 + tl.arange(0, BK)
-        ld_mask = row_ok[:, None] & (kc < D_K)[None, :]
-        q_t = tl.load(q_base + kc[None, :], mask=ld_mask, other=0.0)
-        k_t = tl.load(k_base + kc[None, :], mask=ld_mask, other=0.0)
-        kt_t = tl.trans(k_t)
-        kk = tl.dot(k_t, kt_t, kk, input_precision=PREC)
-        qk = tl.dot(q_t, kt_t, qk, input_precision=PREC)
-        if L2NORM:
-            k_f = k_t.to(tl.float32)
-            q_f = q_t.to(tl.float32)
-            ss_k += tl.sum(k_f * k_f, axis=1)
-            ss_q += tl.sum(q_f * q_f, axis=1)
-    strict, L, decay = _tree_decay(mask_ptr + lo * s_mn, s_mn, g, rows, row_ok, BT)
-    G, C, rk, row_ks, row_qs = _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L, scale,
-                                              BT, L2NORM)
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
-    T = _neumann(G, eye, max_depth, PREC, INTERPRET)               # (I + G) T = I, exactly
-    CT = tl.dot(C, T, input_precision=PREC)
-    tile = (r.to(tl.int64) * H_V + h) * (BT * BT) + rows[:, None] * BT + rows[None, :]
-    tl.store(t_ptr + tile, T)
-    tl.store(ct_ptr + tile, CT)
-    rv = rv_ptr + lo * H_V + rows * H_V + h
-    tl.store(rv, beta, mask=row_ok)
-    tl.store(rv + num_nodes * H_V, row_ks, mask=row_ok)
-    tl.store(rv + 2 * num_nodes * H_V, row_qs, mask=row_ok)
-    _store_node_factors(L_ptr, kinv_ptr, L, rk, lo, rows, row_ok, h, hk, H_V, H_K, GROUP, L2NORM)
-
-
-@triton.jit(do_not_specialize=["num_nodes", "num_requests"])
-def _tree_gdn_apply_kernel(
-    q_ptr, k_ptr, v_ptr,
-    state_ptr, state_idx_ptr, cu_ptr,
-    t_ptr, ct_ptr, rv_ptr,          # from the prep kernel
-    o_ptr, u_ptr, L_ptr, kinv_ptr,  # L and kinv: padding rows only (prep wrote the rest)
-    num_nodes, num_requests,
-    s_qn, s_qh, s_kn, s_kh, s_vn, s_vh,
-    s_ss, s_sh, s_sk, s_sv,
-    H_V: tl.constexpr, H_K: tl.constexpr, GROUP: tl.constexpr,
-    D_K: tl.constexpr, D_V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """Pass 2, one program per (value tile, request, value head):
-    ``R = beta (V - e^L rk K S_pre)``, ``U = T R``, ``O = e^L rq Q S_pre + (C T) R``."""
-    iv = tl.program_id(0)
-    r = tl.program_id(1)
-    h = tl.program_id(2)
-    hk = h // GROUP
-    lo, hi32, rows, row_ok = _tree_rows(cu_ptr, r, BT)
-    vcols = iv * BV + tl.arange(0, BV)
-    v_ok = vcols < D_V
-    slot = tl.load(state_idx_ptr + r).to(tl.int64)
-    s_base = state_ptr + slot * s_ss + h.to(tl.int64) * s_sh
-    q_base = q_ptr + lo * s_qn + hk * s_qh + rows[:, None] * s_qn
-    k_base = k_ptr + lo * s_kn + hk * s_kh + rows[:, None] * s_kn
-    ks = tl.zeros([BT, BV], dtype=tl.float32)
-    qs = tl.zeros([BT, BV], dtype=tl.float32)
-    for k0 in range(0, D_K, BK):
-        kc = k0 + tl.arange(0, BK)
-        kc_ok = kc < D_K
-        ld_mask = row_ok[:, None] & kc_ok[None, :]
-        k_f = tl.load(k_base + kc[None, :], mask=ld_mask, other=0.0).to(tl.float32)
-        q_f = tl.load(q_base + kc[None, :], mask=ld_mask, other=0.0).to(tl.float32)
-        s_t = tl.load(s_base + kc[:, None] * s_sk + vcols[None, :] * s_sv,
-                      mask=kc_ok[:, None] & v_ok[None, :], other=0.0)
-        ks = tl.dot(k_f, s_t, ks, input_precision=PREC)
-        qs = tl.dot(q_f, s_t, qs, input_precision=PREC)
-    rv = rv_ptr + lo * H_V + rows * H_V + h
-    beta = tl.load(rv, mask=row_ok, other=0.0)
-    row_ks = tl.load(rv + num_nodes * H_V, mask=row_ok, other=0.0)
-    row_qs = tl.load(rv + 2 * num_nodes * H_V, mask=row_ok, other=0.0)
-    out_mask = row_ok[:, None] & v_ok[None, :]
-    v_t = tl.load(v_ptr + lo * s_vn + h * s_vh + rows[:, None] * s_vn + vcols[None, :],
-                  mask=out_mask, other=0.0).to(tl.float32)
-    Rm = beta[:, None] * (v_t - row_ks[:, None] * ks)
-    tile = (r.to(tl.int64) * H_V + h) * (BT * BT) + rows[:, None] * BT + rows[None, :]
-    U = tl.dot(tl.load(t_ptr + tile), Rm, input_precision=PREC)
-    O = row_qs[:, None] * qs + tl.dot(tl.load(ct_ptr + tile), Rm, input_precision=PREC)
-    _store_o_u(o_ptr, u_ptr, O, U, lo, rows, h, vcols, out_mask, H_V, D_V)
-    if r == num_requests - 1:                       # padding rows, as in the one-pass kernel
-        _pad_tail(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, hi32, num_nodes, h, hk, vcols,
-                  v_ok, (rows * 0 + iv) == 0, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM, INTERPRET)
-
-
-# --------------------------------------------------------------------------------------------
 # Wrapper
 # --------------------------------------------------------------------------------------------
 
@@ -718,10 +590,7 @@ def tree_gdn_verify_triton(
                   if use_qk_l2norm_in_kernel else None)
 
     kinv_arg = k_inv_norm if k_inv_norm is not None else log_decay       # never written then
-    common = dict(H_V=H_v, H_K=H_k, GROUP=H_v // H_k, D_K=d_k, BT=BT, BK=config.BK,
-                  L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision, INTERPRET=_interpreting(),
-                  num_warps=config.num_warps, num_stages=config.num_stages)
-    if N > 0 and R > 0 and not config.two_pass:
+    if N > 0 and R > 0:
         _tree_gdn_verify_kernel[(triton.cdiv(d_v, config.BV), R, H_v)](
             qf, kf, vf, gate1, gate2, A_log_t, dt_bias_t,
             initial_state, state_indices, meta.cu_nodes, meta.ancestor_mask,
@@ -731,22 +600,8 @@ def tree_gdn_verify_triton(
             gate1.stride(0), gate1.stride(1), gate2.stride(0), gate2.stride(1),
             *initial_state.stride(),
             meta.ancestor_mask.stride(0),
-            D_V=d_v, BV=config.BV, SPLIT=bool(config.split_gram), RAW_GATES=raw_gates, **common)
-    elif N > 0 and R > 0:
-        # per-tree T = (I + G)^{-1} and C T, fp32 [R, H_v, BT, BT] each, and row factors [3, N, H_v]
-        t_inv = torch.empty(R, H_v, BT, BT, dtype=torch.float32, device=device)
-        ct = torch.empty_like(t_inv)
-        row_factors = torch.empty(3, N, H_v, dtype=torch.float32, device=device)
-        _tree_gdn_prep_kernel[(R, H_v)](
-            qf, kf, gate1, gate2, A_log_t, dt_bias_t, meta.cu_nodes, meta.ancestor_mask,
-            log_decay, kinv_arg, t_inv, ct, row_factors,
-            int(meta.max_depth), scale, N,
-            qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1),
-            gate1.stride(0), gate1.stride(1), gate2.stride(0), gate2.stride(1),
-            meta.ancestor_mask.stride(0), RAW_GATES=raw_gates, **common)
-        _tree_gdn_apply_kernel[(triton.cdiv(d_v, config.BV), R, H_v)](
-            qf, kf, vf, initial_state, state_indices, meta.cu_nodes, t_inv, ct, row_factors,
-            o, u, log_decay, kinv_arg, N, R,
-            qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
-            *initial_state.stride(), D_V=d_v, BV=config.BV, **common)
+            H_V=H_v, H_K=H_k, GROUP=H_v // H_k, D_K=d_k, D_V=d_v, BT=BT, BK=config.BK,
+            BV=config.BV, SPLIT=bool(config.split_gram), RAW_GATES=raw_gates,
+            L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision, INTERPRET=_interpreting(),
+            num_warps=config.num_warps, num_stages=config.num_stages)
     return o, TreeFactors(log_decay=log_decay, k=k_raw, u=u, k_inv_norm=k_inv_norm)

@@ -182,12 +182,16 @@ def sweep_configs(level: str, block_nodes: int):
     if level == "picked":
         return []
     if level == "small":
-        grid = [(16, 64, 4), (32, 64, 4), (64, 32, 4), (128, 32, 4), (128, 32, 8)]
+        grid = [(16, 64, 4), (32, 64, 4), (64, 32, 4), (128, 32, 4), (128, 32, 8), (64, 64, 8)]
+        capped = [(32, 32, 8, 128), (64, 32, 8, 128), (64, 32, 8, 168), (128, 32, 8, 168)]
     else:
         grid = [(bv, bk, nw) for bv in (16, 32, 64, 128) for bk in (32, 64) for nw in (4, 8)]
+        capped = [(bv, 32, 8, cap) for bv in (32, 64, 128) for cap in (128, 168)]
     splits = (False, True) if block_nodes >= 128 else (False,)
-    return [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=2, split_gram=sp)
-            for bv, bk, nw in grid for sp in splits]
+    return ([VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=2, split_gram=sp)
+             for bv, bk, nw in grid for sp in splits]
+            + [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=2, maxnreg=cap)
+               for bv, bk, nw, cap in capped])
 
 
 def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: float,

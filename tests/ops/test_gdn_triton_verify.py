@@ -331,7 +331,8 @@ def test_bf16_inputs_cuda():
 
 #: launches compiled on a GPU besides each CONFIG_TABLE entry and pick_config's choice
 GPU_VARIANTS = (VerifyConfig(BV=32, BK=32), VerifyConfig(BV=64, BK=32),
-                VerifyConfig(BV=32, BK=64, num_warps=8))
+                VerifyConfig(BV=32, BK=64, num_warps=8),
+                VerifyConfig(BV=64, BK=32, num_warps=8, maxnreg=128))
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="compiled table configurations need a GPU")
@@ -390,6 +391,8 @@ def test_malformed_inputs_raise():
         _call(forest, args, meta=forest)
     with pytest.raises(ValueError, match="power of two"):
         _call(forest, args, config=VerifyConfig(BV=8, BK=16))
+    with pytest.raises(ValueError, match="maxnreg"):
+        _call(forest, args, config=VerifyConfig(BV=16, BK=16, maxnreg=300))
     with pytest.raises(ValueError, match="g and beta"):
         _call(forest, args, g=None)
     with pytest.raises(ValueError, match="H_v"):

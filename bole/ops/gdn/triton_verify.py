@@ -65,6 +65,8 @@ class VerifyConfig:
     split_gram: stream d_k twice (K: G, R and the solve; then Q: C and O) so that only one
         ``[BT, BT]`` Gram accumulator is live at a time; trades a second read of K and the S_pre
         tile (from L2) for registers, for large trees.
+    maxnreg: cap on registers per thread (ptxas ``.maxnreg``), None for none: fewer registers
+        mean more blocks per SM at the price of spills (bench/kernel_registers.py shows both).
     """
 
     BV: int
@@ -72,6 +74,7 @@ class VerifyConfig:
     num_warps: int = 4
     num_stages: int = 2
     split_gram: bool = False
+    maxnreg: int | None = None
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -82,6 +85,9 @@ class VerifyConfig:
             raise ValueError(f"VerifyConfig.num_warps={self.num_warps!r} must be a power of two")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"VerifyConfig.num_stages={self.num_stages!r} must be a positive int")
+        if self.maxnreg is not None and (not isinstance(self.maxnreg, int)
+                                         or not 32 <= self.maxnreg <= 255):
+            raise ValueError(f"VerifyConfig.maxnreg={self.maxnreg!r} must be None or an int in 32..255")
 
 
 #: The single configuration used under TRITON_INTERPRET (CPU); tiny tiles keep it cheap.
@@ -603,5 +609,6 @@ def tree_gdn_verify_triton(
             H_V=H_v, H_K=H_k, GROUP=H_v // H_k, D_K=d_k, D_V=d_v, BT=BT, BK=config.BK,
             BV=config.BV, SPLIT=bool(config.split_gram), RAW_GATES=raw_gates,
             L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision, INTERPRET=_interpreting(),
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            num_warps=config.num_warps, num_stages=config.num_stages,
+            **({"maxnreg": config.maxnreg} if config.maxnreg and not _interpreting() else {}))
     return o, TreeFactors(log_decay=log_decay, k=k_raw, u=u, k_inv_norm=k_inv_norm)

@@ -153,6 +153,22 @@ def test_deep_chains_with_parallel_keys(nodes, variant):
     check_against_closed_form(case, forest, config=VARIANTS[variant])
 
 
+def test_set_bits_in_padding_columns_change_nothing():
+    """The kernel masks only the rows of the ancestor mask (so its loads vectorise): bits in the
+    columns past a tree's size must not matter, as their keys, gates and betas are zero."""
+    import dataclasses
+    forest = PackedForest.pack([DraftTree.random(11, 4, np.random.default_rng(2)), DraftTree.chain(5)])
+    case = make_case(forest, H_k=1, H_v=2, raw=True, seed=3)
+    meta = forest.kernel_meta(DEVICE)
+    o, f = run_kernel(case, forest, meta=meta)
+    noisy = meta.ancestor_mask.clone()
+    for r in range(forest.num_requests):
+        lo, hi = int(forest.cu_nodes[r]), int(forest.cu_nodes[r + 1])
+        noisy[lo:hi, hi - lo:] = 1
+    o2, f2 = run_kernel(case, forest, meta=dataclasses.replace(meta, ancestor_mask=noisy))
+    assert torch.equal(o, o2) and torch.equal(f.u, f2.u) and torch.equal(f.log_decay, f2.log_decay)
+
+
 def test_chain_batch_layout_equals_recurrence():
     """B equal chains passed as [B, T, ...]: the ordinary recurrence, o in the input layout."""
     forest = PackedForest.from_parents(torch.arange(-1, 7).expand(2, 8))

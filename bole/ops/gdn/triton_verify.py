@@ -283,8 +283,11 @@ def _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L, scale, BT: tl.con
 @triton.jit
 def _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT: tl.constexpr):
     """Ancestor mask (self included), strict mask, path log-decay L and the masked decay matrix."""
+    # rows past the tree may lie past the buffer; columns never do (the mask is [N, BT]), and a
+    # set bit in a padding column is harmless (its key, gate and beta are zero), so the mask is
+    # uniform along a row and the loads vectorise
     anc = tl.load(mask_rows + rows[:, None] * s_mn + rows[None, :],
-                  mask=row_ok[:, None] & row_ok[None, :], other=0) != 0
+                  mask=row_ok[:, None], other=0) != 0
     strict = anc & (rows[:, None] != rows[None, :])
     # L_i = sum_j mask_ij g_j in fp64 (L_i - L_j of two long paths loses eps * |L| in fp32);
     # decays from the differences, masked to -inf *before* exp

@@ -67,6 +67,8 @@ class VerifyConfig:
         tile (from L2) for registers, for large trees.
     maxnreg: cap on registers per thread (ptxas ``.maxnreg``), None for none: fewer registers
         mean more blocks per SM at the price of spills (bench/kernel_registers.py shows both).
+        Capped 8-warp launches were slower than the table's at every batch on the H200
+        (bench/NOTES.md), so pick_config never sets it; it is there for sweeps.
     """
 
     BV: int

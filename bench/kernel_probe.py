@@ -62,6 +62,10 @@ def main(argv=None) -> int:
     ap.add_argument("--once", action="store_true",
                     help="launch pick_config's choice once per batch, no timing (for ncu)")
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_probe needs a CUDA device (it times compiled kernels); "
+              "bench/kernel_registers.py reports registers without one")
+        return 0
 
     import triton
     import triton.language as tl

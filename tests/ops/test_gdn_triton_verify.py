@@ -363,7 +363,11 @@ def test_table_configs_cuda(nodes, config):
                      pool_slots=3, seed=nodes)
     block = forest.kernel_meta().block_nodes
     config = {"table": CONFIG_TABLE[block], "picked": None}.get(config, config)
-    check_against_closed_form(case, forest, tol=1e-2, precision="tf32", config=config)
+    o, f, _, _ = check_against_closed_form(case, forest, tol=1e-2, precision="tf32", config=config)
+    # a race in compiled code shows as results that change from run to run (bench/NOTES.md)
+    for _ in range(3):
+        o2, f2 = run_kernel(case, forest, precision="tf32", config=config)
+        assert torch.equal(o2, o) and torch.equal(f2.u, f.u), "repeated runs differ"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -453,7 +453,8 @@ def main(argv=None) -> int:
                     help="verification-kernel configs timed besides pick_config's (default small)")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--merge", nargs="+", default=None,
-                    help="merge results files (same device and date) into one, then plot")
+                    help="merge results files (same device and date) into kernels-<date><tag>.json, "
+                         "then plot")
     args = ap.parse_args(argv)
     if args.plot:
         print(plot(Path(args.plot)))
@@ -462,7 +463,9 @@ def main(argv=None) -> int:
         parts = [json.loads(Path(p).read_text()) for p in args.merge]
         merged = dict(meta=parts[0]["meta"], records=[r for p in parts for r in p["records"]])
         merged["meta"]["merged_from"] = [Path(p).name for p in args.merge]
-        path = Path(args.out or ROOT / "bench" / "results") / f"kernels-{parts[0]['meta']['date']}.json"
+        out_dir = Path(args.out or ROOT / "bench" / "results")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"kernels-{parts[0]['meta']['date']}{args.tag}.json"
         path.write_text(json.dumps(merged, indent=1))
         print(summary(merged["records"]))
         print(plot(path))

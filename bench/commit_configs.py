@@ -19,10 +19,8 @@ first layer before it is timed. Writes ``commit-configs-<date>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -55,7 +53,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("commit_configs needs a CUDA device")
         return 0
-    import triton
 
     from bole.ops.gdn.closed_form import TreeFactors, commit_factored
     from bole.ops.gdn.triton_commit import commit_factored_triton
@@ -123,13 +120,9 @@ def main(argv=None) -> int:
         snaps = pool = pool0 = stacked = None      # free the device memory for the next batch
         torch.cuda.empty_cache()
 
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, date=_dt.date.today().isoformat(), model=args.model,
-                copy_bandwidth_TBps=bw / 1e12, nodes=NODES, depth=kb.DEPTH,
-                timing="CUDA graph replay, median")
-    out_dir = Path(args.out or os.environ.get("OUT") or HERE / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"commit-configs-{meta['date']}.json"
+    meta = kb.run_meta(model=args.model, copy_bandwidth_TBps=bw / 1e12, nodes=NODES,
+                       depth=kb.DEPTH, timing="CUDA graph replay, median")
+    path = kb.results_path(args.out, f"commit-configs-{meta['date']}.json")
     path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
     for batch in args.batches:
         rs = [r for r in records if r["batch"] == batch and r.get("median_us")]

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as _dt
 import itertools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -33,17 +31,15 @@ from bole.config import gdn_shape  # noqa: E402
 from bole.tree import PackedForest  # noqa: E402
 
 
-def compiled_stats(kernels) -> dict:
-    """registers / spills / shared memory of the variants compiled so far, by kernel and
+def compiled_stats(kernel) -> dict:
+    """registers / spills / shared memory of the variants of ``kernel`` compiled so far, by
     constexpr key."""
     out = {}
     try:
-        for kernel in kernels:
-            for cache in kernel.device_caches.values():
-                for key, ck in cache[0].items():
-                    out[f"{kernel.__name__}:{hash(key)}"] = dict(
-                        kernel=kernel.__name__, n_regs=ck.n_regs, n_spills=ck.n_spills,
-                        shared=ck.metadata.shared, num_warps=ck.metadata.num_warps)
+        for cache in kernel.device_caches.values():
+            for key, ck in cache[0].items():
+                out[hash(key)] = dict(n_regs=ck.n_regs, n_spills=ck.n_spills,
+                                      shared=ck.metadata.shared, num_warps=ck.metadata.num_warps)
     except Exception as exc:  # the cache layout is a Triton internal
         out["error"] = repr(exc)
     return out
@@ -77,19 +73,15 @@ def main(argv=None) -> int:
         if tl.program_id(0) < 0:
             tl.store(x_ptr, 0.0)
 
-    kernels = (tv._tree_gdn_verify_kernel,)
+    kernel = tv._tree_gdn_verify_kernel
     dev = torch.device("cuda")
     bw = kb.copy_bandwidth(dev)
-    date = _dt.date.today().isoformat()
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, date=date, model=args.model, nodes=args.nodes,
-                depth=kb.DEPTH, copy_bandwidth_TBps=bw / 1e12)
+    meta = kb.run_meta(model=args.model, nodes=args.nodes, depth=kb.DEPTH,
+                       copy_bandwidth_TBps=bw / 1e12)
     dummy = torch.zeros(1, device=dev)
     meta["empty_kernel_us"] = kb.time_calls([lambda: _empty[(128,)](dummy)] * 8)
     print(json.dumps(meta), flush=True)
-    out_dir = Path(args.out or os.environ.get("OUT") or HERE / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"kernel-probe-{date}.json"
+    path = kb.results_path(args.out, f"kernel-probe-{meta['date']}.json")
     shape = gdn_shape(args.model)
     Hv, dk, dv = shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
     records = []
@@ -124,12 +116,12 @@ def main(argv=None) -> int:
                         x["q"], x["k"], x["v"], m, a=x["a"], b=x["b"], A_log=x["A_log"],
                         dt_bias=x["dt_bias"], initial_state=x["initial_state"],
                         use_qk_l2norm_in_kernel=True, config=cfg)
-                before = set(compiled_stats(kernels))
+                before = set(compiled_stats(kernel))
                 o, fac = call(sets[0], meta_f)
                 rec["rel_err"] = kb.rel_err(o, ref)
                 rec["us"] = kb.time_calls([lambda x=x: call(x, meta_f) for x in sets])
                 rec["us_no_sweep"] = kb.time_calls([lambda x=x: call(x, no_sweep) for x in sets])
-                stats = compiled_stats(kernels)
+                stats = compiled_stats(kernel)
                 rec["compiled"] = [v for k, v in stats.items() if k not in before]
             except Exception as exc:
                 rec["error"] = repr(exc)[:500]

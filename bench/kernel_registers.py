@@ -16,6 +16,7 @@ A ``stack`` above zero is spilled registers (bytes per thread, in local memory).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -37,15 +38,13 @@ POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*bf1
             "beta_ptr": "*bf16", "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",
             "state_ptr": "*fp32", "state_idx_ptr": "*i32", "cu_ptr": "*i32", "mask_ptr": "*u8",
             "o_ptr": "*bf16", "u_ptr": "*fp32", "L_ptr": "*fp64", "kinv_ptr": "*fp32"}
-KERNELS = {"one-pass": "_tree_gdn_verify_kernel"}
 UNIT_STRIDES = ("s_gh", "s_bh", "s_sv")      # contiguous last dims: Triton specialises 1 away
 
 
-def compile_verify(shape, block_nodes: int, cfg: tv.VerifyConfig, maxnreg: int | None = None,
-                   kernel: str = "one-pass"):
-    """One of the verification kernels (``KERNELS``) compiled for sm_90 as bench/kernels.py
-    launches it (bf16, raw gates, in-kernel l2 norm, tf32)."""
-    fn = getattr(tv, KERNELS[kernel])
+def compile_verify(shape, block_nodes: int, cfg: tv.VerifyConfig):
+    """The verification kernel compiled for sm_90 as bench/kernels.py launches it with ``cfg``
+    (bf16, raw gates, in-kernel l2 norm, tf32)."""
+    fn = tv._tree_gdn_verify_kernel
     names = fn.arg_names
     const = dict(H_V=shape.num_v_heads, H_K=shape.num_k_heads,
                  GROUP=shape.num_v_heads // shape.num_k_heads, D_K=shape.head_k_dim,
@@ -66,8 +65,8 @@ def compile_verify(shape, block_nodes: int, cfg: tv.VerifyConfig, maxnreg: int |
             attrs[(i,)] = [["tt.divisibility", 16]]
     constexprs = {(names.index(k),): v for k, v in const.items() if k in names}
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if maxnreg:
-        options["maxnreg"] = maxnreg
+    if cfg.maxnreg:
+        options["maxnreg"] = cfg.maxnreg
     return triton.compile(ASTSource(fn, signature, constexprs, attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -97,24 +96,16 @@ def main(argv=None) -> int:
     ap.add_argument("--bk", nargs="+", type=int, default=[32])
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--maxnreg", nargs="+", type=int, default=[0], help="0: no register cap")
-    ap.add_argument("--kernels", nargs="+", default=["one-pass"], choices=sorted(KERNELS))
     args = ap.parse_args(argv)
     shape = gdn_shape(args.model)
     print(f"triton {triton.__version__}, {shape.name}, BT = {args.block_nodes}")
-    print(f"{'kernel':>8} {'BV':>4} {'BK':>4} {'warps':>5} {'cap':>4} {'regs':>5} {'spill B':>8} "
-          f"{'smem B':>7}")
-    for kernel in args.kernels:
-        for bv in args.bv:
-            for bk in args.bk:
-                for nw in args.warps:
-                    for cap in args.maxnreg:
-                        cfg = tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw,
-                                              split_gram=args.block_nodes >= 256)
-                        use = resource_usage(compile_verify(shape, args.block_nodes, cfg,
-                                                            cap or None, kernel))
-                        print(f"{kernel:>8} {bv:>4} {bk:>4} {nw:>5} "
-                              f"{cap or '-':>4} {use['registers']:>5} {use['stack_bytes']:>8} "
-                              f"{use['dynamic_shared']:>7}", flush=True)
+    print(f"{'BV':>4} {'BK':>4} {'warps':>5} {'cap':>4} {'regs':>5} {'spill B':>8} {'smem B':>7}")
+    for bv, bk, nw, cap in itertools.product(args.bv, args.bk, args.warps, args.maxnreg):
+        cfg = tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, split_gram=args.block_nodes >= 256,
+                              maxnreg=cap or None)
+        use = resource_usage(compile_verify(shape, args.block_nodes, cfg))
+        print(f"{bv:>4} {bk:>4} {nw:>5} {cap or '-':>4} {use['registers']:>5} "
+              f"{use['stack_bytes']:>8} {use['dynamic_shared']:>7}", flush=True)
     return 0
 
 

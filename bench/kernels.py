@@ -97,6 +97,22 @@ def input_bytes(x) -> int:
     return sum(t.numel() * t.element_size() for t in x.values())
 
 
+# ----------------------------------------------------------------------------- results files
+
+def run_meta(**extra) -> dict:
+    """Device, versions and date of this GPU run: the head of every results JSON."""
+    import triton
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, date=_dt.date.today().isoformat(), **extra)
+
+
+def results_path(out: str | None, name: str) -> Path:
+    """``name`` in ``out``, else in $OUT (the device tool's folder), else in bench/results."""
+    out_dir = Path(out or os.environ.get("OUT") or ROOT / "bench" / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir / name
+
+
 def floor_bytes(shape, N: int, R: int) -> int:
     """S_pre, q, k, v (bf16), g, beta (fp32) read once; O (bf16) and U (fp32) written once."""
     Hk, Hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
@@ -473,7 +489,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
     dev = torch.device("cuda")
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fn
@@ -483,17 +498,13 @@ def main(argv=None) -> int:
         print(f"fla not importable ({exc!r}); the fla-chain reference is skipped", file=sys.stderr)
         fla_fn, fla_version = None, None
     bw = copy_bandwidth(dev)
-    date = _dt.date.today().isoformat()
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, fla=fla_version, date=date,
-                copy_bandwidth_TBps=bw / 1e12, depth=DEPTH, inputs="bf16 q/k/v, raw a/b gates, "
-                "in-kernel q/k l2norm, fp32 state", timing="CUDA graph replay over rotating input "
-                "sets, median")
+    meta = run_meta(fla=fla_version, copy_bandwidth_TBps=bw / 1e12, depth=DEPTH,
+                    inputs="bf16 q/k/v, raw a/b gates, in-kernel q/k l2norm, fp32 state",
+                    timing="CUDA graph replay over rotating input sets, median")
     print(json.dumps(meta), flush=True)
     records = []
-    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "bench" / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"kernels-{date}{'-quick' if args.quick else ''}{args.tag}.json"
+    quick = "-quick" if args.quick else ""
+    path = results_path(args.out, f"kernels-{meta['date']}{quick}{args.tag}.json")
     models = args.models[:1] if args.quick else args.models
     batches = [1, 16] if args.quick else args.batches
     nodes = [64] if args.quick else args.nodes

@@ -54,6 +54,11 @@ def main(argv=None) -> int:
     ap.add_argument("--bk", nargs="+", type=int, default=[32, 64])
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--stages", nargs="+", type=int, default=[2])
+    ap.add_argument("--sets", type=int, default=0,
+                    help="input sets rotated per timing; 0: as bench/kernels.py (>= 256 MiB, so "
+                         "the inputs come from HBM), 8: what this script used before 2026-11-30")
+    ap.add_argument("--picked-only", action="store_true",
+                    help="time pick_config's choice at each of --stages only (no BV/BK/warps grid)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--once", action="store_true",
                     help="launch pick_config's choice once per batch, no timing (for ncu)")
@@ -91,7 +96,10 @@ def main(argv=None) -> int:
         meta_f = forest.kernel_meta(dev)
         no_sweep = dataclasses.replace(meta_f, max_depth=0)
         N, R = forest.num_nodes, forest.num_requests
-        sets = [kb.make_inputs(shape, forest, dev, seed=batch + 100 * i) for i in range(8)]
+        first = kb.make_inputs(shape, forest, dev, seed=batch)
+        n_sets = args.sets or int(min(16, max(2, -(-kb.ROTATE_BYTES // kb.input_bytes(first)))))
+        sets = [first] + [kb.make_inputs(shape, forest, dev, seed=batch + 100 * i)
+                          for i in range(1, n_sets)]
         floor_us = kb.floor_bytes(shape, N, R) / bw * 1e6
         picked = tv.pick_config(meta_f.block_nodes, dk, dv, R * Hv)
         if args.once:
@@ -105,10 +113,13 @@ def main(argv=None) -> int:
         ref, _ = kb.reference_fp64(sets[0], forest)
         grid = [tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st)
                 for bv, bk, nw, st in itertools.product(args.bv, args.bk, args.warps, args.stages)]
+        if args.picked_only:
+            grid = [dataclasses.replace(picked, num_stages=st) for st in args.stages]
         if picked not in grid:
             grid.insert(0, picked)
         for cfg in grid:
             rec = dict(batch=batch, nodes=args.nodes, floor_us=floor_us, picked=cfg == picked,
+                       input_sets=len(sets),
                        config=dataclasses.asdict(cfg))
             try:
                 def call(x, m, cfg=cfg):

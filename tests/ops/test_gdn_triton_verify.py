@@ -363,6 +363,14 @@ def test_table_configs_cuda(nodes, config):
                      pool_slots=3, seed=nodes)
     block = forest.kernel_meta().block_nodes
     config = {"table": CONFIG_TABLE[block], "picked": None}.get(config, config)
+    if block >= 256 and config is not None and config.maxnreg:
+        # at BT = 256 a register cap may be too low for ptxas (Triton 3.6 needs >= 154 for one
+        # wgmma accumulator): then the wrapper must say so, not pass on ptxas's internal error
+        try:
+            run_kernel(case, forest, precision="tf32", config=config)
+        except ValueError as exc:
+            assert "raise maxnreg" in str(exc)
+            return
     o, f, _, _ = check_against_closed_form(case, forest, tol=1e-2, precision="tf32", config=config)
     # a race in compiled code shows as results that change from run to run (bench/NOTES.md)
     for _ in range(3):

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import PTXASError
 
 from bole.ops.gdn.closed_form import TreeFactors
 from bole.ops.gdn.common import check_gdn_tensors
@@ -104,11 +105,15 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #: At BT = 64 and batch >= 4, BV = 64 with 4 warps (two programs per head, two per SM) beat
 #: BV = 128 with 8 warps by 5-8% (bench/results/kernel-probe-2026-11-30-run1.json: 28.7 vs 30.2 us
 #: at batch 4, 98.0 vs 106.1 us at batch 16), so BT = 64 caps BV at 64.
+#: Three pipeline stages for the d_k loop (two tiles in flight ahead of the one in use) up to
+#: BT = 64: 6-12% faster at batch 1 and 4 (T = 64, batch 1: 17.3 against 18.7 us; T = 8, batch 4:
+#: 10.7 against 12.1 us), within noise at batch 16 and 64; at BT = 128 two stages stay, three were
+#: 1-3% slower from batch 4 on (bench/results/kernel-probe-2026-11-30-stages-*.json).
 #: CONFIG_TABLE maps BT to the warps, BK and split choice; pick_config sets BV from the wave rule.
 CONFIG_TABLE: dict[int, VerifyConfig] = {
-    16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=2),
-    32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=2),
-    64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=2),
+    16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3),
+    32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3),
+    64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3),
     128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2),
     256: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2, split_gram=True),
 }
@@ -602,18 +607,29 @@ def tree_gdn_verify_triton(
 
     kinv_arg = k_inv_norm if k_inv_norm is not None else log_decay       # never written then
     if N > 0 and R > 0:
-        _tree_gdn_verify_kernel[(triton.cdiv(d_v, config.BV), R, H_v)](
-            qf, kf, vf, gate1, gate2, A_log_t, dt_bias_t,
-            initial_state, state_indices, meta.cu_nodes, meta.ancestor_mask,
-            o, u, log_decay, kinv_arg,
-            N, R, int(meta.max_depth), scale,
-            qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
-            gate1.stride(0), gate1.stride(1), gate2.stride(0), gate2.stride(1),
-            *initial_state.stride(),
-            meta.ancestor_mask.stride(0),
-            H_V=H_v, H_K=H_k, GROUP=H_v // H_k, D_K=d_k, D_V=d_v, BT=BT, BK=config.BK,
-            BV=config.BV, SPLIT=bool(config.split_gram), RAW_GATES=raw_gates,
-            L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision, INTERPRET=_interpreting(),
-            num_warps=config.num_warps, num_stages=config.num_stages,
-            **({"maxnreg": config.maxnreg} if config.maxnreg and not _interpreting() else {}))
+        try:
+            _tree_gdn_verify_kernel[(triton.cdiv(d_v, config.BV), R, H_v)](
+                qf, kf, vf, gate1, gate2, A_log_t, dt_bias_t,
+                initial_state, state_indices, meta.cu_nodes, meta.ancestor_mask,
+                o, u, log_decay, kinv_arg,
+                N, R, int(meta.max_depth), scale,
+                qf.stride(0), qf.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
+                gate1.stride(0), gate1.stride(1), gate2.stride(0), gate2.stride(1),
+                *initial_state.stride(),
+                meta.ancestor_mask.stride(0),
+                H_V=H_v, H_K=H_k, GROUP=H_v // H_k, D_K=d_k, D_V=d_v, BT=BT, BK=config.BK,
+                BV=config.BV, SPLIT=bool(config.split_gram), RAW_GATES=raw_gates,
+                L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision, INTERPRET=_interpreting(),
+                num_warps=config.num_warps, num_stages=config.num_stages,
+                **({"maxnreg": config.maxnreg} if config.maxnreg and not _interpreting() else {}))
+        except PTXASError as exc:
+            if not config.maxnreg:
+                raise
+            # e.g. Triton 3.6 at BT = 256: one wgmma's accumulator alone needs ~154 registers
+            said = next((ln.strip() for ln in str(exc).splitlines() if "ptxas fatal" in ln),
+                        "no reason given")
+            raise ValueError(
+                f"ptxas could not compile the verification kernel for {config} at "
+                f"block_nodes={BT} under maxnreg={config.maxnreg}; raise maxnreg or leave it "
+                f"None (ptxas: {said[:240]})") from exc
     return o, TreeFactors(log_decay=log_decay, k=k_raw, u=u, k_inv_norm=k_inv_norm)

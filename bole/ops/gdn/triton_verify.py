@@ -353,8 +353,12 @@ def _neumann(G, Rm, max_depth, PREC: tl.constexpr, INTERPRET: tl.constexpr):
         while sweep < max_depth:
             U = Rm - tl.dot(G, U, input_precision=PREC)
             sweep += 1
-    else:
-        for _ in range(max_depth):
+    elif max_depth > 0:
+        # the first sweep is peeled so that G's conversion to the dot-operand layout happens
+        # before the loop and CSE reuses it in there; in the plain loop Triton 3.6 redoes it in
+        # every sweep (32 shuffles and 32 selects per thread and sweep in the sm_90 SASS)
+        U = Rm - tl.dot(G, Rm, input_precision=PREC)
+        for _ in range(1, max_depth):
             U = Rm - tl.dot(G, U, input_precision=PREC)
     return U
 

@@ -108,7 +108,9 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #: Three pipeline stages for the d_k loop (two tiles in flight ahead of the one in use) up to
 #: BT = 64: 6-12% faster at batch 1 and 4 (T = 64, batch 1: 17.3 against 18.7 us; T = 8, batch 4:
 #: 10.7 against 12.1 us), within noise at batch 16 and 64; at BT = 128 two stages stay, three were
-#: 1-3% slower from batch 4 on (bench/results/kernel-probe-2026-11-30-stages-*.json).
+#: 1-3% slower from batch 4 on (bench/results/kernel-probe-2026-11-30-stages-*.json). Re-measured
+#: after the gate-layout change at T = 64: 12.9 against 14.7 us at batch 1, a wash at 4-64
+#: (kernel-probe-2026-11-30-gates-stages.json).
 #: CONFIG_TABLE maps BT to the warps, BK and split choice; pick_config sets BV from the wave rule.
 CONFIG_TABLE: dict[int, VerifyConfig] = {
     16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3),

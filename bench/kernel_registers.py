@@ -11,6 +11,11 @@ as ncu reported on the H200). Use the device's version:
     PYTHONPATH=/tmp/triton36 python bench/kernel_registers.py [--model qwen3.5-9b] [--block-nodes 64]
 
 A ``stack`` above zero is spilled registers (bytes per thread, in local memory).
+
+``--sass`` also reads the compiled code, which is where the fourth session's two gains were found
+(bench/NOTES.md, items 10 and 13): the number of sm_90 SASS instructions (static: each loop body
+counted once), the length of every loop body, and the ``ttg.convert_layout`` ops that Triton left
+inside loops in the TTGIR (a conversion of a loop-invariant tile in there is redone every step).
 """
 
 from __future__ import annotations
@@ -88,6 +93,48 @@ def resource_usage(compiled) -> dict:
                 dynamic_shared=compiled.metadata.shared)
 
 
+def sass_lines(compiled) -> list[str]:
+    """The cubin's sm_90 SASS, one instruction per entry (``cuobjdump -sass``)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        out = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return [ln.strip() for ln in out.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", ln)]
+
+
+def sass_loops(lines: list[str]) -> list[tuple[int, int]]:
+    """(first instruction, body length) of every loop: every backward branch, in code order."""
+    loops = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"\bBRA\s+(0x[0-9a-f]+)", ln)
+        if m and int(m.group(1), 16) // 16 < i:
+            start = int(m.group(1), 16) // 16          # SASS instructions are 16 bytes on sm_90
+            loops.append((start, i + 1 - start))
+    return loops
+
+
+def converts_in_loops(ttgir: str) -> int:
+    """``ttg.convert_layout`` ops inside ``scf.for`` bodies of the TTGIR."""
+    stack, count = [], 0
+    for ln in ttgir.splitlines():
+        t = ln.strip()
+        if t.startswith("}"):
+            if stack:
+                stack.pop()
+            if t.rstrip().endswith("{"):               # "} else {"
+                stack.append(stack[-1] if stack else "if")
+            continue
+        if "ttg.convert_layout" in t and "for" in stack:
+            count += 1
+        if t.endswith("{"):
+            stack.append("for" if " scf.for " in f" {t}" else "other")
+    return count
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3.5-9b")
@@ -96,16 +143,30 @@ def main(argv=None) -> int:
     ap.add_argument("--bk", nargs="+", type=int, default=[32])
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--maxnreg", nargs="+", type=int, default=[0], help="0: no register cap")
+    ap.add_argument("--stages", nargs="+", type=int, default=None,
+                    help="num_stages (default: CONFIG_TABLE's for the block)")
+    ap.add_argument("--sass", action="store_true",
+                    help="also SASS instructions, loop bodies and layout conversions in loops")
     args = ap.parse_args(argv)
     shape = gdn_shape(args.model)
     print(f"triton {triton.__version__}, {shape.name}, BT = {args.block_nodes}")
-    print(f"{'BV':>4} {'BK':>4} {'warps':>5} {'cap':>4} {'regs':>5} {'spill B':>8} {'smem B':>7}")
-    for bv, bk, nw, cap in itertools.product(args.bv, args.bk, args.warps, args.maxnreg):
-        cfg = tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, split_gram=args.block_nodes >= 256,
-                              maxnreg=cap or None)
-        use = resource_usage(compile_verify(shape, args.block_nodes, cfg))
-        print(f"{bv:>4} {bk:>4} {nw:>5} {cap or '-':>4} {use['registers']:>5} "
-              f"{use['stack_bytes']:>8} {use['dynamic_shared']:>7}", flush=True)
+    table = tv.CONFIG_TABLE[next((b for b in sorted(tv.CONFIG_TABLE) if b >= args.block_nodes),
+                                 max(tv.CONFIG_TABLE))]
+    stages = args.stages or [table.num_stages]
+    print(f"{'BV':>4} {'BK':>4} {'warps':>5} {'st':>3} {'cap':>4} {'regs':>5} {'spill B':>8} "
+          f"{'smem B':>7}" + ("  SASS  loops (start+length)  converts in loops" if args.sass else ""))
+    for bv, bk, nw, st, cap in itertools.product(args.bv, args.bk, args.warps, stages, args.maxnreg):
+        cfg = tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st,
+                              split_gram=args.block_nodes >= 256, maxnreg=cap or None)
+        compiled = compile_verify(shape, args.block_nodes, cfg)
+        use = resource_usage(compiled)
+        line = (f"{bv:>4} {bk:>4} {nw:>5} {st:>3} {cap or '-':>4} {use['registers']:>5} "
+                f"{use['stack_bytes']:>8} {use['dynamic_shared']:>7}")
+        if args.sass:
+            lines = sass_lines(compiled)
+            loops = " ".join(f"{a}+{n}" for a, n in sass_loops(lines))
+            line += f"  {len(lines):>4}  {loops}  {converts_in_loops(compiled.asm['ttgir'])}"
+        print(line, flush=True)
     return 0
 
 

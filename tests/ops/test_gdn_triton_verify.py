@@ -435,6 +435,26 @@ def test_malformed_inputs_raise():
               check_values=True)
 
 
+def test_ptxas_failure_under_register_cap_is_a_clear_error(monkeypatch):
+    """A ptxas failure of a launch with ``maxnreg`` becomes a ValueError that names the cap (Triton
+    3.6 cannot fit BT = 256 in 128 registers); without a cap the error passes through unchanged."""
+    from bole.ops.gdn import triton_verify as tv
+
+    class FailingLaunch:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise tv.PTXASError("Internal Triton PTX codegen error\n`ptxas` stderr:\n"
+                                    "ptxas fatal   : (C7602) Insufficient registers (128)\n")
+            return launch
+
+    forest, args = _valid_args()
+    monkeypatch.setattr(tv, "_tree_gdn_verify_kernel", FailingLaunch())
+    with pytest.raises(ValueError, match=r"maxnreg=128; raise maxnreg.*Insufficient registers"):
+        _call(forest, args, config=VerifyConfig(BV=16, BK=16, maxnreg=128))
+    with pytest.raises(tv.PTXASError):
+        _call(forest, args, config=VerifyConfig(BV=16, BK=16))
+
+
 def test_pick_config():
     assert pick_config(32, 16, 16, 8, interpret=True) == INTERPRET_CONFIG
     for bt in (16, 32, 64, 128, 256, 512):

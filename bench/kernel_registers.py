@@ -76,16 +76,21 @@ def compile_verify(shape, block_nodes: int, cfg: tv.VerifyConfig):
                           target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resource_usage(compiled) -> dict:
-    """registers, stack (spill bytes), static shared memory per thread/block from the cubin."""
+def cuobjdump(compiled, flag: str) -> str:
+    """``cuobjdump <flag>`` of the compiled cubin (Triton's bundled tool), as text."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     try:
-        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True,
+                              check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def resource_usage(compiled) -> dict:
+    """registers, stack (spill bytes), static shared memory per thread/block from the cubin."""
+    out = cuobjdump(compiled, "-res-usage")
     m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", out)
     if not m:
         raise RuntimeError(f"unexpected cuobjdump output:\n{out}")
@@ -95,15 +100,8 @@ def resource_usage(compiled) -> dict:
 
 def sass_lines(compiled) -> list[str]:
     """The cubin's sm_90 SASS, one instruction per entry (``cuobjdump -sass``)."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        out = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
-                             check=True).stdout
-    finally:
-        os.unlink(f.name)
-    return [ln.strip() for ln in out.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", ln)]
+    return [ln.strip() for ln in cuobjdump(compiled, "-sass").splitlines()
+            if re.match(r"\s*/\*[0-9a-f]{4}\*/", ln)]
 
 
 def sass_loops(lines: list[str]) -> list[tuple[int, int]]:

@@ -101,7 +101,7 @@ def resource_usage(compiled) -> dict:
 def sass_lines(compiled) -> list[str]:
     """The cubin's sm_90 SASS, one instruction per entry (``cuobjdump -sass``)."""
     return [ln.strip() for ln in cuobjdump(compiled, "-sass").splitlines()
-            if re.match(r"\s*/\*[0-9a-f]{4}\*/", ln)]
+            if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)]
 
 
 def sass_loops(lines: list[str]) -> list[tuple[int, int]]:

@@ -24,7 +24,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -34,7 +33,6 @@ sys.path.insert(0, str(HERE))
 import kernels as kb  # noqa: E402  (bench/kernels.py: trees, inputs, timing)
 
 from bole.config import gdn_shape  # noqa: E402
-from bole.tree import PackedForest  # noqa: E402
 
 NODES = 64
 
@@ -65,10 +63,7 @@ def main(argv=None) -> int:
     bw = kb.copy_bandwidth(dev)
     records = []
     for batch in args.batches:
-        rng = np.random.default_rng(batch * 1000 + NODES)
-        trees = [kb.bench_tree(NODES, kb.DEPTH, rng) for _ in range(batch)]
-        forest = PackedForest.pack(trees)
-        meta = forest.kernel_meta(dev)
+        forest, meta = kb.bench_forest(NODES, batch, batch * 1000 + NODES, dev)
         x = kb.make_inputs(shape, forest, dev, seed=batch)
         _, fac = tree_gdn_verify_triton(x["q"], x["k"], x["v"], meta,
                                         initial_state=x["initial_state"], a=x["a"], b=x["b"],
@@ -79,7 +74,7 @@ def main(argv=None) -> int:
         pool0 = x["initial_state"].expand(layers, *x["initial_state"].shape).contiguous()
         pool = pool0.clone()
         R = forest.num_requests
-        accepted = [t.num_nodes - 1 for t in trees]        # the deepest-numbered node: depth 8
+        accepted = (forest.cu_nodes.diff() - 1).tolist()  # the deepest-numbered node: depth 8
         index, lengths = forest.padded_paths(accepted)
         index, lengths = index.to(dev), lengths.to(dev)
         slots = torch.arange(R, device=dev)

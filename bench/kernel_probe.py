@@ -18,7 +18,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
@@ -28,7 +27,6 @@ sys.path.insert(0, str(HERE))
 import kernels as kb  # noqa: E402  (bench/kernels.py: inputs, timing, byte floor)
 
 from bole.config import gdn_shape  # noqa: E402
-from bole.tree import PackedForest  # noqa: E402
 
 
 def compiled_stats(kernel) -> dict:
@@ -91,15 +89,10 @@ def main(argv=None) -> int:
     Hv, dk, dv = shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
     records = []
     for batch in args.batches:
-        rng = np.random.default_rng(batch * 1000 + args.nodes)
-        forest = PackedForest.pack([kb.bench_tree(args.nodes, kb.DEPTH, rng) for _ in range(batch)])
-        meta_f = forest.kernel_meta(dev)
+        forest, meta_f = kb.bench_forest(args.nodes, batch, batch * 1000 + args.nodes, dev)
         no_sweep = dataclasses.replace(meta_f, max_depth=0)
         N, R = forest.num_nodes, forest.num_requests
-        first = kb.make_inputs(shape, forest, dev, seed=batch)
-        n_sets = args.sets or int(min(16, max(2, -(-kb.ROTATE_BYTES // kb.input_bytes(first)))))
-        sets = [first] + [kb.make_inputs(shape, forest, dev, seed=batch + 100 * i)
-                          for i in range(1, n_sets)]
+        sets = kb.rotating_sets(shape, forest, dev, seed=batch, n_sets=args.sets)
         floor_us = kb.floor_bytes(shape, N, R) / bw * 1e6
         picked = tv.pick_config(meta_f.block_nodes, dk, dv, R * Hv)
         if args.once:

@@ -31,7 +31,6 @@ sys.path.insert(0, str(HERE))
 import kernels as kb  # noqa: E402  (bench/kernels.py: trees, inputs, fp64 reference)
 
 from bole.config import gdn_shape  # noqa: E402
-from bole.tree import PackedForest  # noqa: E402
 
 O_TOL = 4e-3        # ||o - o64|| / ||o64||, bf16 output
 U_TOL = 1e-3        # max |u - u64| / max |u64| per (request, head), fp32 output of tf32 dots
@@ -70,9 +69,7 @@ def main(argv=None) -> int:
     shape = gdn_shape(args.model)
     records = []
     for nodes, batch in itertools.product(args.nodes, args.batches):
-        rng = np.random.default_rng(batch * 1000 + nodes + 1)
-        forest = PackedForest.pack([kb.bench_tree(nodes, kb.DEPTH, rng) for _ in range(batch)])
-        meta = forest.kernel_meta(dev)
+        forest, meta = kb.bench_forest(nodes, batch, batch * 1000 + nodes + 1, dev)
         cu = meta.cu_nodes.tolist()
         x = kb.make_inputs(shape, forest, dev, seed=nodes * 13 + batch)
         ref, ref_f = kb.reference_fp64(x, forest)

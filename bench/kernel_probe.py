@@ -52,6 +52,12 @@ def main(argv=None) -> int:
     ap.add_argument("--bk", nargs="+", type=int, default=[32, 64])
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--stages", nargs="+", type=int, default=[2])
+    ap.add_argument("--bf16-state", nargs="+", type=int, default=[0],
+                    help="VerifyConfig.bf16_state values (0/1): state products as two bf16 products")
+    ap.add_argument("--split", nargs="+", type=int, default=[0],
+                    help="VerifyConfig.split_gram values (0/1): two passes over d_k")
+    ap.add_argument("--skip-no-sweep", action="store_true",
+                    help="do not time the max_depth = 0 variant (halves the run)")
     ap.add_argument("--sets", type=int, default=0,
                     help="input sets rotated per timing; 0: as bench/kernels.py (>= 256 MiB, so "
                          "the inputs come from HBM), 8: what this script used before 2026-11-30")
@@ -104,10 +110,13 @@ def main(argv=None) -> int:
             print(f"batch {batch}: {picked}", flush=True)
             continue
         ref, _ = kb.reference_fp64(sets[0], forest)
-        grid = [tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st)
-                for bv, bk, nw, st in itertools.product(args.bv, args.bk, args.warps, args.stages)]
+        grid = [tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st, bf16_state=bool(b16),
+                                split_gram=bool(sp))
+                for bv, bk, nw, st, b16, sp in itertools.product(
+                    args.bv, args.bk, args.warps, args.stages, args.bf16_state, args.split)]
         if args.picked_only:
-            grid = [dataclasses.replace(picked, num_stages=st) for st in args.stages]
+            grid = [dataclasses.replace(picked, num_stages=st, bf16_state=bool(b16))
+                    for st, b16 in itertools.product(args.stages, args.bf16_state)]
         if picked not in grid:
             grid.insert(0, picked)
         for cfg in grid:
@@ -115,16 +124,19 @@ def main(argv=None) -> int:
                        input_sets=len(sets),
                        config=dataclasses.asdict(cfg))
             try:
-                def call(x, m, cfg=cfg):
+                def call(x, m, cfg=cfg, out_dtype=None):
                     return tv.tree_gdn_verify_triton(
                         x["q"], x["k"], x["v"], m, a=x["a"], b=x["b"], A_log=x["A_log"],
                         dt_bias=x["dt_bias"], initial_state=x["initial_state"],
-                        use_qk_l2norm_in_kernel=True, config=cfg)
+                        use_qk_l2norm_in_kernel=True, config=cfg, out_dtype=out_dtype)
                 before = set(compiled_stats(kernel))
                 o, fac = call(sets[0], meta_f)
                 rec["rel_err"] = kb.rel_err(o, ref)
+                # the kernel's own accuracy, without bf16's output rounding
+                rec["rel_err_fp32_out"] = kb.rel_err(call(sets[0], meta_f, out_dtype=torch.float32)[0], ref)
                 rec["us"] = kb.time_calls([lambda x=x: call(x, meta_f) for x in sets])
-                rec["us_no_sweep"] = kb.time_calls([lambda x=x: call(x, no_sweep) for x in sets])
+                if not args.skip_no_sweep:
+                    rec["us_no_sweep"] = kb.time_calls([lambda x=x: call(x, no_sweep) for x in sets])
                 stats = compiled_stats(kernel)
                 rec["compiled"] = [v for k, v in stats.items() if k not in before]
             except Exception as exc:

@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--maxnreg", nargs="+", type=int, default=[0], help="0: no register cap")
     ap.add_argument("--stages", nargs="+", type=int, default=[2])
+    ap.add_argument("--bf16-state", nargs="+", type=int, default=[0],
+                    help="VerifyConfig.bf16_state values (0/1)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -76,9 +78,10 @@ def main(argv=None) -> int:
         ref, ref_u = ref.reshape(forest.num_nodes, shape.num_v_heads, -1), ref_f.u
         picked = pick_config(meta.block_nodes, shape.head_k_dim, shape.head_v_dim,
                              batch * shape.num_v_heads)
-        grid = [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st, maxnreg=cap or None)
-                for bv, bk, nw, cap, st in itertools.product(
-                    args.bv, args.bk, args.warps, args.maxnreg, args.stages)]
+        grid = [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st, maxnreg=cap or None,
+                             bf16_state=bool(b16))
+                for bv, bk, nw, cap, st, b16 in itertools.product(
+                    args.bv, args.bk, args.warps, args.maxnreg, args.stages, args.bf16_state)]
         for cfg in [picked] + [c for c in grid if c != picked]:
             rec = dict(nodes=nodes, batch=batch, block_nodes=meta.block_nodes,
                        config=dataclasses.asdict(cfg), picked=cfg == picked)

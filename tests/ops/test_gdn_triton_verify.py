@@ -262,11 +262,13 @@ def test_extreme_gates():
     check_against_closed_form(raw, forest, tol=3e-5)
 
 
-def test_edge_shapes():
+@pytest.mark.parametrize("d_k,d_v", [(24, 20), (32, 20), (24, 32)])
+def test_edge_shapes(d_k, d_v):
     """Lone roots (depth 0), a 32-node chain (BT = 32, 31 sweeps), head dims that are not multiples
-    of the 16-wide tiles, and a meta with a wider tile than the trees need."""
+    of the 16-wide tiles (each of d_k, d_v alone: the loads drop column masks where the tiles
+    divide), and a meta with a wider tile than the trees need."""
     forest = PackedForest.pack([DraftTree.chain(1), DraftTree.chain(32), DraftTree.star(1)]).pad_to(37)
-    case = make_case(forest, H_k=1, H_v=2, d_k=24, d_v=20, raw=True, l2norm=True, seed=15)
+    case = make_case(forest, H_k=1, H_v=2, d_k=d_k, d_v=d_v, raw=True, l2norm=True, seed=15)
     check_against_closed_form(case, forest)
     check_against_closed_form(case, forest, meta=forest.kernel_meta(DEVICE, block_nodes=64))
 
@@ -345,8 +347,44 @@ def test_bf16_inputs_cuda():
         check_against_closed_form(case, forest, tol=1e-2, precision=precision)
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="bf16 arithmetic is only trustworthy compiled on a GPU")
+def test_bf16_state_products_cuda():
+    """bf16_state: K S_pre and Q S_pre as two bf16 products of S = S_hi + S_lo (16 mantissa bits)
+    against tf32 products (10 bits); ignored unless the inputs are bf16 and the precision tf32."""
+    forest = PackedForest.pack([DraftTree.random(60, 8, np.random.default_rng(5)),
+                                DraftTree.chain(9)])
+    configs = {b: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3, bf16_state=b)
+               for b in (False, True)}
+    # beta = 0: U = 0 and O = e^L Q S_pre alone, so O's error is the state product's rounding
+    case = make_case(forest, H_k=2, H_v=4, d_k=128, d_v=128, dtype=torch.bfloat16, pool_slots=3,
+                     seed=21)
+    case["beta"] = torch.zeros_like(case["beta"])
+    o_ref, _ = run_reference(case, forest)
+    err = {b: rel_err(run_kernel(case, forest, precision="tf32", config=c,
+                                 out_dtype=torch.float32)[0], o_ref) for b, c in configs.items()}
+    assert err[True] < 2e-5 and err[True] < 0.25 * err[False], err
+    # the whole kernel (raw gates): no worse than with tf32 state products, which C U's tf32
+    # rounding dominates (bench/NOTES.md)
+    case = make_case(forest, H_k=2, H_v=4, d_k=128, d_v=128, raw=True, dtype=torch.bfloat16,
+                     pool_slots=3, seed=22)
+    o_ref, f_ref = run_reference(case, forest)
+    errs = {}
+    for b, c in configs.items():
+        o, f = run_kernel(case, forest, precision="tf32", config=c, out_dtype=torch.float32)
+        errs[b] = (rel_err(o, o_ref), rel_err(f.u, f_ref.u))
+        assert rel_err(f.log_decay, f_ref.log_decay) < TOL
+    assert all(errs[True][i] <= 1.1 * errs[False][i] + 1e-6 for i in (0, 1)), errs
+    # fp16 inputs: the option does not apply, results equal the plain launch's
+    case16 = make_case(forest, H_k=2, H_v=4, d_k=128, d_v=128, raw=True, dtype=torch.float16,
+                       pool_slots=3, seed=21)
+    outs = [run_kernel(case16, forest, precision="tf32", config=c)[0] for c in configs.values()]
+    assert torch.equal(outs[0], outs[1])
+
+
 #: launches compiled on a GPU besides each CONFIG_TABLE entry and pick_config's choice
 GPU_VARIANTS = (VerifyConfig(BV=32, BK=32), VerifyConfig(BV=64, BK=32),
+                VerifyConfig(BV=32, BK=32, num_stages=3, bf16_state=True),
+                VerifyConfig(BV=16, BK=32, num_stages=3),
                 VerifyConfig(BV=32, BK=64, num_warps=8),
                 VerifyConfig(BV=64, BK=32, num_warps=8, maxnreg=128))
 
@@ -464,6 +502,7 @@ def test_pick_config():
             assert c.BV <= 128 and c.BK <= 128 and c.num_warps <= 8
             base = CONFIG_TABLE[min((kb for kb in CONFIG_TABLE if kb >= bt), default=max(CONFIG_TABLE))]
             assert c.BK == base.BK and c.split_gram == base.split_gram
+            assert c.bf16_state == base.bf16_state and c.num_stages == base.num_stages
             if programs >= 2048:
                 assert c.BV == base.BV
     # measured on the H200: at BT = 64, BV 32 at batch 1 (32 heads), 64 with 4 warps from batch 4;

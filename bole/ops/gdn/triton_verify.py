@@ -75,6 +75,10 @@ class VerifyConfig:
         mean more blocks per SM at the price of spills (bench/kernel_registers.py shows both).
         Capped 8-warp launches were slower than the table's at every batch on the H200
         (bench/NOTES.md), so pick_config never sets it; it is there for sweeps.
+    bf16_state: with bf16 q/k and precision "tf32", form the state products ``K S_pre`` and
+        ``Q S_pre`` as two bf16 products each, ``S = S_hi + S_lo`` split in bf16 (16 mantissa bits
+        of S against tf32's 10; q/k are exact in bf16), straight from q/k in shared memory instead
+        of widened fp32 copies; ignored for other inputs or precisions.
     """
 
     BV: int
@@ -83,6 +87,7 @@ class VerifyConfig:
     num_stages: int = 2
     split_gram: bool = False
     maxnreg: int | None = None
+    bf16_state: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -112,16 +117,23 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #: at batch 4, 98.0 vs 106.1 us at batch 16), so BT = 64 caps BV at 64.
 #: Three pipeline stages for the d_k loop (two tiles in flight ahead of the one in use) up to
 #: BT = 64: 6-12% faster at batch 1 and 4 (T = 64, batch 1: 17.3 against 18.7 us; T = 8, batch 4:
-#: 10.7 against 12.1 us), within noise at batch 16 and 64; at BT = 128 two stages stay, three were
-#: 1-3% slower from batch 4 on (bench/results/kernel-probe-2026-11-30-stages-*.json). Re-measured
+#: 10.7 against 12.1 us), within noise at batch 16 and 64; at BT = 128 three were then 1-3% slower
+#: from batch 4 on (bench/results/kernel-probe-2026-11-30-stages-*.json; not since the bf16 state
+#: products, below). Re-measured
 #: after the gate-layout change at T = 64: 12.9 against 14.7 us at batch 1, a wash at 4-64
 #: (kernel-probe-2026-11-30-gates-stages.json).
+#: bf16 state products (``bf16_state``, bf16 inputs only) at BT = 64 and 128: T = 64, BV = 64:
+#: 23.1 -> 18.1 us at batch 4, 81.7 -> 64.1 us at batch 16, 311 -> 239 us at batch 64 (fewer
+#: registers and spills: q/k feed the products from shared memory, no fp32 copies); T = 128 (with
+#: three stages, now 1% better than two): 26.8 -> 25.0 / 75.3 -> 70.9 / 283 -> 268 us at batch
+#: 1 / 4 / 16. At BT = 16 and 32 (BV = 128) splitting the wide S tile costs more than it saves:
+#: 22.0 -> 26.3 us at T = 8, batch 16 (bench/results/kernel-probe-2026-11-30-bf16-state-*.json).
 #: CONFIG_TABLE maps BT to the warps, BK and split choice; pick_config sets BV from the wave rule.
 CONFIG_TABLE: dict[int, VerifyConfig] = {
     16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3),
     32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3),
-    64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3),
-    128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2),
+    64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3, bf16_state=True),
+    128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, bf16_state=True),
     256: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2, split_gram=True),
 }
 
@@ -324,27 +336,64 @@ def _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT: tl.constexpr):
 
 
 @triton.jit
+def _split_bf16(s):
+    """fp32 ``s`` as ``s_hi + s_lo``, both bf16, round to nearest: ``|s - s_hi - s_lo| <= 2^-17 |s|``
+    (16 mantissa bits against tf32's 10), so that bf16 ``x`` times s runs as two bf16 products."""
+    s_hi = s.to(tl.bfloat16)
+    s_lo = (s - s_hi.to(tl.float32)).to(tl.bfloat16)
+    return s_hi, s_lo
+
+
+@triton.jit
+def _load_dk_tiles(x_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk, s_sv,
+                   D_K: tl.constexpr, D_V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   LOAD_X: tl.constexpr):
+    """Step ``k0`` of the d_k loop: ``X``'s and K's ``[BT, BK]`` tiles (input dtype; X = K unless
+    LOAD_X) and the S_pre tile ``[BK, BV]`` (fp32). Where BK divides d_k (and BV d_v) the column
+    masks are left out: the q/k masks are then uniform along a row, so the loads vectorise, and
+    the S_pre tile needs none (per-element masks cost address and predicate work every step)."""
+    kc = k0 + tl.arange(0, BK)
+    if D_K % BK == 0:
+        k_t = tl.load(k_base + kc[None, :], mask=row_ok[:, None], other=0.0)
+        x_t = k_t
+        if LOAD_X:
+            x_t = tl.load(x_base + kc[None, :], mask=row_ok[:, None], other=0.0)
+        s_ptrs = s_base + kc[:, None] * s_sk + vcols[None, :] * s_sv
+        if D_V % BV == 0:
+            s_t = tl.load(s_ptrs)
+        else:
+            s_t = tl.load(s_ptrs, mask=v_ok[None, :], other=0.0)
+    else:
+        kc_ok = kc < D_K
+        ld_mask = row_ok[:, None] & kc_ok[None, :]
+        k_t = tl.load(k_base + kc[None, :], mask=ld_mask, other=0.0)
+        x_t = k_t
+        if LOAD_X:
+            x_t = tl.load(x_base + kc[None, :], mask=ld_mask, other=0.0)
+        s_t = tl.load(s_base + kc[:, None] * s_sk + vcols[None, :] * s_sv,
+                      mask=kc_ok[:, None] & v_ok[None, :], other=0.0)
+    return x_t, k_t, s_t
+
+
+@triton.jit
 def _stream_dk(x_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
-               D_K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               X_IS_K: tl.constexpr, PREC: tl.constexpr):
+               D_K: tl.constexpr, D_V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               X_IS_K: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr):
     """One pass over d_k: ``X K^T`` [BT, BT], ``X S`` [BT, BV] and the row sums of squares of X."""
     xk = tl.zeros([BT, BT], dtype=tl.float32)
     xs = tl.zeros([BT, BV], dtype=tl.float32)
     ss = tl.zeros([BT], dtype=tl.float32)
     for k0 in range(0, D_K, BK):
-        kc = k0 + tl.arange(0, BK)
-        kc_ok = kc < D_K
-        ld_mask = row_ok[:, None] & kc_ok[None, :]
-        k_t = tl.load(k_base + kc[None, :], mask=ld_mask, other=0.0)
-        if X_IS_K:
-            x_t = k_t
-        else:
-            x_t = tl.load(x_base + kc[None, :], mask=ld_mask, other=0.0)
-        s_t = tl.load(s_base + kc[:, None] * s_sk + vcols[None, :] * s_sv,
-                      mask=kc_ok[:, None] & v_ok[None, :], other=0.0)
+        x_t, k_t, s_t = _load_dk_tiles(x_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk, s_sv,
+                                       D_K, D_V, BK, BV, not X_IS_K)
         xk = tl.dot(x_t, tl.trans(k_t), xk, input_precision=PREC)
         x_f = x_t.to(tl.float32)
-        xs = tl.dot(x_f, s_t, xs, input_precision=PREC)
+        if S_BF16X2:
+            s_hi, s_lo = _split_bf16(s_t)
+            xs = tl.dot(x_t, s_hi, xs)
+            xs = tl.dot(x_t, s_lo, xs)
+        else:
+            xs = tl.dot(x_f, s_t, xs, input_precision=PREC)
         ss += tl.sum(x_f * x_f, axis=1)
     return xk, xs, ss
 
@@ -388,7 +437,8 @@ def _tree_gdn_verify_kernel(
     H_V: tl.constexpr, H_K: tl.constexpr, GROUP: tl.constexpr,
     D_K: tl.constexpr, D_V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr,
-    RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     iv = tl.program_id(0)
     r = tl.program_id(1)
@@ -413,7 +463,7 @@ def _tree_gdn_verify_kernel(
         # Two passes over d_k: K first (G, R, then U), Q second (C, O), so that at most one
         # [BT, BT] Gram accumulator is live at a time; K and S_pre are read twice (from L2).
         kk, ks, ss_k = _stream_dk(k_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
-                                  D_K, BT, BK, BV, True, PREC)
+                                  D_K, D_V, BT, BK, BV, True, PREC, S_BF16X2)
         strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT)
         e_L = tl.exp(L.to(tl.float32))
         if L2NORM:
@@ -428,7 +478,7 @@ def _tree_gdn_verify_kernel(
                       other=0.0).to(tl.float32)
         U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC, INTERPRET)
         qk, qs, ss_q = _stream_dk(q_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
-                                  D_K, BT, BK, BV, False, PREC)
+                                  D_K, D_V, BT, BK, BV, False, PREC, S_BF16X2)
         strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT)
         if L2NORM:
             rq = tl.rsqrt(ss_q + 1e-6) * scale
@@ -446,20 +496,22 @@ def _tree_gdn_verify_kernel(
         ss_k = tl.zeros([BT], dtype=tl.float32)
         ss_q = tl.zeros([BT], dtype=tl.float32)
         for k0 in range(0, D_K, BK):
-            kc = k0 + tl.arange(0, BK)
-            kc_ok = kc < D_K
-            ld_mask = row_ok[:, None] & kc_ok[None, :]
-            q_t = tl.load(q_base + kc[None, :], mask=ld_mask, other=0.0)      # [BT, BK] input dtype
-            k_t = tl.load(k_base + kc[None, :], mask=ld_mask, other=0.0)
-            s_t = tl.load(s_base + kc[:, None] * s_sk + vcols[None, :] * s_sv,
-                          mask=kc_ok[:, None] & v_ok[None, :], other=0.0)     # [BK, BV] fp32
+            q_t, k_t, s_t = _load_dk_tiles(q_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk,
+                                           s_sv, D_K, D_V, BK, BV, True)
             kt_t = tl.trans(k_t)
             kk = tl.dot(k_t, kt_t, kk, input_precision=PREC)
             qk = tl.dot(q_t, kt_t, qk, input_precision=PREC)
             k_f = k_t.to(tl.float32)
             q_f = q_t.to(tl.float32)
-            ks = tl.dot(k_f, s_t, ks, input_precision=PREC)
-            qs = tl.dot(q_f, s_t, qs, input_precision=PREC)
+            if S_BF16X2:
+                s_hi, s_lo = _split_bf16(s_t)
+                ks = tl.dot(k_t, s_hi, ks)
+                ks = tl.dot(k_t, s_lo, ks)
+                qs = tl.dot(q_t, s_hi, qs)
+                qs = tl.dot(q_t, s_lo, qs)
+            else:
+                ks = tl.dot(k_f, s_t, ks, input_precision=PREC)
+                qs = tl.dot(q_f, s_t, qs, input_precision=PREC)
             if L2NORM:
                 ss_k += tl.sum(k_f * k_f, axis=1)
                 ss_q += tl.sum(q_f * q_f, axis=1)
@@ -642,7 +694,9 @@ def tree_gdn_verify_triton(
                 meta.ancestor_mask.stride(0),
                 H_V=H_v, H_K=H_k, GROUP=H_v // H_k, D_K=d_k, D_V=d_v, BT=BT, BK=config.BK,
                 BV=config.BV, SPLIT=bool(config.split_gram), RAW_GATES=raw_gates,
-                L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision, INTERPRET=_interpreting(),
+                L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision,
+                S_BF16X2=bool(config.bf16_state) and q.dtype == torch.bfloat16 and precision == "tf32",
+                INTERPRET=_interpreting(),
                 num_warps=config.num_warps, num_stages=config.num_stages,
                 **({"maxnreg": config.maxnreg} if config.maxnreg and not _interpreting() else {}))
         except PTXASError as exc:

@@ -24,7 +24,10 @@ are written (zeros) by the last request's programs, so no output needs a memset.
 
 Inputs may be fp16/bf16/fp32; gates, state and all accumulation are fp32. ``precision`` selects
 tl.dot's ``input_precision`` for fp32 operands ("tf32" fast, "tf32x3", or "ieee" exact); fp16/bf16
-Gram products are formed in the input dtype with fp32 accumulation.
+Gram products are formed in the input dtype with fp32 accumulation. In "tf32" the table's launches
+run two products in split bf16 instead, where tf32's truncation of fp32 operands costs most
+accuracy (bench/precision_model.py): the state products with bf16 inputs (``bf16_state``: S as
+bf16 hi + lo) and the output product ``C U`` (``cu_bf16x3``: three bf16 products of hi/lo halves).
 
 This module knows nothing of models or requests beyond :class:`bole.tree.ForestMeta`.
 """
@@ -79,6 +82,11 @@ class VerifyConfig:
         ``Q S_pre`` as two bf16 products each, ``S = S_hi + S_lo`` split in bf16 (16 mantissa bits
         of S against tf32's 10; q/k are exact in bf16), straight from q/k in shared memory instead
         of widened fp32 copies; ignored for other inputs or precisions.
+    cu_bf16x3: with precision "tf32", run the output product ``C U`` as three bf16 products of
+        hi/lo halves (``C_hi U_hi + C_hi U_lo + C_lo U_hi``) instead of one tf32 product. The
+        tensor cores truncate fp32 operands to tf32, and in ``C U`` that sets O's error: 7.5e-4
+        relative to fp64 against 1.5e-5 with this (bench/precision_model.py emulates each
+        product's rounding). Compiled only: Triton's interpreter gets bf16 products wrong.
     """
 
     BV: int
@@ -88,6 +96,7 @@ class VerifyConfig:
     split_gram: bool = False
     maxnreg: int | None = None
     bf16_state: bool = False
+    cu_bf16x3: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -128,13 +137,15 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #: three stages, now 1% better than two): 26.8 -> 25.0 / 75.3 -> 70.9 / 283 -> 268 us at batch
 #: 1 / 4 / 16. At BT = 16 and 32 (BV = 128) splitting the wide S tile costs more than it saves:
 #: 22.0 -> 26.3 us at T = 8, batch 16 (bench/results/kernel-probe-2026-11-30-bf16-state-*.json).
+#: ``cu_bf16x3`` everywhere: O's error against fp64 7.7e-4 -> 1.0e-5 for 1-3% of time at T = 64
+#: (kernel-probe-2026-11-30-cu-bf16x3-t*.json; bench/NOTES.md item 17).
 #: CONFIG_TABLE maps BT to the warps, BK and split choice; pick_config sets BV from the wave rule.
 CONFIG_TABLE: dict[int, VerifyConfig] = {
-    16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3),
-    32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3),
-    64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3, bf16_state=True),
-    128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, bf16_state=True),
-    256: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2, split_gram=True),
+    16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True),
+    32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True),
+    64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3, bf16_state=True, cu_bf16x3=True),
+    128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, bf16_state=True, cu_bf16x3=True),
+    256: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2, split_gram=True, cu_bf16x3=True),
 }
 
 #: Programs in about one wave of the H200's 132 SMs: BV shrinks until the launch has this many.
@@ -438,7 +449,7 @@ def _tree_gdn_verify_kernel(
     D_K: tl.constexpr, D_V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr,
     RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    CU_BF16X3: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     iv = tl.program_id(0)
     r = tl.program_id(1)
@@ -525,7 +536,15 @@ def _tree_gdn_verify_kernel(
         U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC, INTERPRET)
 
     # ---- O = e^L Q S_pre + C U (l2 normalisation and scale applied as row / column scalings) ----
-    O = row_qs[:, None] * qs + tl.dot(C, U, input_precision=PREC)
+    if CU_BF16X3:
+        # three bf16 products of the hi/lo halves: 16 mantissa bits against tf32's 10
+        c_hi, c_lo = _split_bf16(C)
+        u_hi, u_lo = _split_bf16(U)
+        O = tl.dot(c_hi, u_hi, row_qs[:, None] * qs)
+        O = tl.dot(c_hi, u_lo, O)
+        O = tl.dot(c_lo, u_hi, O)
+    else:
+        O = row_qs[:, None] * qs + tl.dot(C, U, input_precision=PREC)
 
     # ---- write O, U (and L, k_inv_norm once per head) ----
     _store_o_u(o_ptr, u_ptr, O, U, lo, rows, h, vcols, row_ok[:, None] & v_ok[None, :], H_V, D_V)
@@ -578,15 +597,16 @@ def tree_gdn_verify_triton(
             (then ``S`` must equal ``R``).
         scale: query scale, default ``d_k ** -0.5``.
         precision: tl.dot input precision for fp32 operands: "tf32", "tf32x3" or "ieee". Default:
-            "tf32" for fp16/bf16 inputs (measured on the H200: U within 1.5e-5 of fp64, O at the
-            bf16 output-rounding floor), "ieee" for fp32 inputs: with fp32 q/k the Gram products
+            "tf32" for fp16/bf16 inputs (measured on the H200, bf16 inputs, Qwen3.5-9B shapes:
+            U and fp32 O within 1.6e-5 of fp64, a bf16 O within 2e-4 of the correctly rounded
+            fp64 result), "ieee" for fp32 inputs: with fp32 q/k the Gram products
             also run in tf32, and on the H200 (Triton 3.6, d = 128) that gave 0.7e-3 to 4e-2
             relative error (bench/results/kernels-2026-11-29.json, "bole-tf32-fp32-out"); ask
             for "tf32" explicitly only where that is acceptable.
         check_values: also check for NaN/inf, positive g and out-of-range slots (syncs the device).
         config: override of :func:`pick_config`'s choice (benchmark sweeps).
         out_dtype: dtype of ``o`` (fp16, bf16 or fp32), default v's dtype. fp32 keeps the kernel's
-            own accuracy: a bf16 ``o`` carries bf16's rounding (~2e-3 relative) on top of it.
+            own accuracy: a bf16 ``o`` carries bf16's rounding (~1.7e-3 relative) on top of it.
 
     Returns ``(o, factors)``: ``o`` shaped like ``v`` in ``out_dtype``; ``factors`` with
     ``log_decay [N, H_v]`` fp64, ``k`` the raw keys ``[N, H_k, d_k]`` (a view), ``u [N, H_v, d_v]``
@@ -696,6 +716,7 @@ def tree_gdn_verify_triton(
                 BV=config.BV, SPLIT=bool(config.split_gram), RAW_GATES=raw_gates,
                 L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision,
                 S_BF16X2=bool(config.bf16_state) and q.dtype == torch.bfloat16 and precision == "tf32",
+                CU_BF16X3=bool(config.cu_bf16x3) and precision == "tf32" and not _interpreting(),
                 INTERPRET=_interpreting(),
                 num_warps=config.num_warps, num_stages=config.num_stages,
                 **({"maxnreg": config.maxnreg} if config.maxnreg and not _interpreting() else {}))

@@ -1,0 +1,34 @@
+"""bench/precision_model.py: the emulation of the verification kernel's product roundings.
+
+Checks the claims bench/NOTES.md makes from it on a small shape: the emulation with exact products
+is the fp64 closed form, tf32's truncation in ``C U`` dominates O's error, and the split bf16
+products the kernel now uses remove it.
+"""
+
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import precision_model as pm  # noqa: E402
+
+
+def test_tf32_rounding_helpers():
+    import torch
+    x = torch.tensor([1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, -(1.0 + 2.0 ** -12), 3.0], dtype=torch.float64)
+    assert pm.tf32(x, "rz").tolist() == [1.0, 1.0 + 2.0 ** -10, -1.0, 3.0]
+    # to nearest, ties to even: 1 + 2^-11 is a tie between 1 and 1 + 2^-10 (odd): goes to 1
+    assert pm.tf32(x, "rn").tolist() == [1.0, 1.0 + 2.0 ** -9, -1.0, 3.0]
+    s = torch.randn(1000, dtype=torch.float64)
+    assert float(((pm.bf16_split(s) - s.float().double()).abs() / s.abs()).max()) <= 2.0 ** -17
+
+
+def test_error_budget_of_the_kernel():
+    err = pm.errors(batch=1, nodes=16)
+    assert err["exact products"] < 1e-7
+    cu, state, sweeps = err["C U rz"], err["state products rz"], err["sweeps G U rz"]
+    assert cu > 5 * state and cu > 5 * sweeps                 # C U in tf32 set O's error
+    assert err["C U 3xbf16"] < 0.05 * cu and err["state products bf16x2"] < 0.05 * state
+    now = err["bf16x2 state, tf32 (rz) sweeps, 3xbf16 C U: the kernel now"]
+    assert now < 0.1 * err["all tf32 (rz), the kernel before the fifth session"]

@@ -56,6 +56,8 @@ def main(argv=None) -> int:
                     help="VerifyConfig.bf16_state values (0/1): state products as two bf16 products")
     ap.add_argument("--cu-bf16x3", nargs="+", type=int, default=None,
                     help="VerifyConfig.cu_bf16x3 values (0/1); default: the picked config's")
+    ap.add_argument("--fused-norms", nargs="+", type=int, default=None,
+                    help="VerifyConfig.fused_norms values (0/1); default: the picked config's")
     ap.add_argument("--split", nargs="+", type=int, default=[0],
                     help="VerifyConfig.split_gram values (0/1): two passes over d_k")
     ap.add_argument("--skip-no-sweep", action="store_true",
@@ -121,6 +123,8 @@ def main(argv=None) -> int:
                     for st, b16 in itertools.product(args.stages, args.bf16_state)]
         if args.cu_bf16x3 is not None:
             grid = [dataclasses.replace(c, cu_bf16x3=bool(cu)) for c in grid for cu in args.cu_bf16x3]
+        if args.fused_norms is not None:
+            grid = [dataclasses.replace(c, fused_norms=bool(fn)) for c in grid for fn in args.fused_norms]
         if picked not in grid:
             grid.insert(0, picked)
         for cfg in grid:

@@ -123,10 +123,12 @@ TREES = {
 }
 
 
-#: every compile-time variant of the kernel body: one or two passes over d_k
+#: every compile-time variant of the kernel body: one or two passes over d_k; key norms from sums
+#: of squares or (fused_norms) from the Gram diagonal, folded into the decays
 VARIANTS = {
     "sweep": None,
     "split_gram": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, split_gram=True),
+    "fused_norms": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, fused_norms=True),
 }
 
 
@@ -240,8 +242,10 @@ def test_random_ragged_forests(seed):
     check_against_closed_form(case, forest)
 
 
-def test_extreme_gates():
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_extreme_gates(variant):
     """g near 0 and -20 (deep paths underflow e^L), beta near 0 and 1, for g/beta and raw gates."""
+    kw = {"config": VARIANTS[variant]} if VARIANTS[variant] else {}
     forest = PackedForest.pack([DraftTree.chain(16), DraftTree.random(12, 4, np.random.default_rng(1))])
     N, H_v = forest.num_nodes, 2
     case = make_case(forest, H_v=H_v, seed=9)
@@ -249,7 +253,7 @@ def test_extreme_gates():
     b_vals = torch.tensor([1e-6, 1 - 1e-6, 0.5, 1.0, 1e-6, 1 - 1e-6, 0.3])
     case["g"] = g_vals[torch.arange(N * H_v) % 5].reshape(1, N, H_v)
     case["beta"] = b_vals[torch.arange(N * H_v) % 7].reshape(1, N, H_v)
-    check_against_closed_form(case, forest)
+    check_against_closed_form(case, forest, **kw)
 
     # fp32 gates against fp64 ones on paths with L ~ -250: L_i - L_j loses ~ulp(250) ~ 2e-5
     raw = make_case(forest, H_v=H_v, raw=True, seed=10)
@@ -259,7 +263,7 @@ def test_extreme_gates():
     raw["b"] = b_vals[torch.arange(N * H_v) % 7].reshape(1, N, H_v)
     raw["A_log"] = torch.tensor([-4.0, 0.5])
     raw["dt_bias"] = torch.tensor([0.0, -2.0])
-    check_against_closed_form(raw, forest, tol=3e-5)
+    check_against_closed_form(raw, forest, tol=3e-5, **kw)
 
 
 @pytest.mark.parametrize("d_k,d_v", [(24, 20), (32, 20), (24, 32)])
@@ -411,6 +415,8 @@ def test_output_product_in_three_bf16_products_cuda(dtype):
 GPU_VARIANTS = (VerifyConfig(BV=32, BK=32), VerifyConfig(BV=64, BK=32),
                 VerifyConfig(BV=32, BK=32, num_stages=3, bf16_state=True),
                 VerifyConfig(BV=16, BK=32, num_stages=3),
+                VerifyConfig(BV=64, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
+                             fused_norms=True),
                 VerifyConfig(BV=32, BK=64, num_warps=8),
                 VerifyConfig(BV=64, BK=32, num_warps=8, maxnreg=128))
 

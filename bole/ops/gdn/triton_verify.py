@@ -87,6 +87,12 @@ class VerifyConfig:
         tensor cores truncate fp32 operands to tf32, and in ``C U`` that sets O's error: 7.5e-4
         relative to fp64 against 1.5e-5 with this (bench/precision_model.py emulates each
         product's rounding). Compiled only: Triton's interpreter gets bf16 products wrong.
+    fused_norms: take the key norms from the diagonal of ``K K^T`` instead of sums of squares in
+        the d_k loop, and fold the key inverse norms (a column scaling of G and C) into the
+        decays' exponent, one ftz exp2 per element. Offline (sm_90 SASS, bench/NOTES.md item 20):
+        about 8% fewer instructions per warp and no spills at BV = 64. Not yet timed or run
+        compiled on a GPU, so no table entry sets it. Ignored with split_gram, and for fp32 keys
+        under "tf32" (their Gram products are rounded).
     """
 
     BV: int
@@ -97,6 +103,7 @@ class VerifyConfig:
     maxnreg: int | None = None
     bf16_state: bool = False
     cu_bf16x3: bool = False
+    fused_norms: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -330,8 +337,25 @@ def _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L, scale, BT: tl.con
 
 
 @triton.jit
-def _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT: tl.constexpr):
-    """Ancestor mask (self included), strict mask, path log-decay L and the masked decay matrix."""
+def _exp2_ftz(x, INTERPRET: tl.constexpr):
+    """2^x in one MUFU.EX2 (``ex2.approx.ftz``: results below 2^-126 flush to zero). ``tl.exp``
+    lowers to ``ex2.approx.f32`` after a multiply, and Triton 3.6's non-ftz form costs five
+    instructions per element (a range test and a predicated rescale around the MUFU)."""
+    if INTERPRET:
+        return tl.exp2(x)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _tree_decay(mask_rows, s_mn, g, rows, row_ok, col_log2, BT: tl.constexpr,
+                FUSED: tl.constexpr, INTERPRET: tl.constexpr):
+    """Ancestor mask (self included), strict mask, path log-decay L and the masked decay matrix.
+
+    FUSED: ``decay_ij = 2^(L_i log2(e) - L_j log2(e) + col_log2_j)`` in one ftz exp2 per element,
+    the exponent in fp64; ``col_log2`` (``[BT]`` fp32) folds a column scaling (the key inverse
+    norms) into the decays. Otherwise ``exp(L_i - L_j)`` and ``col_log2`` is not read."""
     # rows past the tree may lie past the buffer; columns never do (the mask is [N, BT]), and a
     # set bit in a padding column is harmless (its key, gate and beta are zero), so the mask is
     # uniform along a row and the loads vectorise
@@ -341,8 +365,13 @@ def _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT: tl.constexpr):
     # L_i = sum_j mask_ij g_j in fp64 (L_i - L_j of two long paths loses eps * |L| in fp32);
     # decays from the differences, masked to -inf *before* exp
     L = tl.sum(tl.where(anc, g.to(tl.float64)[None, :], 0.0), axis=1)
-    diff = (L[:, None] - L[None, :]).to(tl.float32)
-    decay = tl.exp(tl.where(anc, diff, float("-inf")))
+    if FUSED:
+        L2 = L * 1.4426950408889634                                  # log2(e)
+        diff = (L2[:, None] - (L2 - col_log2.to(tl.float64))[None, :]).to(tl.float32)
+        decay = _exp2_ftz(tl.where(anc, diff, float("-inf")), INTERPRET)
+    else:
+        diff = (L[:, None] - L[None, :]).to(tl.float32)
+        decay = tl.exp(tl.where(anc, diff, float("-inf")))
     return strict, L, decay
 
 
@@ -449,7 +478,7 @@ def _tree_gdn_verify_kernel(
     D_K: tl.constexpr, D_V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr,
     RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
-    CU_BF16X3: tl.constexpr, INTERPRET: tl.constexpr,
+    CU_BF16X3: tl.constexpr, FUSED_NORMS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     iv = tl.program_id(0)
     r = tl.program_id(1)
@@ -475,7 +504,7 @@ def _tree_gdn_verify_kernel(
         # [BT, BT] Gram accumulator is live at a time; K and S_pre are read twice (from L2).
         kk, ks, ss_k = _stream_dk(k_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
                                   D_K, D_V, BT, BK, BV, True, PREC, S_BF16X2)
-        strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT)
+        strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, beta, BT, False, INTERPRET)
         e_L = tl.exp(L.to(tl.float32))
         if L2NORM:
             rk = tl.rsqrt(ss_k + 1e-6)                               # k_inv_norm
@@ -490,7 +519,7 @@ def _tree_gdn_verify_kernel(
         U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC, INTERPRET)
         qk, qs, ss_q = _stream_dk(q_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
                                   D_K, D_V, BT, BK, BV, False, PREC, S_BF16X2)
-        strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT)
+        strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, beta, BT, False, INTERPRET)
         if L2NORM:
             rq = tl.rsqrt(ss_q + 1e-6) * scale
             C = decay * qk * (rq[:, None] * rk[None, :])
@@ -524,13 +553,35 @@ def _tree_gdn_verify_kernel(
                 ks = tl.dot(k_f, s_t, ks, input_precision=PREC)
                 qs = tl.dot(q_f, s_t, qs, input_precision=PREC)
             if L2NORM:
-                ss_k += tl.sum(k_f * k_f, axis=1)
+                if not FUSED_NORMS:
+                    ss_k += tl.sum(k_f * k_f, axis=1)
                 ss_q += tl.sum(q_f * q_f, axis=1)
         # the ancestor mask is loaded after the loop so that no other [BT, BT] tile is live in it;
         # G and C are formed at once so that kk, qk and decay die before the solve
-        strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, BT)
-        G, C, rk, row_ks, row_qs = _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L, scale,
-                                                  BT, L2NORM)
+        if FUSED_NORMS:
+            # |k_i|^2 from the diagonal of K K^T (the same products, accumulated by the tensor
+            # cores), and the column scaling rk_j of G and C folded into the decays' exponent
+            if L2NORM:
+                ss_k = tl.sum(tl.where(rows[:, None] == rows[None, :], kk, 0.0), axis=1)
+                rk = tl.rsqrt(ss_k + 1e-6)
+                rq = tl.rsqrt(ss_q + 1e-6) * scale
+                col_log2 = tl.log2(rk)
+            else:
+                rk = tl.full([BT], 1.0, dtype=tl.float32)
+                rq = tl.full([BT], 1.0, dtype=tl.float32) * scale
+                col_log2 = tl.zeros([BT], dtype=tl.float32)
+            strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, col_log2, BT, True,
+                                           INTERPRET)
+            e_L = tl.exp(L.to(tl.float32))
+            G = tl.where(strict, (beta * rk)[:, None] * decay * kk, 0.0)
+            C = decay * qk * rq[:, None]
+            row_ks = e_L * rk
+            row_qs = e_L * rq
+        else:
+            strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, beta, BT, False,
+                                           INTERPRET)
+            G, C, rk, row_ks, row_qs = _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L,
+                                                      scale, BT, L2NORM)
         v_t = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :],
                       other=0.0).to(tl.float32)
         U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC, INTERPRET)
@@ -717,6 +768,9 @@ def tree_gdn_verify_triton(
                 L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision,
                 S_BF16X2=bool(config.bf16_state) and q.dtype == torch.bfloat16 and precision == "tf32",
                 CU_BF16X3=bool(config.cu_bf16x3) and precision == "tf32" and not _interpreting(),
+                # the Gram diagonal is the sum of squares unless fp32 keys are rounded to tf32
+                FUSED_NORMS=bool(config.fused_norms) and not config.split_gram
+                and (q.dtype != torch.float32 or precision != "tf32"),
                 INTERPRET=_interpreting(),
                 num_warps=config.num_warps, num_stages=config.num_stages,
                 **({"maxnreg": config.maxnreg} if config.maxnreg and not _interpreting() else {}))

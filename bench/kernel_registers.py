@@ -160,7 +160,8 @@ def main(argv=None) -> int:
                                  max(tv.CONFIG_TABLE))]
     stages = args.stages or [table.num_stages]
     print(f"{'BV':>4} {'BK':>4} {'warps':>5} {'st':>3} {'cap':>4} {'regs':>5} {'spill B':>8} "
-          f"{'smem B':>7} {'bf16S':>5} {'CUx3':>4} {'fnrm':>4}" + ("  SASS  loops (start+length)  converts in loops" if args.sass else ""))
+          f"{'smem B':>7} {'bf16S':>5} {'CUx3':>4} {'fnrm':>4}"
+          + ("  SASS  loops (start+length)  converts in loops" if args.sass else ""))
     for bv, bk, nw, st, cap, b16, cu3, fn in itertools.product(
             args.bv, args.bk, args.warps, stages, args.maxnreg, args.bf16_state, args.cu_bf16x3,
             args.fused_norms):

@@ -3,10 +3,11 @@
 Recomputes the closed form in fp64 on bench/kernels.py's inputs (Qwen3.5-9B shapes, T = 64, depth 8,
 bf16 q/k/v, raw gates, in-kernel l2 norm), rounding the operands of one group of products at a
 time as the kernel's tensor-core products do: tf32 (10 mantissa bits; round to nearest or
-truncated), three tf32 products (Triton's "tf32x3") or the bf16 split ``S = S_hi + S_lo`` of ``VerifyConfig.bf16_state``. The groups are
-the state products (``K S_pre``, ``Q S_pre``), the Neumann sweeps (``G U``) and ``C U``; q and k
-are exact in both formats. Prints the relative error of O (Frobenius, as bench/kernels.py's
-``rel_err``) per variant. No GPU needed.
+truncated), three tf32 products (Triton's "tf32x3"), three bf16 products of hi/lo halves
+(``VerifyConfig.cu_bf16x3``) or the bf16 split ``S = S_hi + S_lo`` of ``VerifyConfig.bf16_state``.
+The groups are the state products (``K S_pre``, ``Q S_pre``), the Neumann sweeps (``G U``) and
+``C U``; q and k are exact in both formats. Prints the relative error of O (Frobenius, as
+bench/kernels.py's ``rel_err``) per variant. No GPU needed.
 
     python bench/precision_model.py [--batch 1] [--nodes 64]
 """

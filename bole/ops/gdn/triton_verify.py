@@ -417,8 +417,8 @@ def _load_dk_tiles(x_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk, s_sv,
 
 @triton.jit
 def _stream_dk(x_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
-               D_K: tl.constexpr, D_V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               X_IS_K: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr):
+               D_K: tl.constexpr, D_V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+               BV: tl.constexpr, X_IS_K: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr):
     """One pass over d_k: ``X K^T`` [BT, BT], ``X S`` [BT, BV] and the row sums of squares of X."""
     xk = tl.zeros([BT, BT], dtype=tl.float32)
     xs = tl.zeros([BT, BV], dtype=tl.float32)

@@ -58,6 +58,8 @@ def main(argv=None) -> int:
                     help="VerifyConfig.cu_bf16x3 values (0/1); default: the picked config's")
     ap.add_argument("--fused-norms", nargs="+", type=int, default=None,
                     help="VerifyConfig.fused_norms values (0/1); default: the picked config's")
+    ap.add_argument("--maxnreg", nargs="+", type=int, default=None,
+                    help="VerifyConfig.maxnreg values (0: no cap); default: the picked config's")
     ap.add_argument("--split", nargs="+", type=int, default=[0],
                     help="VerifyConfig.split_gram values (0/1): two passes over d_k")
     ap.add_argument("--skip-no-sweep", action="store_true",
@@ -123,6 +125,8 @@ def main(argv=None) -> int:
                     for st, b16 in itertools.product(args.stages, args.bf16_state)]
         if args.cu_bf16x3 is not None:
             grid = [dataclasses.replace(c, cu_bf16x3=bool(cu)) for c in grid for cu in args.cu_bf16x3]
+        if args.maxnreg is not None:
+            grid = [dataclasses.replace(c, maxnreg=cap or None) for c in grid for cap in args.maxnreg]
         if args.fused_norms is not None:
             grid = [dataclasses.replace(c, fused_norms=bool(fn)) for c in grid for fn in args.fused_norms]
         if picked not in grid:

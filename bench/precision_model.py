@@ -9,12 +9,13 @@ The groups are the state products (``K S_pre``, ``Q S_pre``), the Neumann sweeps
 ``C U``; q and k are exact in both formats. Prints the relative error of O (Frobenius, as
 bench/kernels.py's ``rel_err``) per variant. No GPU needed.
 
-    python bench/precision_model.py [--batch 1] [--nodes 64]
+    python bench/precision_model.py [--batch 1] [--nodes 64] [--two-step]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import kernels as kb  # noqa: E402  (bench/kernels.py: inputs and the fp64 refer
 
 from bole.config import gdn_shape  # noqa: E402
 from bole.ops.gdn.common import expand_heads, prepare_gdn_tree_inputs  # noqa: E402
+from bole.tree import DraftTree, PackedForest  # noqa: E402
 
 
 def tf32(x: torch.Tensor, mode: str) -> torch.Tensor:
@@ -101,6 +103,53 @@ def emulate(x, forest, state: str, sweeps: str, cu: str) -> torch.Tensor:
     return o
 
 
+def two_step_solve_errors(model: str = "qwen3.5-9b") -> dict[str, float]:
+    """U's error (max-norm, relative to the fp64 sweeps) of the two-step Neumann solve
+    ``U <- (I - G) R + G^2 U`` (ceil((depth - 1) / 2) dependent products after G^2 and G R,
+    against depth for the sweeps), with the products' operands in fp64, rounded to fp32 or
+    truncated to tf32, next to the sweeps',
+    on a 17-node chain whose keys are nearly parallel (the case that ruled out repeated squaring).
+    Rejected on 2026-11-30 by these figures; kept as the record of why."""
+    shape = gdn_shape(model)
+    forest = PackedForest.pack([DraftTree.chain(17)])
+    x = kb.make_inputs(shape, forest, "cpu", seed=1)
+    x["k"] = (x["k"][:, :1] + 0.05 * x["k"]).to(torch.bfloat16)      # nearly parallel keys
+    x["a"], x["b"] = torch.full_like(x["a"], -8.0), torch.full_like(x["b"], 6.0)
+    p = prepare_gdn_tree_inputs(
+        x["q"].double(), x["k"].double(), x["v"].double(), forest,
+        initial_state=x["initial_state"].double(), a=x["a"].double(), b=x["b"].double(),
+        A_log=x["A_log"].double(), dt_bias=x["dt_bias"].double(), use_qk_l2norm_in_kernel=True,
+        check_values=False)
+    tree = forest.tree(0)
+    anc = tree.ancestor_mask(include_self=True)
+    strict = anc & ~torch.eye(forest.num_nodes, dtype=torch.bool)
+    L = (anc.double() @ p.g.double()).T
+    decay = torch.exp((L[:, :, None] - L[:, None, :]).masked_fill(~anc, float("-inf")))
+    kh = expand_heads(p.k, p.group).transpose(0, 1)
+    beta = p.beta.T[:, :, None]
+    G = torch.where(strict, beta * decay * (kh @ kh.transpose(1, 2)), 0.0)
+    R = beta * (p.v.transpose(0, 1) - torch.exp(L)[:, :, None] * (kh @ p.state[0]))
+
+    def solve(two_step: bool, how: str) -> torch.Tensor:
+        rnd = {"exact": lambda t: t, "fp32": lambda t: t.float().double()}.get(
+            how, lambda t: tf32(t, how))
+        if not two_step:
+            U = R
+            for _ in range(tree.max_depth):
+                U = R - rnd(G) @ rnd(U)
+            return U
+        G2, Rp = rnd(G) @ rnd(G), R - rnd(G) @ rnd(R)
+        U = Rp
+        for _ in range(math.ceil((tree.max_depth - 1) / 2)):
+            U = Rp + rnd(G2) @ rnd(U)
+        return U
+
+    ref = solve(False, "exact")
+    return {f"{'two-step' if two else 'sweeps'} {how}":
+            float((solve(two, how) - ref).abs().max() / ref.abs().max())
+            for two in (False, True) for how in ("exact", "fp32", "rz")}
+
+
 #: (label, rounding of the state products, of the sweeps, of C U) for :func:`errors`
 VARIANTS = (
     [(f"state products {m}", m, "exact", "exact") for m in ("rn", "rz", "bf16x2")]
@@ -130,11 +179,18 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="qwen3.5-9b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=64)
+    ap.add_argument("--two-step", action="store_true",
+                    help="also the rejected two-step Neumann solve on an adversarial chain")
     args = ap.parse_args(argv)
     print(f"{gdn_shape(args.model).name}, batch {args.batch}, T = {args.nodes}: "
           "relative error of O against fp64 (rn: tf32 rounded to nearest, rz: truncated)")
     for name, err in errors(args.model, args.batch, args.nodes).items():
         print(f"  {name:<62} {err:.1e}")
+    if args.two_step:
+        print("17-node chain, nearly parallel keys: relative error of U (operands in fp64: exact; "
+              "rounded to fp32: fp32; truncated to tf32: rz)")
+        for name, err in two_step_solve_errors(args.model).items():
+            print(f"  {name:<62} {err:.1e}")
     return 0
 
 

@@ -32,3 +32,12 @@ def test_error_budget_of_the_kernel():
     assert err["C U 3xbf16"] < 0.05 * cu and err["state products bf16x2"] < 0.05 * state
     now = err["bf16x2 state, tf32 (rz) sweeps, 3xbf16 C U: the kernel now"]
     assert now < 0.1 * err["all tf32 (rz), the kernel before the fifth session"]
+
+
+def test_two_step_solve_amplifies_rounding():
+    """The rejected two-step Neumann solve: exact in fp64, thousands of times the sweeps' error
+    once its operands are rounded (bench/NOTES.md item 20)."""
+    err = pm.two_step_solve_errors()
+    assert err["two-step exact"] < 1e-9 and err["sweeps exact"] < 1e-12
+    assert err["two-step fp32"] > 100 * err["sweeps fp32"]
+    assert err["two-step rz"] > 100 * err["sweeps rz"]

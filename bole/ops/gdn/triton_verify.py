@@ -318,19 +318,26 @@ def _load_gates(g_rows, b_rows, s_gn, s_bn, A_log_ptr, dt_bias_ptr, h, rows, row
 
 @triton.jit
 def _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L, scale, BT: tl.constexpr,
-                   L2NORM: tl.constexpr):
+                   L2NORM: tl.constexpr, COLS_IN_DECAY: tl.constexpr):
     """G (strict ancestors) and C (ancestors and self) from the Gram products, with the l2
-    normalisation and the query scale as row / column scalings; also the key inverse norms and the
-    row factors ``e^L rk`` of ``K S_pre`` and ``e^L rq`` of ``Q S_pre``."""
+    normalisation and the query scale as row / column scalings (the column scaling ``rk_j``
+    already inside ``decay`` when COLS_IN_DECAY); also the key inverse norms and the row factors
+    ``e^L rk`` of ``K S_pre`` and ``e^L rq`` of ``Q S_pre``."""
+    # (inline, not a helper: a nested jit call changed the picked BV 64 launch's ptxas output)
     e_L = tl.exp(L.to(tl.float32))
     if L2NORM:
         rk = tl.rsqrt(ss_k + 1e-6)                                   # k_inv_norm
         rq = tl.rsqrt(ss_q + 1e-6) * scale
-        G = tl.where(strict, (beta * rk)[:, None] * decay * kk * rk[None, :], 0.0)
-        C = decay * qk * (rq[:, None] * rk[None, :])
     else:
         rk = tl.full([BT], 1.0, dtype=tl.float32)
         rq = tl.full([BT], 1.0, dtype=tl.float32) * scale
+    if COLS_IN_DECAY:
+        G = tl.where(strict, (beta * rk)[:, None] * decay * kk, 0.0)
+        C = decay * qk * rq[:, None]
+    elif L2NORM:
+        G = tl.where(strict, (beta * rk)[:, None] * decay * kk * rk[None, :], 0.0)
+        C = decay * qk * (rq[:, None] * rk[None, :])
+    else:
         G = tl.where(strict, beta[:, None] * decay * kk, 0.0)
         C = decay * qk * scale
     return G, C, rk, e_L * rk, e_L * rq
@@ -563,25 +570,16 @@ def _tree_gdn_verify_kernel(
             # cores), and the column scaling rk_j of G and C folded into the decays' exponent
             if L2NORM:
                 ss_k = tl.sum(tl.where(rows[:, None] == rows[None, :], kk, 0.0), axis=1)
-                rk = tl.rsqrt(ss_k + 1e-6)
-                rq = tl.rsqrt(ss_q + 1e-6) * scale
-                col_log2 = tl.log2(rk)
+                col_log2 = tl.log2(tl.rsqrt(ss_k + 1e-6))        # log2 of _tree_matrices' rk
             else:
-                rk = tl.full([BT], 1.0, dtype=tl.float32)
-                rq = tl.full([BT], 1.0, dtype=tl.float32) * scale
                 col_log2 = tl.zeros([BT], dtype=tl.float32)
             strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, col_log2, BT, True,
                                            INTERPRET)
-            e_L = tl.exp(L.to(tl.float32))
-            G = tl.where(strict, (beta * rk)[:, None] * decay * kk, 0.0)
-            C = decay * qk * rq[:, None]
-            row_ks = e_L * rk
-            row_qs = e_L * rq
         else:
             strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, beta, BT, False,
                                            INTERPRET)
-            G, C, rk, row_ks, row_qs = _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L,
-                                                      scale, BT, L2NORM)
+        G, C, rk, row_ks, row_qs = _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L, scale,
+                                                  BT, L2NORM, FUSED_NORMS)
         v_t = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :],
                       other=0.0).to(tl.float32)
         U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC, INTERPRET)

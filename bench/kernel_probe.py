@@ -29,6 +29,11 @@ import kernels as kb  # noqa: E402  (bench/kernels.py: inputs, timing, byte floo
 from bole.config import gdn_shape  # noqa: E402
 
 
+#: command-line flag -> VerifyConfig field of the switches the probe can sweep
+KNOBS = {"bf16-state": "bf16_state", "cu-bf16x3": "cu_bf16x3", "fused-norms": "fused_norms",
+         "maxnreg": "maxnreg", "split": "split_gram"}
+
+
 def compiled_stats(kernel) -> dict:
     """registers / spills / shared memory of the variants of ``kernel`` compiled so far, by
     constexpr key."""
@@ -52,16 +57,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bk", nargs="+", type=int, default=[32, 64])
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--stages", nargs="+", type=int, default=[2])
-    ap.add_argument("--bf16-state", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.bf16_state values (0/1): state products as two bf16 products")
-    ap.add_argument("--cu-bf16x3", nargs="+", type=int, default=None,
-                    help="VerifyConfig.cu_bf16x3 values (0/1); default: the picked config's")
-    ap.add_argument("--fused-norms", nargs="+", type=int, default=None,
-                    help="VerifyConfig.fused_norms values (0/1); default: the picked config's")
-    ap.add_argument("--maxnreg", nargs="+", type=int, default=None,
-                    help="VerifyConfig.maxnreg values (0: no cap); default: the picked config's")
-    ap.add_argument("--split", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.split_gram values (0/1): two passes over d_k")
+    # 0/1 (maxnreg: 0 = no cap) values of the VerifyConfig switches; each given one multiplies the
+    # grid, an absent one leaves each config's own value (the picked config's with --picked-only)
+    for flag, field in KNOBS.items():
+        ap.add_argument(f"--{flag}", nargs="+", type=int, default=None, help=f"VerifyConfig.{field}")
     ap.add_argument("--skip-no-sweep", action="store_true",
                     help="do not time the max_depth = 0 variant (halves the run)")
     ap.add_argument("--sets", type=int, default=0,
@@ -116,19 +115,15 @@ def main(argv=None) -> int:
             print(f"batch {batch}: {picked}", flush=True)
             continue
         ref, _ = kb.reference_fp64(sets[0], forest)
-        grid = [tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st, bf16_state=bool(b16),
-                                split_gram=bool(sp))
-                for bv, bk, nw, st, b16, sp in itertools.product(
-                    args.bv, args.bk, args.warps, args.stages, args.bf16_state, args.split)]
+        grid = [tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st)
+                for bv, bk, nw, st in itertools.product(args.bv, args.bk, args.warps, args.stages)]
         if args.picked_only:
-            grid = [dataclasses.replace(picked, num_stages=st, bf16_state=bool(b16))
-                    for st, b16 in itertools.product(args.stages, args.bf16_state)]
-        if args.cu_bf16x3 is not None:
-            grid = [dataclasses.replace(c, cu_bf16x3=bool(cu)) for c in grid for cu in args.cu_bf16x3]
-        if args.maxnreg is not None:
-            grid = [dataclasses.replace(c, maxnreg=cap or None) for c in grid for cap in args.maxnreg]
-        if args.fused_norms is not None:
-            grid = [dataclasses.replace(c, fused_norms=bool(fn)) for c in grid for fn in args.fused_norms]
+            grid = [dataclasses.replace(picked, num_stages=st) for st in args.stages]
+        for flag, field in KNOBS.items():
+            values = getattr(args, flag.replace("-", "_"))
+            if values is not None:
+                grid = [dataclasses.replace(c, **{field: (v or None) if field == "maxnreg" else bool(v)})
+                        for c in grid for v in values]
         if picked not in grid:
             grid.insert(0, picked)
         for cfg in grid:

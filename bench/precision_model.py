@@ -48,6 +48,15 @@ def bf16_split(x: torch.Tensor) -> torch.Tensor:
     return hi.double() + lo.double()
 
 
+def fp64_inputs(x, forest, l2norm: bool):
+    """bench/kernels.py's inputs in fp64, gated and laid out per node (prepare_gdn_tree_inputs)."""
+    return prepare_gdn_tree_inputs(
+        x["q"].double(), x["k"].double(), x["v"].double(), forest,
+        initial_state=x["initial_state"].double(), a=x["a"].double(), b=x["b"].double(),
+        A_log=x["A_log"].double(), dt_bias=x["dt_bias"].double(),
+        use_qk_l2norm_in_kernel=l2norm, check_values=False)
+
+
 def emulate(x, forest, state: str, sweeps: str, cu: str) -> torch.Tensor:
     """O in fp64 with the operands of each product group rounded as named: "exact", "rn", "rz"
     (tf32), "3xtf32" (sweeps and C U) or "bf16x2" (state products)."""
@@ -70,11 +79,7 @@ def emulate(x, forest, state: str, sweeps: str, cu: str) -> torch.Tensor:
         a_small, b_small = tf32(a.float().double() - a_big, "rz"), tf32(b.float().double() - b_big, "rz")
         return a_big @ b_big + a_big @ b_small + a_small @ b_big
 
-    p = prepare_gdn_tree_inputs(
-        x["q"].double(), x["k"].double(), x["v"].double(), forest,
-        initial_state=x["initial_state"].double(), a=x["a"].double(), b=x["b"].double(),
-        A_log=x["A_log"].double(), dt_bias=x["dt_bias"].double(), use_qk_l2norm_in_kernel=False,
-        check_values=False)
+    p = fp64_inputs(x, forest, l2norm=False)          # raw keys: the norms are applied below
     scale = x["q"].shape[-1] ** -0.5
     o = torch.zeros_like(p.v)
     cu_nodes = forest.cu_nodes.tolist()
@@ -115,11 +120,7 @@ def two_step_solve_errors(model: str = "qwen3.5-9b") -> dict[str, float]:
     x = kb.make_inputs(shape, forest, "cpu", seed=1)
     x["k"] = (x["k"][:, :1] + 0.05 * x["k"]).to(torch.bfloat16)      # nearly parallel keys
     x["a"], x["b"] = torch.full_like(x["a"], -8.0), torch.full_like(x["b"], 6.0)
-    p = prepare_gdn_tree_inputs(
-        x["q"].double(), x["k"].double(), x["v"].double(), forest,
-        initial_state=x["initial_state"].double(), a=x["a"].double(), b=x["b"].double(),
-        A_log=x["A_log"].double(), dt_bias=x["dt_bias"].double(), use_qk_l2norm_in_kernel=True,
-        check_values=False)
+    p = fp64_inputs(x, forest, l2norm=True)
     tree = forest.tree(0)
     anc = tree.ancestor_mask(include_self=True)
     strict = anc & ~torch.eye(forest.num_nodes, dtype=torch.bool)

@@ -90,9 +90,9 @@ class VerifyConfig:
     fused_norms: take the key norms from the diagonal of ``K K^T`` instead of sums of squares in
         the d_k loop, and fold the key inverse norms (a column scaling of G and C) into the
         decays' exponent, one ftz exp2 per element. Offline (sm_90 SASS, bench/NOTES.md item 20):
-        about 8% fewer instructions per warp and no spills at BV = 64. Not yet timed or run
-        compiled on a GPU, so no table entry sets it. Ignored with split_gram, and for fp32 keys
-        under "tf32" (their Gram products are rounded).
+        about 8% fewer instructions per warp and no spills at BV = 64; 3-6% faster on the H200 at
+        BT = 32 to 128 (CONFIG_TABLE). Ignored with split_gram, and for fp32 keys under "tf32"
+        (their Gram products are rounded).
     """
 
     BV: int
@@ -146,12 +146,18 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #: 22.0 -> 26.3 us at T = 8, batch 16 (bench/results/kernel-probe-2026-11-30-bf16-state-*.json).
 #: ``cu_bf16x3`` everywhere: O's error against fp64 7.7e-4 -> 1.0e-5 for 1-3% of time at T = 64
 #: (kernel-probe-2026-11-30-cu-bf16x3-t*.json; bench/NOTES.md item 17).
+#: ``fused_norms`` at BT = 32, 64 and 128: T = 64, batch 1 / 4 / 16 / 64: 12.17 / 18.57 / 66.01 /
+#: 245.3 -> 11.77 / 18.09 / 63.08 / 232.5 us; T = 128, batch 4 / 16: 69.9 -> 66.5, 262.0 -> 247.5;
+#: T = 32 3-9% faster; at T = 16 faster at batch 1 and 4 but 13% slower at batch 16 (23.3 -> 26.4),
+#: so BT = 16 keeps the loop sums (bench/results/kernel-probe-2026-11-30-fused-norms-*.json).
 #: CONFIG_TABLE maps BT to the warps, BK and split choice; pick_config sets BV from the wave rule.
 CONFIG_TABLE: dict[int, VerifyConfig] = {
     16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True),
-    32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True),
-    64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3, bf16_state=True, cu_bf16x3=True),
-    128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, bf16_state=True, cu_bf16x3=True),
+    32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fused_norms=True),
+    64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3, bf16_state=True, cu_bf16x3=True,
+                     fused_norms=True),
+    128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, bf16_state=True, cu_bf16x3=True,
+                      fused_norms=True),
     256: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2, split_gram=True, cu_bf16x3=True),
 }
 

@@ -4,7 +4,8 @@ Recomputes the closed form in fp64 on bench/kernels.py's inputs (Qwen3.5-9B shap
 bf16 q/k/v, raw gates, in-kernel l2 norm), rounding the operands of one group of products at a
 time as the kernel's tensor-core products do: tf32 (10 mantissa bits; round to nearest or
 truncated), three tf32 products (Triton's "tf32x3"), three bf16 products of hi/lo halves
-(``VerifyConfig.cu_bf16x3``) or the bf16 split ``S = S_hi + S_lo`` of ``VerifyConfig.bf16_state``.
+(``VerifyConfig.cu_bf16x3``), fp16 with a power-of-two scaling (``VerifyConfig.fp16_sweeps``)
+or the bf16 split ``S = S_hi + S_lo`` of ``VerifyConfig.bf16_state``.
 The groups are the state products (``K S_pre``, ``Q S_pre``), the Neumann sweeps (``G U``) and
 ``C U``; q and k are exact in both formats. Prints the relative error of O (Frobenius, as
 bench/kernels.py's ``rel_err``) per variant. No GPU needed.
@@ -48,6 +49,26 @@ def bf16_split(x: torch.Tensor) -> torch.Tensor:
     return hi.double() + lo.double()
 
 
+def pow2_scale(r: torch.Tensor) -> torch.Tensor:
+    """Per matrix, the power of two that brings ``max |r|`` into [0.5, 1) (``_pow2_scale``)."""
+    m = r.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(1e-30)
+    return torch.exp2(-(torch.floor(torch.log2(m)) + 1))
+
+
+def neumann_sweeps(G: torch.Tensor, R: torch.Tensor, depth: int, how: str, rnd) -> torch.Tensor:
+    """The Neumann sweeps ``U <- R - G U``. "fp16" as ``VerifyConfig.fp16_sweeps``: R scaled once
+    by :func:`pow2_scale`, both operands of every product rounded to fp16 (to nearest), U / s at
+    the end; otherwise the operands go through ``rnd``."""
+    s = pow2_scale(R) if how == "fp16" else 1.0
+    Rs, U = R * s, R * s
+    for _ in range(depth):
+        if how == "fp16":
+            U = Rs - G.float().half().double() @ U.float().half().double()
+        else:
+            U = Rs - rnd(G) @ rnd(U)
+    return U / s
+
+
 def fp64_inputs(x, forest, l2norm: bool):
     """bench/kernels.py's inputs in fp64, gated and laid out per node (prepare_gdn_tree_inputs)."""
     return prepare_gdn_tree_inputs(
@@ -59,7 +80,8 @@ def fp64_inputs(x, forest, l2norm: bool):
 
 def emulate(x, forest, state: str, sweeps: str, cu: str) -> torch.Tensor:
     """O in fp64 with the operands of each product group rounded as named: "exact", "rn", "rz"
-    (tf32), "3xtf32" (sweeps and C U) or "bf16x2" (state products)."""
+    (tf32), "3xtf32" (sweeps and C U), "fp16" (sweeps), "3xbf16" (C U) or "bf16x2" (state
+    products)."""
     def rnd(t, how):
         if how == "exact":
             return t
@@ -78,6 +100,14 @@ def emulate(x, forest, state: str, sweeps: str, cu: str) -> torch.Tensor:
         a_big, b_big = tf32(a, "rz"), tf32(b, "rz")
         a_small, b_small = tf32(a.float().double() - a_big, "rz"), tf32(b.float().double() - b_big, "rz")
         return a_big @ b_big + a_big @ b_small + a_small @ b_big
+
+    def solve(G, R, depth, how):
+        if how in ("3xtf32", "3xbf16"):
+            U = R
+            for _ in range(depth):
+                U = R - product(G, U, how)
+            return U
+        return neumann_sweeps(G, R, depth, how, lambda t: rnd(t, how))
 
     p = fp64_inputs(x, forest, l2norm=False)          # raw keys: the norms are applied below
     scale = x["q"].shape[-1] ** -0.5
@@ -101,9 +131,7 @@ def emulate(x, forest, state: str, sweeps: str, cu: str) -> torch.Tensor:
         s_pre = rnd(p.state[r], state)
         e_L = torch.exp(L)[:, :, None]
         R = beta * (p.v[lo:hi].transpose(0, 1) - e_L * rk * (kh @ s_pre))
-        U = R
-        for _ in range(tree.max_depth):
-            U = R - product(G, U, sweeps)
+        U = solve(G, R, tree.max_depth, sweeps)
         o[lo:hi] = (e_L * rq * (qh @ s_pre) + product(C, U, cu)).transpose(0, 1)
     return o
 
@@ -135,10 +163,7 @@ def two_step_solve_errors(model: str = "qwen3.5-9b") -> dict[str, float]:
         rnd = {"exact": lambda t: t, "fp32": lambda t: t.float().double()}.get(
             how, lambda t: tf32(t, how))
         if not two_step:
-            U = R
-            for _ in range(tree.max_depth):
-                U = R - rnd(G) @ rnd(U)
-            return U
+            return neumann_sweeps(G, R, tree.max_depth, how, rnd)
         G2, Rp = rnd(G) @ rnd(G), R - rnd(G) @ rnd(R)
         U = Rp
         for _ in range(math.ceil((tree.max_depth - 1) / 2)):
@@ -148,17 +173,20 @@ def two_step_solve_errors(model: str = "qwen3.5-9b") -> dict[str, float]:
     ref = solve(False, "exact")
     return {f"{'two-step' if two else 'sweeps'} {how}":
             float((solve(two, how) - ref).abs().max() / ref.abs().max())
-            for two in (False, True) for how in ("exact", "fp32", "rz")}
+            for two in (False, True) for how in ("exact", "fp32", "rz", "fp16")
+            if not (two and how == "fp16")}
 
 
 #: (label, rounding of the state products, of the sweeps, of C U) for :func:`errors`
 VARIANTS = (
     [(f"state products {m}", m, "exact", "exact") for m in ("rn", "rz", "bf16x2")]
-    + [(f"sweeps G U {m}", "exact", m, "exact") for m in ("rn", "rz")]
+    + [(f"sweeps G U {m}", "exact", m, "exact") for m in ("rn", "rz", "fp16")]
     + [(f"C U {m}", "exact", "exact", m) for m in ("rn", "rz", "3xtf32", "3xbf16")]
     + [("all tf32 (rz), the kernel before the fifth session", "rz", "rz", "rz"),
        ("bf16x2 state, tf32 (rz) sweeps and C U", "bf16x2", "rz", "rz"),
-       ("bf16x2 state, tf32 (rz) sweeps, 3xbf16 C U: the kernel now", "bf16x2", "rz", "3xbf16")])
+       ("bf16x2 state, tf32 (rz) sweeps, 3xbf16 C U: the fifth session's kernel", "bf16x2", "rz",
+        "3xbf16"),
+       ("bf16x2 state, fp16 sweeps, 3xbf16 C U (fp16_sweeps)", "bf16x2", "fp16", "3xbf16")])
 
 
 def errors(model: str = "qwen3.5-9b", batch: int = 1, nodes: int = 64) -> dict[str, float]:
@@ -189,7 +217,7 @@ def main(argv=None) -> int:
         print(f"  {name:<62} {err:.1e}")
     if args.two_step:
         print("17-node chain, nearly parallel keys: relative error of U (operands in fp64: exact; "
-              "rounded to fp32: fp32; truncated to tf32: rz)")
+              "rounded to fp32: fp32; truncated to tf32: rz; fp16 as fp16_sweeps: fp16)")
         for name, err in two_step_solve_errors(args.model).items():
             print(f"  {name:<62} {err:.1e}")
     return 0

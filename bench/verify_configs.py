@@ -63,6 +63,8 @@ def main(argv=None) -> int:
                     help="VerifyConfig.fused_norms values (0/1)")
     ap.add_argument("--cu-bf16x3", nargs="+", type=int, default=[0],
                     help="VerifyConfig.cu_bf16x3 values (1: C U as three bf16 products)")
+    ap.add_argument("--fp16-sweeps", nargs="+", type=int, default=[0],
+                    help="VerifyConfig.fp16_sweeps values (1: the Neumann sweeps in fp16)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -83,10 +85,10 @@ def main(argv=None) -> int:
         picked = pick_config(meta.block_nodes, shape.head_k_dim, shape.head_v_dim,
                              batch * shape.num_v_heads)
         grid = [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st, maxnreg=cap or None,
-                             bf16_state=bool(b16), fused_norms=bool(fn), cu_bf16x3=bool(cu))
-                for bv, bk, nw, cap, st, b16, fn, cu in itertools.product(
+                             bf16_state=bool(b16), fused_norms=bool(fn), cu_bf16x3=bool(cu), fp16_sweeps=bool(f16))
+                for bv, bk, nw, cap, st, b16, fn, cu, f16 in itertools.product(
                     args.bv, args.bk, args.warps, args.maxnreg, args.stages, args.bf16_state,
-                    args.fused_norms, args.cu_bf16x3)]
+                    args.fused_norms, args.cu_bf16x3, args.fp16_sweeps)]
         for cfg in [picked] + [c for c in grid if c != picked]:
             rec = dict(nodes=nodes, batch=batch, block_nodes=meta.block_nodes,
                        config=dataclasses.asdict(cfg), picked=cfg == picked)

@@ -411,12 +411,74 @@ def test_output_product_in_three_bf16_products_cuda(dtype):
     assert all(c.cu_bf16x3 for c in CONFIG_TABLE.values())
 
 
+#: on a GPU the other tf32 products are split too (bf16 inputs), so that the sweeps' rounding is
+#: what the bounds below see (tf32's truncation in C U alone gives ~1e-3 in the max norm)
+F16_SWEEPS = VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, fp16_sweeps=True,
+                          bf16_state=HAS_CUDA, cu_bf16x3=HAS_CUDA)
+
+
+def _u_with_and_without_fp16_sweeps(case, forest, config=F16_SWEEPS):
+    """U (and O) of one launch with fp16_sweeps and of the same launch with tf32 sweeps."""
+    from dataclasses import replace
+    on = run_kernel(case, forest, precision="tf32", config=config, out_dtype=torch.float32)
+    off = run_kernel(case, forest, precision="tf32", config=replace(config, fp16_sweeps=False),
+                     out_dtype=torch.float32)
+    return on, off
+
+
+@pytest.mark.parametrize("shape", sorted(TREES))
+def test_fp16_sweeps_against_the_closed_form(shape):
+    """fp16_sweeps: G U in fp16 (R scaled by a power of two), fp32 accumulation. The path must be
+    taken (U differs from the tf32 sweeps') and stay within fp16's rounding of the fp64 result."""
+    forest = PackedForest.pack([TREES[shape](), DraftTree.chain(12)])
+    case = make_case(forest, H_k=1, H_v=2, raw=True, seed=40 + len(shape),
+                     dtype=torch.bfloat16 if HAS_CUDA else torch.float32)
+    (o, f), (o32, f32) = _u_with_and_without_fp16_sweeps(case, forest)
+    o_ref, f_ref = run_reference(case, forest)
+    assert not torch.equal(f.u, f32.u)
+    # interpreter, fp32 inputs: 4e-5 to 1e-4 (fp16's 2^-11 on the corrections G U)
+    errs = [rel_err(x, ref) for x, ref in ((f.u, f_ref.u), (o, o_ref), (f32.u, f_ref.u), (o32, o_ref))]
+    assert errs[0] < 1e-3 and errs[1] < 1e-3, errs
+    assert rel_err(f.log_decay, f_ref.log_decay) < TOL
+
+
+def test_fp16_sweeps_at_the_growth_bound():
+    """The worst case for fp16's range: a depth-15 chain with parallel keys, beta ~ 1 and decays
+    ~ 1, so |G_ij| ~ 1 and the Neumann iterates grow binomially (to ~2^13 max |R|) before they
+    cancel. They must stay finite and U as accurate as with tf32 sweeps."""
+    forest = PackedForest.pack([DraftTree.chain(16)])
+    case = make_case(forest, H_k=1, H_v=2, raw=True, seed=44)
+    case["k"] = case["k"][:, :1] + 1e-3 * case["k"]              # parallel keys
+    case["a"] = torch.full_like(case["a"], -30.0)                  # g ~ -1e-13: decays ~ 1
+    case["b"] = torch.full_like(case["b"], 30.0)                   # beta ~ 1
+    (o, f), (_, f32) = _u_with_and_without_fp16_sweeps(case, forest)
+    o_ref, f_ref = run_reference(case, forest)
+    assert torch.isfinite(f.u).all() and not torch.equal(f.u, f32.u)
+    # interpreter: U 2.1e-4, O 6.6e-4
+    assert rel_err(f.u, f_ref.u) < 2e-3 and rel_err(o, o_ref) < 2e-3
+
+
+@pytest.mark.parametrize("what", ["deeper than 15", "loaded gates", "no l2 norm", "ieee"])
+def test_fp16_sweeps_only_where_safe(what):
+    """Outside its overflow bound the option is ignored: bit-for-bit the tf32 sweeps' results."""
+    from dataclasses import replace
+    forest = PackedForest.pack([DraftTree.chain(17 if what == "deeper than 15" else 9)])
+    case = make_case(forest, H_k=1, H_v=2, raw=what != "loaded gates",
+                     l2norm=what != "no l2 norm", seed=45)
+    prec = "ieee" if what == "ieee" else "tf32"
+    on = run_kernel(case, forest, precision=prec, config=F16_SWEEPS)
+    off = run_kernel(case, forest, precision=prec, config=replace(F16_SWEEPS, fp16_sweeps=False))
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1].u, off[1].u)
+
+
 #: launches compiled on a GPU besides each CONFIG_TABLE entry and pick_config's choice
 GPU_VARIANTS = (VerifyConfig(BV=32, BK=32), VerifyConfig(BV=64, BK=32),
                 VerifyConfig(BV=32, BK=32, num_stages=3, bf16_state=True),
                 VerifyConfig(BV=16, BK=32, num_stages=3),
                 VerifyConfig(BV=64, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
                              fused_norms=True),
+                VerifyConfig(BV=32, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
+                             fused_norms=True, fp16_sweeps=True),
                 VerifyConfig(BV=32, BK=64, num_warps=8),
                 VerifyConfig(BV=64, BK=32, num_warps=8, maxnreg=128))
 

@@ -57,6 +57,8 @@ __all__ = [
 ]
 
 PRECISIONS = ("tf32", "tf32x3", "ieee")
+#: deepest tree whose Neumann iterates provably fit fp16 (``_neumann``'s docstring)
+F16_SWEEP_MAX_DEPTH = 15
 KERNEL_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -93,6 +95,10 @@ class VerifyConfig:
         about 8% fewer instructions per warp and no spills at BV = 64; 3-6% faster on the H200 at
         BT = 32 to 128 (CONFIG_TABLE). Ignored with split_gram, and for fp32 keys under "tf32"
         (their Gram products are rounded).
+    fp16_sweeps: with precision "tf32", run the Neumann sweeps' products ``G U`` in fp16 (R
+        scaled by a power of two) instead of tf32: twice the tensor-core rate, rounding to
+        nearest instead of tf32's truncation. Used only where it is safe from overflow: raw gates,
+        in-kernel l2 norm and trees of depth <= F16_SWEEP_MAX_DEPTH (tf32 otherwise).
     """
 
     BV: int
@@ -104,6 +110,7 @@ class VerifyConfig:
     bf16_state: bool = False
     cu_bf16x3: bool = False
     fused_norms: bool = False
+    fp16_sweeps: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -150,14 +157,20 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #: 245.3 -> 11.77 / 18.09 / 63.08 / 232.5 us; T = 128, batch 4 / 16: 69.9 -> 66.5, 262.0 -> 247.5;
 #: T = 32 3-9% faster; at T = 16 faster at batch 1 and 4 but 13% slower at batch 16 (23.3 -> 26.4),
 #: so BT = 16 keeps the loop sums (bench/results/kernel-probe-2026-11-30-fused-norms-*.json).
+#: ``fp16_sweeps`` at BT = 16 to 128 (where the sweeps' tf32 products were a fifth of the time):
+#: T = 64, batch 1 / 4 / 16 / 64: 12.07 / 18.22 / 64.64 / 236.3 -> 12.08 / 17.62 / 61.45 / 221.7 us;
+#: T = 128, batch 1 / 4 / 16: 26.1 / 66.8 / 249.6 -> 22.9 / 57.7 / 213.9; T = 16 and 32 3-14%
+#: faster; O's fp32-out error 7.9e-6 -> 5.0e-6 at T = 64 (kernel-probe-2026-11-30-fp16-sweeps-*.json).
+#: BT = 256 (split_gram) was not measured with it.
 #: CONFIG_TABLE maps BT to the warps, BK and split choice; pick_config sets BV from the wave rule.
 CONFIG_TABLE: dict[int, VerifyConfig] = {
-    16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True),
-    32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fused_norms=True),
+    16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fp16_sweeps=True),
+    32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fused_norms=True,
+                     fp16_sweeps=True),
     64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3, bf16_state=True, cu_bf16x3=True,
-                     fused_norms=True),
+                     fused_norms=True, fp16_sweeps=True),
     128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, bf16_state=True, cu_bf16x3=True,
-                      fused_norms=True),
+                      fused_norms=True, fp16_sweeps=True),
     256: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2, split_gram=True, cu_bf16x3=True),
 }
 
@@ -452,23 +465,56 @@ def _stream_dk(x_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
 
 
 @triton.jit
-def _neumann(G, Rm, max_depth, PREC: tl.constexpr, INTERPRET: tl.constexpr):
-    """``(I + G) U = R`` for G nilpotent of index <= max_depth + 1: max_depth sweeps are exact."""
+def _pow2_scale(Rm):
+    """Powers of two ``(s, 1 / s)`` with ``max |Rm| * s`` in ``[0.5, 1)`` (``s`` from the exponent
+    bits of ``max |Rm|``, so scaling by it is exact); ``s = 2^126`` when ``Rm`` is zero."""
+    m = tl.max(tl.max(tl.abs(Rm), axis=1), axis=0)
+    e = (m.to(tl.int32, bitcast=True) >> 23) & 0xFF                 # biased exponent, 0..254
+    e = tl.minimum(tl.maximum(e, 1), 252)
+    s = ((253 - e) << 23).to(tl.float32, bitcast=True)               # 2^(126 - e)
+    s_inv = ((e + 1) << 23).to(tl.float32, bitcast=True)             # 2^(e - 126)
+    return s, s_inv
+
+
+@triton.jit
+def _neumann(G, Rm, max_depth, PREC: tl.constexpr, F16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``(I + G) U = R`` for G nilpotent of index <= max_depth + 1: max_depth sweeps are exact.
+
+    F16: the products ``G U`` in fp16 (twice tf32's tensor-core rate; operands rounded to
+    nearest with tf32's 10 mantissa bits, where tf32 truncates fp32 operands), fp32 accumulation
+    and fp32 U. Only for ``|G_ij| <= 1`` (l2-normalised keys, beta <= 1, decays <= 1) and
+    ``max_depth <= 15``: R is scaled by a power of two to ``max |R| < 1``, and every iterate then
+    stays under ``2^max_depth <= 2^15`` (fp16's largest finite value is 65504): row i of ``G^m R``
+    is bounded by the number of ancestor chains of length m ending at i, ``C(depth_i, m)``."""
+    if F16:
+        s, s_inv = _pow2_scale(Rm)
+        Rm = Rm * s
+        G = G.to(tl.float16)
     U = Rm
     if INTERPRET:
         # Triton 3.6's interpreter cannot use a scalar argument as a range() bound under
         # numpy >= 2.4 (int() of a 1-element array); a while loop only needs bool().
         sweep = 0
         while sweep < max_depth:
-            U = Rm - tl.dot(G, U, input_precision=PREC)
+            if F16:
+                U = Rm - tl.dot(G, U.to(tl.float16))
+            else:
+                U = Rm - tl.dot(G, U, input_precision=PREC)
             sweep += 1
     elif max_depth > 0:
         # the first sweep is peeled so that G's conversion to the dot-operand layout happens
         # before the loop and CSE reuses it in there; in the plain loop Triton 3.6 redoes it in
         # every sweep (32 shuffles and 32 selects per thread and sweep in the sm_90 SASS)
-        U = Rm - tl.dot(G, Rm, input_precision=PREC)
-        for _ in range(1, max_depth):
-            U = Rm - tl.dot(G, U, input_precision=PREC)
+        if F16:
+            U = Rm - tl.dot(G, Rm.to(tl.float16))
+            for _ in range(1, max_depth):
+                U = Rm - tl.dot(G, U.to(tl.float16))
+        else:
+            U = Rm - tl.dot(G, Rm, input_precision=PREC)
+            for _ in range(1, max_depth):
+                U = Rm - tl.dot(G, U, input_precision=PREC)
+    if F16:
+        U = U * s_inv
     return U
 
 
@@ -491,7 +537,8 @@ def _tree_gdn_verify_kernel(
     D_K: tl.constexpr, D_V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr,
     RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
-    CU_BF16X3: tl.constexpr, FUSED_NORMS: tl.constexpr, INTERPRET: tl.constexpr,
+    CU_BF16X3: tl.constexpr, FUSED_NORMS: tl.constexpr, F16_SWEEPS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     iv = tl.program_id(0)
     r = tl.program_id(1)
@@ -529,7 +576,8 @@ def _tree_gdn_verify_kernel(
             row_ks = e_L
         v_t = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :],
                       other=0.0).to(tl.float32)
-        U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC, INTERPRET)
+        U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC,
+                     F16_SWEEPS, INTERPRET)
         qk, qs, ss_q = _stream_dk(q_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
                                   D_K, D_V, BT, BK, BV, False, PREC, S_BF16X2)
         strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, beta, BT, False, INTERPRET)
@@ -588,7 +636,8 @@ def _tree_gdn_verify_kernel(
                                                   BT, L2NORM, FUSED_NORMS)
         v_t = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :],
                       other=0.0).to(tl.float32)
-        U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC, INTERPRET)
+        U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC,
+                     F16_SWEEPS, INTERPRET)
 
     # ---- O = e^L Q S_pre + C U (l2 normalisation and scale applied as row / column scalings) ----
     if CU_BF16X3:
@@ -775,6 +824,9 @@ def tree_gdn_verify_triton(
                 # the Gram diagonal is the sum of squares unless fp32 keys are rounded to tf32
                 FUSED_NORMS=bool(config.fused_norms) and not config.split_gram
                 and (q.dtype != torch.float32 or precision != "tf32"),
+                # |G_ij| <= 1 needs normalised keys and beta from the raw gates (a sigmoid)
+                F16_SWEEPS=bool(config.fp16_sweeps) and precision == "tf32" and raw_gates
+                and bool(use_qk_l2norm_in_kernel) and int(meta.max_depth) <= F16_SWEEP_MAX_DEPTH,
                 INTERPRET=_interpreting(),
                 num_warps=config.num_warps, num_stages=config.num_stages,
                 **({"maxnreg": config.maxnreg} if config.maxnreg and not _interpreting() else {}))

@@ -124,11 +124,14 @@ TREES = {
 
 
 #: every compile-time variant of the kernel body: one or two passes over d_k; key norms from sums
-#: of squares or (fused_norms) from the Gram diagonal, folded into the decays
+#: of squares or (fused_norms) from the Gram diagonal, folded into the decays; the gates computed
+#: after the d_k loop and the mask / value tiles loaded before it (early_loads)
 VARIANTS = {
     "sweep": None,
     "split_gram": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, split_gram=True),
     "fused_norms": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, fused_norms=True),
+    "early_loads": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, defer_gates=True,
+                                prefetch_tiles=True),
 }
 
 
@@ -185,7 +188,8 @@ def test_chain_batch_layout_equals_recurrence():
     assert rel_err(f.u, u_ser) < TOL
 
 
-@pytest.mark.parametrize("raw,variant", [(False, "sweep"), (True, "sweep"), (True, "split_gram")])
+@pytest.mark.parametrize("raw,variant", [(False, "sweep"), (True, "sweep"), (True, "split_gram"),
+                                         (True, "early_loads")])
 def test_ragged_forest_grouped_pool_padding_and_commit(raw, variant):
     """3 ragged requests + padding, H_k=2 / H_v=4, d = 32 (two key and two value tiles), a
     permuted pool larger than R; the pool stays untouched and the factors commit exactly."""

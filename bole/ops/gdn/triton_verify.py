@@ -99,6 +99,13 @@ class VerifyConfig:
         scaled by a power of two) instead of tf32: twice the tensor-core rate, rounding to
         nearest instead of tf32's truncation. Used only where it is safe from overflow: raw gates,
         in-kernel l2 norm and trees of depth <= F16_SWEEP_MAX_DEPTH (tf32 otherwise).
+    defer_gates: load the gate inputs at the start but compute the gates after the d_k loop, so
+        that the loop's prologue (its first pipelined loads) does not wait behind them (in the
+        sm_90 SASS the gates' layout conversion, a barrier, sits between the first and the
+        second stage's loads). Ignored with split_gram.
+    prefetch_tiles: load the ancestor mask and the value tile before the d_k loop instead of
+        after it (their latency hidden behind the loop, for 8 + BV * BT / 512 more registers per
+        thread at 4 warps). Ignored with split_gram.
     """
 
     BV: int
@@ -111,6 +118,8 @@ class VerifyConfig:
     cu_bf16x3: bool = False
     fused_norms: bool = False
     fp16_sweeps: bool = False
+    defer_gates: bool = False
+    prefetch_tiles: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -162,15 +171,19 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #: T = 128, batch 1 / 4 / 16: 26.1 / 66.8 / 249.6 -> 22.9 / 57.7 / 213.9; T = 16 and 32 3-14%
 #: faster; O's fp32-out error 7.9e-6 -> 5.0e-6 at T = 64 (kernel-probe-2026-11-30-fp16-sweeps-*.json).
 #: BT = 256 (split_gram) was not measured with it.
+#: ``prefetch_tiles`` at BT = 64 and 128: T = 64, batch 1 / 4 / 16 / 64: 11.70 / 17.20 / 60.72 /
+#: 222.6 -> 11.32 / 16.59 / 58.24 / 211.3 us; T = 128 batch 1 24.5 -> 21.3, batch 4 equal, batch 16
+#: 2% slower. ``defer_gates`` on top: within 1% either way, so off (kernel-probe-2026-11-30-early-loads-
+#: *.json). Neither was measured at BT = 16 and 32.
 #: CONFIG_TABLE maps BT to the warps, BK and split choice; pick_config sets BV from the wave rule.
 CONFIG_TABLE: dict[int, VerifyConfig] = {
     16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fp16_sweeps=True),
     32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fused_norms=True,
                      fp16_sweeps=True),
     64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3, bf16_state=True, cu_bf16x3=True,
-                     fused_norms=True, fp16_sweeps=True),
+                     fused_norms=True, fp16_sweeps=True, prefetch_tiles=True),
     128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, bf16_state=True, cu_bf16x3=True,
-                      fused_norms=True, fp16_sweeps=True),
+                      fused_norms=True, fp16_sweeps=True, prefetch_tiles=True),
     256: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2, split_gram=True, cu_bf16x3=True),
 }
 
@@ -301,35 +314,48 @@ def _store_node_factors(L_ptr, kinv_ptr, L, rk, lo, rows, mask, h, hk, H_V: tl.c
 
 
 @triton.jit
-def _load_gates(g_rows, b_rows, s_gn, s_bn, A_log_ptr, dt_bias_ptr, h, rows, row_ok,
-                RAW_GATES: tl.constexpr):
-    """Per-node gates of one tree and head in fp32, zero on padding rows: ``g`` (log decay) and
-    ``beta``, loaded, or fused from the raw ``a, b`` with ``A_log, dt_bias`` when RAW_GATES.
-
-    The gates are loaded and computed as ``[BT, 1]`` columns and summed over the unit axis. That sum
-    is exact (one term) and is there for the layout: a ``[BT]`` vector used in the ``[BT, BT]``
-    tiles takes their replicated slice layout, and Triton 3.6 then loads and computes every gate
-    16 times per thread (libdevice ``logf`` included); the reduction stops that propagation, so
-    each thread computes one gate and the result is converted once (sm_90 SASS of the batch-1
-    launch: 3528 -> 2848 instructions, 254 -> 238 registers; bench/NOTES.md).
-    """
+def _load_gate_columns(g_rows, b_rows, s_gn, s_bn, A_log_ptr, dt_bias_ptr, h, rows, row_ok,
+                       RAW_GATES: tl.constexpr):
+    """The per-node gate inputs of one tree and head as ``[BT, 1]`` fp32 columns (zero on padding
+    rows): ``g`` and ``beta``, or the raw ``a, b`` with the head's ``A_log, dt_bias`` when
+    RAW_GATES (else those two are 0). :func:`_gates` turns them into the gates."""
     col = rows[:, None] + tl.arange(0, 1)[None, :]                   # [BT, 1]
     ok = row_ok[:, None]
+    g_col = tl.load(g_rows + col * s_gn, mask=ok, other=0.0).to(tl.float32)
+    b_col = tl.load(b_rows + col * s_bn, mask=ok, other=0.0).to(tl.float32)
     if RAW_GATES:
-        a_raw = tl.load(g_rows + col * s_gn, mask=ok, other=0.0).to(tl.float32)
-        b_raw = tl.load(b_rows + col * s_bn, mask=ok, other=0.0).to(tl.float32)
         A_log = tl.load(A_log_ptr + h).to(tl.float32)
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-        x = a_raw + dt_bias
+    else:
+        A_log = 0.0
+        dt_bias = 0.0
+    return g_col, b_col, A_log, dt_bias
+
+
+@triton.jit
+def _gates(g_col, b_col, A_log, dt_bias, row_ok, RAW_GATES: tl.constexpr):
+    """Per-node gates in fp32 from :func:`_load_gate_columns`, zero on padding rows: ``g`` (log
+    decay) and ``beta``, fused from the raw ``a, b`` with ``A_log, dt_bias`` when RAW_GATES.
+
+    The gates are computed as ``[BT, 1]`` columns and summed over the unit axis. That sum is exact
+    (one term) and is there for the layout: a ``[BT]`` vector used in the ``[BT, BT]`` tiles takes
+    their replicated slice layout, and Triton 3.6 then loads and computes every gate 16 times per
+    thread (libdevice ``logf`` included); the reduction stops that propagation, so each thread
+    computes one gate and the result is converted once (sm_90 SASS of the batch-1 launch: 3528 ->
+    2848 instructions, 254 -> 238 registers; bench/NOTES.md).
+    """
+    ok = row_ok[:, None]
+    if RAW_GATES:
+        x = g_col + dt_bias
         # softplus(x) = max(x, 0) + log1p(exp(-|x|)), log1p by its series where 1 + t rounds to 1
         t = tl.exp(-tl.abs(x))
         log1p_t = tl.where(t < 1e-4, t * (1.0 - 0.5 * t), tl.log(1.0 + t))
         g = -tl.exp(A_log) * (tl.maximum(x, 0.0) + log1p_t)
-        e_b = tl.exp(-tl.abs(b_raw))                                  # sigmoid without overflow
-        beta = tl.where(b_raw >= 0, 1.0, e_b) / (1.0 + e_b)
+        e_b = tl.exp(-tl.abs(b_col))                                  # sigmoid without overflow
+        beta = tl.where(b_col >= 0, 1.0, e_b) / (1.0 + e_b)
     else:
-        g = tl.load(g_rows + col * s_gn, mask=ok, other=0.0).to(tl.float32)
-        beta = tl.load(b_rows + col * s_bn, mask=ok, other=0.0).to(tl.float32)
+        g = g_col
+        beta = b_col
     g = tl.sum(tl.where(ok, g, 0.0), axis=1)
     beta = tl.sum(tl.where(ok, beta, 0.0), axis=1)
     return g, beta
@@ -375,18 +401,23 @@ def _exp2_ftz(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _tree_decay(mask_rows, s_mn, g, rows, row_ok, col_log2, BT: tl.constexpr,
-                FUSED: tl.constexpr, INTERPRET: tl.constexpr):
-    """Ancestor mask (self included), strict mask, path log-decay L and the masked decay matrix.
+def _load_ancestors(mask_rows, s_mn, rows, row_ok):
+    """The tree's ancestor mask rows (self included), ``[BT, BT]`` uint8 as stored."""
+    # rows past the tree may lie past the buffer; columns never do (the mask is [N, BT]), and a
+    # set bit in a padding column is harmless (its key, gate and beta are zero), so the mask is
+    # uniform along a row and the loads vectorise
+    return tl.load(mask_rows + rows[:, None] * s_mn + rows[None, :], mask=row_ok[:, None], other=0)
+
+
+@triton.jit
+def _tree_decay(anc_u8, g, rows, col_log2, FUSED: tl.constexpr, INTERPRET: tl.constexpr):
+    """Ancestor mask (self included) from :func:`_load_ancestors`, strict mask, path log-decay L
+    and the masked decay matrix.
 
     FUSED: ``decay_ij = 2^(L_i log2(e) - L_j log2(e) + col_log2_j)`` in one ftz exp2 per element,
     the exponent in fp64; ``col_log2`` (``[BT]`` fp32) folds a column scaling (the key inverse
     norms) into the decays. Otherwise ``exp(L_i - L_j)`` and ``col_log2`` is not read."""
-    # rows past the tree may lie past the buffer; columns never do (the mask is [N, BT]), and a
-    # set bit in a padding column is harmless (its key, gate and beta are zero), so the mask is
-    # uniform along a row and the loads vectorise
-    anc = tl.load(mask_rows + rows[:, None] * s_mn + rows[None, :],
-                  mask=row_ok[:, None], other=0) != 0
+    anc = anc_u8 != 0
     strict = anc & (rows[:, None] != rows[None, :])
     # L_i = sum_j mask_ij g_j in fp64 (L_i - L_j of two long paths loses eps * |L| in fp32);
     # decays from the differences, masked to -inf *before* exp
@@ -538,7 +569,7 @@ def _tree_gdn_verify_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr,
     RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
     CU_BF16X3: tl.constexpr, FUSED_NORMS: tl.constexpr, F16_SWEEPS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    DEFER_GATES: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     iv = tl.program_id(0)
     r = tl.program_id(1)
@@ -547,8 +578,10 @@ def _tree_gdn_verify_kernel(
 
     lo, hi32, rows, row_ok = _tree_rows(cu_ptr, r, BT)
     # 64-bit offsets live in the scalar per-tree bases; per-element offsets (< BT rows) stay 32-bit
-    g, beta = _load_gates(g_ptr + lo * s_gn + h * s_gh, beta_ptr + lo * s_bn + h * s_bh, s_gn, s_bn,
-                          A_log_ptr, dt_bias_ptr, h, rows, row_ok, RAW_GATES)
+    gate_in = _load_gate_columns(g_ptr + lo * s_gn + h * s_gh, beta_ptr + lo * s_bn + h * s_bh,
+                                 s_gn, s_bn, A_log_ptr, dt_bias_ptr, h, rows, row_ok, RAW_GATES)
+    if not (DEFER_GATES and not SPLIT):
+        g, beta = _gates(*gate_in, row_ok, RAW_GATES)
 
     vcols = iv * BV + tl.arange(0, BV)
     v_ok = vcols < D_V
@@ -564,7 +597,8 @@ def _tree_gdn_verify_kernel(
         # [BT, BT] Gram accumulator is live at a time; K and S_pre are read twice (from L2).
         kk, ks, ss_k = _stream_dk(k_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
                                   D_K, D_V, BT, BK, BV, True, PREC, S_BF16X2)
-        strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, beta, BT, False, INTERPRET)
+        strict, L, decay = _tree_decay(_load_ancestors(mask_rows, s_mn, rows, row_ok), g, rows, beta,
+                                        False, INTERPRET)
         e_L = tl.exp(L.to(tl.float32))
         if L2NORM:
             rk = tl.rsqrt(ss_k + 1e-6)                               # k_inv_norm
@@ -580,7 +614,8 @@ def _tree_gdn_verify_kernel(
                      F16_SWEEPS, INTERPRET)
         qk, qs, ss_q = _stream_dk(q_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
                                   D_K, D_V, BT, BK, BV, False, PREC, S_BF16X2)
-        strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, beta, BT, False, INTERPRET)
+        strict, L, decay = _tree_decay(_load_ancestors(mask_rows, s_mn, rows, row_ok), g, rows, beta,
+                                        False, INTERPRET)
         if L2NORM:
             rq = tl.rsqrt(ss_q + 1e-6) * scale
             C = decay * qk * (rq[:, None] * rk[None, :])
@@ -596,6 +631,10 @@ def _tree_gdn_verify_kernel(
         qs = tl.zeros([BT, BV], dtype=tl.float32)
         ss_k = tl.zeros([BT], dtype=tl.float32)
         ss_q = tl.zeros([BT], dtype=tl.float32)
+        if PREFETCH:
+            # issued before the loop so that their latency hides behind it (registers permitting)
+            anc_u8 = _load_ancestors(mask_rows, s_mn, rows, row_ok)
+            v_in = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
         for k0 in range(0, D_K, BK):
             q_t, k_t, s_t = _load_dk_tiles(q_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk,
                                            s_sv, D_K, D_V, BK, BV, True)
@@ -617,8 +656,14 @@ def _tree_gdn_verify_kernel(
                 if not FUSED_NORMS:
                     ss_k += tl.sum(k_f * k_f, axis=1)
                 ss_q += tl.sum(q_f * q_f, axis=1)
-        # the ancestor mask is loaded after the loop so that no other [BT, BT] tile is live in it;
-        # G and C are formed at once so that kk, qk and decay die before the solve
+        # unless PREFETCH, the ancestor mask and V are loaded after the loop so that no other
+        # tile is live in it; G and C are formed at once so that kk, qk and decay die before the
+        # solve. DEFER_GATES: the gates computed only now from inputs loaded at the start, so
+        # that the prologue's loads are not held up behind the gate loads' latency.
+        if DEFER_GATES:
+            g, beta = _gates(*gate_in, row_ok, RAW_GATES)
+        if not PREFETCH:
+            anc_u8 = _load_ancestors(mask_rows, s_mn, rows, row_ok)
         if FUSED_NORMS:
             # |k_i|^2 from the diagonal of K K^T (the same products, accumulated by the tensor
             # cores), and the column scaling rk_j of G and C folded into the decays' exponent
@@ -627,17 +672,15 @@ def _tree_gdn_verify_kernel(
                 col_log2 = tl.log2(tl.rsqrt(ss_k + 1e-6))        # log2 of _tree_matrices' rk
             else:
                 col_log2 = tl.zeros([BT], dtype=tl.float32)
-            strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, col_log2, BT, True,
-                                           INTERPRET)
+            strict, L, decay = _tree_decay(anc_u8, g, rows, col_log2, True, INTERPRET)
         else:
-            strict, L, decay = _tree_decay(mask_rows, s_mn, g, rows, row_ok, beta, BT, False,
-                                           INTERPRET)
+            strict, L, decay = _tree_decay(anc_u8, g, rows, beta, False, INTERPRET)
         G, C, rk, row_ks, row_qs = _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L, scale,
                                                   BT, L2NORM, FUSED_NORMS)
-        v_t = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :],
-                      other=0.0).to(tl.float32)
-        U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC,
-                     F16_SWEEPS, INTERPRET)
+        if not PREFETCH:
+            v_in = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        U = _neumann(G, beta[:, None] * (v_in.to(tl.float32) - row_ks[:, None] * ks), max_depth,
+                     PREC, F16_SWEEPS, INTERPRET)
 
     # ---- O = e^L Q S_pre + C U (l2 normalisation and scale applied as row / column scalings) ----
     if CU_BF16X3:
@@ -827,6 +870,7 @@ def tree_gdn_verify_triton(
                 # |G_ij| <= 1 needs normalised keys and beta from the raw gates (a sigmoid)
                 F16_SWEEPS=bool(config.fp16_sweeps) and precision == "tf32" and raw_gates
                 and bool(use_qk_l2norm_in_kernel) and int(meta.max_depth) <= F16_SWEEP_MAX_DEPTH,
+                DEFER_GATES=bool(config.defer_gates), PREFETCH=bool(config.prefetch_tiles),
                 INTERPRET=_interpreting(),
                 num_warps=config.num_warps, num_stages=config.num_stages,
                 **({"maxnreg": config.maxnreg} if config.maxnreg and not _interpreting() else {}))

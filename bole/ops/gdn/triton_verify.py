@@ -25,9 +25,11 @@ are written (zeros) by the last request's programs, so no output needs a memset.
 Inputs may be fp16/bf16/fp32; gates, state and all accumulation are fp32. ``precision`` selects
 tl.dot's ``input_precision`` for fp32 operands ("tf32" fast, "tf32x3", or "ieee" exact); fp16/bf16
 Gram products are formed in the input dtype with fp32 accumulation. In "tf32" the table's launches
-run two products in split bf16 instead, where tf32's truncation of fp32 operands costs most
-accuracy (bench/precision_model.py): the state products with bf16 inputs (``bf16_state``: S as
-bf16 hi + lo) and the output product ``C U`` (``cu_bf16x3``: three bf16 products of hi/lo halves).
+replace tf32 (whose fp32 operands the tensor cores truncate, bench/precision_model.py) wherever it
+cost accuracy or time: the state products with bf16 inputs as split bf16 (``bf16_state``: S as
+bf16 hi + lo), the output product ``C U`` as three bf16 products of hi/lo halves (``cu_bf16x3``)
+and the Neumann sweeps in fp16 with R scaled by a power of two (``fp16_sweeps``, where its
+overflow bound holds).
 
 This module knows nothing of models or requests beyond :class:`bole.tree.ForestMeta`.
 """
@@ -744,8 +746,8 @@ def tree_gdn_verify_triton(
             (then ``S`` must equal ``R``).
         scale: query scale, default ``d_k ** -0.5``.
         precision: tl.dot input precision for fp32 operands: "tf32", "tf32x3" or "ieee". Default:
-            "tf32" for fp16/bf16 inputs (measured on the H200, bf16 inputs, Qwen3.5-9B shapes:
-            U and fp32 O within 1.6e-5 of fp64, a bf16 O within 2e-4 of the correctly rounded
+            "tf32" for fp16/bf16 inputs (measured on the H200, bf16 inputs, Qwen3.5-9B shapes,
+            T = 64: fp32 O within 8e-6 of fp64, a bf16 O within 1.6e-4 of the correctly rounded
             fp64 result), "ieee" for fp32 inputs: with fp32 q/k the Gram products
             also run in tf32, and on the H200 (Triton 3.6, d = 128) that gave 0.7e-3 to 4e-2
             relative error (bench/results/kernels-2026-11-29.json, "bole-tf32-fp32-out"); ask

@@ -90,7 +90,7 @@ class VerifyConfig:
         hi/lo halves (``C_hi U_hi + C_hi U_lo + C_lo U_hi``) instead of one tf32 product. The
         tensor cores truncate fp32 operands to tf32, and in ``C U`` that sets O's error: 7.5e-4
         relative to fp64 against 1.5e-5 with this (bench/precision_model.py emulates each
-        product's rounding). Compiled only: Triton's interpreter gets bf16 products wrong.
+        product's rounding).
     fused_norms: take the key norms from the diagonal of ``K K^T`` instead of sums of squares in
         the d_k loop, and fold the key inverse norms (a column scaling of G and C) into the
         decays' exponent, one ftz exp2 per element. Offline (sm_90 SASS, bench/NOTES.md item 20):
@@ -435,6 +435,17 @@ def _tree_decay(anc_u8, g, rows, col_log2, FUSED: tl.constexpr, INTERPRET: tl.co
 
 
 @triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """``tl.dot(a, b, acc, input_precision=PREC)``. Under Triton's interpreter, whose products of
+    bf16 tiles are wrong (Triton 3.6 to 3.9), bf16 operands are widened to fp32 first (exact), so
+    that the bf16 paths run on the CPU too; compiled code is unchanged."""
+    if INTERPRET and a.dtype == tl.bfloat16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
 def _split_bf16(s):
     """fp32 ``s`` as ``s_hi + s_lo``, both bf16, round to nearest: ``|s - s_hi - s_lo| <= 2^-17 |s|``
     (16 mantissa bits against tf32's 10), so that bf16 ``x`` times s runs as two bf16 products."""
@@ -477,7 +488,8 @@ def _load_dk_tiles(x_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk, s_sv,
 @triton.jit
 def _stream_dk(x_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
                D_K: tl.constexpr, D_V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr, X_IS_K: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr):
+               BV: tl.constexpr, X_IS_K: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
+               INTERPRET: tl.constexpr):
     """One pass over d_k: ``X K^T`` [BT, BT], ``X S`` [BT, BV] and the row sums of squares of X."""
     xk = tl.zeros([BT, BT], dtype=tl.float32)
     xs = tl.zeros([BT, BV], dtype=tl.float32)
@@ -485,12 +497,12 @@ def _stream_dk(x_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
     for k0 in range(0, D_K, BK):
         x_t, k_t, s_t = _load_dk_tiles(x_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk, s_sv,
                                        D_K, D_V, BK, BV, not X_IS_K)
-        xk = tl.dot(x_t, tl.trans(k_t), xk, input_precision=PREC)
+        xk = _dot(x_t, tl.trans(k_t), xk, PREC, INTERPRET)
         x_f = x_t.to(tl.float32)
         if S_BF16X2:
             s_hi, s_lo = _split_bf16(s_t)
-            xs = tl.dot(x_t, s_hi, xs)
-            xs = tl.dot(x_t, s_lo, xs)
+            xs = _dot(x_t, s_hi, xs, PREC, INTERPRET)
+            xs = _dot(x_t, s_lo, xs, PREC, INTERPRET)
         else:
             xs = tl.dot(x_f, s_t, xs, input_precision=PREC)
         ss += tl.sum(x_f * x_f, axis=1)
@@ -598,7 +610,7 @@ def _tree_gdn_verify_kernel(
         # Two passes over d_k: K first (G, R, then U), Q second (C, O), so that at most one
         # [BT, BT] Gram accumulator is live at a time; K and S_pre are read twice (from L2).
         kk, ks, ss_k = _stream_dk(k_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
-                                  D_K, D_V, BT, BK, BV, True, PREC, S_BF16X2)
+                                  D_K, D_V, BT, BK, BV, True, PREC, S_BF16X2, INTERPRET)
         strict, L, decay = _tree_decay(_load_ancestors(mask_rows, s_mn, rows, row_ok), g, rows, beta,
                                         False, INTERPRET)
         e_L = tl.exp(L.to(tl.float32))
@@ -615,7 +627,7 @@ def _tree_gdn_verify_kernel(
         U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC,
                      F16_SWEEPS, INTERPRET)
         qk, qs, ss_q = _stream_dk(q_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
-                                  D_K, D_V, BT, BK, BV, False, PREC, S_BF16X2)
+                                  D_K, D_V, BT, BK, BV, False, PREC, S_BF16X2, INTERPRET)
         strict, L, decay = _tree_decay(_load_ancestors(mask_rows, s_mn, rows, row_ok), g, rows, beta,
                                         False, INTERPRET)
         if L2NORM:
@@ -641,16 +653,16 @@ def _tree_gdn_verify_kernel(
             q_t, k_t, s_t = _load_dk_tiles(q_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk,
                                            s_sv, D_K, D_V, BK, BV, True)
             kt_t = tl.trans(k_t)
-            kk = tl.dot(k_t, kt_t, kk, input_precision=PREC)
-            qk = tl.dot(q_t, kt_t, qk, input_precision=PREC)
+            kk = _dot(k_t, kt_t, kk, PREC, INTERPRET)
+            qk = _dot(q_t, kt_t, qk, PREC, INTERPRET)
             k_f = k_t.to(tl.float32)
             q_f = q_t.to(tl.float32)
             if S_BF16X2:
                 s_hi, s_lo = _split_bf16(s_t)
-                ks = tl.dot(k_t, s_hi, ks)
-                ks = tl.dot(k_t, s_lo, ks)
-                qs = tl.dot(q_t, s_hi, qs)
-                qs = tl.dot(q_t, s_lo, qs)
+                ks = _dot(k_t, s_hi, ks, PREC, INTERPRET)
+                ks = _dot(k_t, s_lo, ks, PREC, INTERPRET)
+                qs = _dot(q_t, s_hi, qs, PREC, INTERPRET)
+                qs = _dot(q_t, s_lo, qs, PREC, INTERPRET)
             else:
                 ks = tl.dot(k_f, s_t, ks, input_precision=PREC)
                 qs = tl.dot(q_f, s_t, qs, input_precision=PREC)
@@ -689,9 +701,9 @@ def _tree_gdn_verify_kernel(
         # three bf16 products of the hi/lo halves: 16 mantissa bits against tf32's 10
         c_hi, c_lo = _split_bf16(C)
         u_hi, u_lo = _split_bf16(U)
-        O = tl.dot(c_hi, u_hi, row_qs[:, None] * qs)
-        O = tl.dot(c_hi, u_lo, O)
-        O = tl.dot(c_lo, u_hi, O)
+        O = _dot(c_hi, u_hi, row_qs[:, None] * qs, PREC, INTERPRET)
+        O = _dot(c_hi, u_lo, O, PREC, INTERPRET)
+        O = _dot(c_lo, u_hi, O, PREC, INTERPRET)
     else:
         O = row_qs[:, None] * qs + tl.dot(C, U, input_precision=PREC)
 
@@ -865,7 +877,7 @@ def tree_gdn_verify_triton(
                 BV=config.BV, SPLIT=bool(config.split_gram), RAW_GATES=raw_gates,
                 L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision,
                 S_BF16X2=bool(config.bf16_state) and q.dtype == torch.bfloat16 and precision == "tf32",
-                CU_BF16X3=bool(config.cu_bf16x3) and precision == "tf32" and not _interpreting(),
+                CU_BF16X3=bool(config.cu_bf16x3) and precision == "tf32",
                 # the Gram diagonal is the sum of squares unless fp32 keys are rounded to tf32
                 FUSED_NORMS=bool(config.fused_norms) and not config.split_gram
                 and (q.dtype != torch.float32 or precision != "tf32"),

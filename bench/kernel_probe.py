@@ -32,7 +32,8 @@ from bole.config import gdn_shape  # noqa: E402
 #: command-line flag -> VerifyConfig field of the switches the probe can sweep
 KNOBS = {"bf16-state": "bf16_state", "cu-bf16x3": "cu_bf16x3", "fused-norms": "fused_norms",
          "fp16-sweeps": "fp16_sweeps", "defer-gates": "defer_gates",
-         "prefetch-tiles": "prefetch_tiles", "maxnreg": "maxnreg", "split": "split_gram"}
+         "prefetch-tiles": "prefetch_tiles", "stacked-state": "stacked_state", "maxnreg": "maxnreg",
+         "split": "split_gram"}
 
 
 def compiled_stats(kernel) -> dict:

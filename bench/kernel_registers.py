@@ -57,7 +57,7 @@ def compile_verify(shape, block_nodes: int, cfg: tv.VerifyConfig):
                  SPLIT=cfg.split_gram, RAW_GATES=True, L2NORM=True, PREC="tf32", S_BF16X2=cfg.bf16_state,
                  CU_BF16X3=cfg.cu_bf16x3, FUSED_NORMS=cfg.fused_norms,
                  F16_SWEEPS=cfg.fp16_sweeps, DEFER_GATES=cfg.defer_gates,
-                 PREFETCH=cfg.prefetch_tiles,
+                 PREFETCH=cfg.prefetch_tiles, STACK_S=cfg.stacked_state and cfg.bf16_state,
                  INTERPRET=False,
                  **{n: 1 for n in UNIT_STRIDES})
     signature, attrs = {}, {}
@@ -159,6 +159,8 @@ def main(argv=None) -> int:
                     help="VerifyConfig.defer_gates values (0/1)")
     ap.add_argument("--prefetch-tiles", nargs="+", type=int, default=[0],
                     help="VerifyConfig.prefetch_tiles values (0/1)")
+    ap.add_argument("--stacked-state", nargs="+", type=int, default=[0],
+                    help="VerifyConfig.stacked_state values (0/1)")
     ap.add_argument("--sass", action="store_true",
                     help="also SASS instructions, loop bodies and layout conversions in loops")
     args = ap.parse_args(argv)
@@ -168,20 +170,21 @@ def main(argv=None) -> int:
                                  max(tv.CONFIG_TABLE))]
     stages = args.stages or [table.num_stages]
     print(f"{'BV':>4} {'BK':>4} {'warps':>5} {'st':>3} {'cap':>4} {'regs':>5} {'spill B':>8} "
-          f"{'smem B':>7} {'bf16S':>5} {'CUx3':>4} {'fnrm':>4} {'f16sw':>5} {'dfr':>3} {'pf':>2}"
+          f"{'smem B':>7} {'bf16S':>5} {'CUx3':>4} {'fnrm':>4} {'f16sw':>5} {'dfr':>3} {'pf':>2} {'stk':>3}"
           + ("  SASS  loops (start+length)  converts in loops" if args.sass else ""))
-    for bv, bk, nw, st, cap, b16, cu3, fn, f16, dfr, pf in itertools.product(
+    for bv, bk, nw, st, cap, b16, cu3, fn, f16, dfr, pf, stk in itertools.product(
             args.bv, args.bk, args.warps, stages, args.maxnreg, args.bf16_state, args.cu_bf16x3,
-            args.fused_norms, args.fp16_sweeps, args.defer_gates, args.prefetch_tiles):
+            args.fused_norms, args.fp16_sweeps, args.defer_gates, args.prefetch_tiles,
+            args.stacked_state):
         cfg = tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st,
                               split_gram=args.block_nodes >= 256, maxnreg=cap or None,
                               bf16_state=bool(b16), cu_bf16x3=bool(cu3), fused_norms=bool(fn),
                               fp16_sweeps=bool(f16), defer_gates=bool(dfr),
-                              prefetch_tiles=bool(pf))
+                              prefetch_tiles=bool(pf), stacked_state=bool(stk))
         compiled = compile_verify(shape, args.block_nodes, cfg)
         use = resource_usage(compiled)
         line = (f"{bv:>4} {bk:>4} {nw:>5} {st:>3} {cap or '-':>4} {use['registers']:>5} "
-                f"{use['stack_bytes']:>8} {use['dynamic_shared']:>7} {b16:>5} {cu3:>4} {fn:>4} {f16:>5} {dfr:>3} {pf:>2}")
+                f"{use['stack_bytes']:>8} {use['dynamic_shared']:>7} {b16:>5} {cu3:>4} {fn:>4} {f16:>5} {dfr:>3} {pf:>2} {stk:>3}")
         if args.sass:
             lines = sass_lines(compiled)
             loops = " ".join(f"{a}+{n}" for a, n in sass_loops(lines))

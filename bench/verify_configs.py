@@ -69,6 +69,8 @@ def main(argv=None) -> int:
                     help="VerifyConfig.defer_gates values (0/1)")
     ap.add_argument("--prefetch-tiles", nargs="+", type=int, default=[0],
                     help="VerifyConfig.prefetch_tiles values (0/1)")
+    ap.add_argument("--stacked-state", nargs="+", type=int, default=[0],
+                    help="VerifyConfig.stacked_state values (0/1)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -90,11 +92,12 @@ def main(argv=None) -> int:
                              batch * shape.num_v_heads)
         grid = [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st, maxnreg=cap or None,
                              bf16_state=bool(b16), fused_norms=bool(fn), cu_bf16x3=bool(cu), fp16_sweeps=bool(f16),
-                             defer_gates=bool(dfr), prefetch_tiles=bool(pf))
-                for bv, bk, nw, cap, st, b16, fn, cu, f16, dfr, pf in itertools.product(
+                             defer_gates=bool(dfr), prefetch_tiles=bool(pf),
+                             stacked_state=bool(stk))
+                for bv, bk, nw, cap, st, b16, fn, cu, f16, dfr, pf, stk in itertools.product(
                     args.bv, args.bk, args.warps, args.maxnreg, args.stages, args.bf16_state,
                     args.fused_norms, args.cu_bf16x3, args.fp16_sweeps, args.defer_gates,
-                    args.prefetch_tiles)]
+                    args.prefetch_tiles, args.stacked_state)]
         for cfg in [picked] + [c for c in grid if c != picked]:
             rec = dict(nodes=nodes, batch=batch, block_nodes=meta.block_nodes,
                        config=dataclasses.asdict(cfg), picked=cfg == picked)

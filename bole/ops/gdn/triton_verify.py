@@ -108,6 +108,13 @@ class VerifyConfig:
     prefetch_tiles: load the ancestor mask and the value tile before the d_k loop instead of
         after it (their latency hidden behind the loop, for 8 + BV * BT / 512 more registers per
         thread at 4 warps). Ignored with split_gram.
+    stacked_state: with bf16_state, stack S's bf16 halves along K, ``[K | K] [S_hi ; S_lo]``, so
+        that each of ``K S_pre`` and ``Q S_pre`` is one product per d_k step: Triton 3.6 makes
+        these products synchronous (their B operand is computed each step), and the sm_90 SASS
+        then waits twice per step instead of four times. K, Q and S's rows are loaded twice
+        over (the Grams come out doubled and are halved, exactly). Written without a GPU at hand:
+        CPU-tested, not timed, so no table entry sets it (bench/NOTES.md). Ignored with
+        split_gram or where BK does not divide d_k.
     """
 
     BV: int
@@ -122,6 +129,7 @@ class VerifyConfig:
     fp16_sweeps: bool = False
     defer_gates: bool = False
     prefetch_tiles: bool = False
+    stacked_state: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -457,12 +465,17 @@ def _split_bf16(s):
 @triton.jit
 def _load_dk_tiles(x_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk, s_sv,
                    D_K: tl.constexpr, D_V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   LOAD_X: tl.constexpr):
+                   LOAD_X: tl.constexpr, TWICE: tl.constexpr = False):
     """Step ``k0`` of the d_k loop: ``X``'s and K's ``[BT, BK]`` tiles (input dtype; X = K unless
     LOAD_X) and the S_pre tile ``[BK, BV]`` (fp32). Where BK divides d_k (and BV d_v) the column
     masks are left out: the q/k masks are then uniform along a row, so the loads vectorise, and
-    the S_pre tile needs none (per-element masks cost address and predicate work every step)."""
-    kc = k0 + tl.arange(0, BK)
+    the S_pre tile needs none (per-element masks cost address and predicate work every step).
+    TWICE (BK dividing d_k only): each tile holds its BK columns (rows of S) twice over, ``[X | X]``
+    ``[BT, 2 BK]`` and ``[S ; S]`` ``[2 BK, BV]``, for the stacked state products."""
+    if TWICE:
+        kc = k0 + tl.arange(0, 2 * BK) % BK
+    else:
+        kc = k0 + tl.arange(0, BK)
     if D_K % BK == 0:
         k_t = tl.load(k_base + kc[None, :], mask=row_ok[:, None], other=0.0)
         x_t = k_t
@@ -483,6 +496,16 @@ def _load_dk_tiles(x_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk, s_sv,
         s_t = tl.load(s_base + kc[:, None] * s_sk + vcols[None, :] * s_sv,
                       mask=kc_ok[:, None] & v_ok[None, :], other=0.0)
     return x_t, k_t, s_t
+
+
+@triton.jit
+def _stacked_halves(s2, BK: tl.constexpr):
+    """``[S_hi ; S_lo]`` (bf16, ``[2 BK, BV]``) from ``[S ; S]`` (fp32): the bf16 split of
+    :func:`_split_bf16` stacked along K, so that ``[X | X] [S_hi ; S_lo] = X S_hi + X S_lo`` is one
+    product (one tensor-core wait per step instead of two)."""
+    hi = s2.to(tl.bfloat16)
+    lo = (s2 - hi.to(tl.float32)).to(tl.bfloat16)
+    return tl.where((tl.arange(0, 2 * BK) < BK)[:, None], hi, lo)
 
 
 @triton.jit
@@ -583,7 +606,8 @@ def _tree_gdn_verify_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr,
     RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
     CU_BF16X3: tl.constexpr, FUSED_NORMS: tl.constexpr, F16_SWEEPS: tl.constexpr,
-    DEFER_GATES: tl.constexpr, PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
+    DEFER_GATES: tl.constexpr, PREFETCH: tl.constexpr, STACK_S: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     iv = tl.program_id(0)
     r = tl.program_id(1)
@@ -651,13 +675,17 @@ def _tree_gdn_verify_kernel(
             v_in = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
         for k0 in range(0, D_K, BK):
             q_t, k_t, s_t = _load_dk_tiles(q_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk,
-                                           s_sv, D_K, D_V, BK, BV, True)
+                                           s_sv, D_K, D_V, BK, BV, True, STACK_S)
             kt_t = tl.trans(k_t)
-            kk = _dot(k_t, kt_t, kk, PREC, INTERPRET)
+            kk = _dot(k_t, kt_t, kk, PREC, INTERPRET)       # twice K K^T when STACK_S
             qk = _dot(q_t, kt_t, qk, PREC, INTERPRET)
             k_f = k_t.to(tl.float32)
             q_f = q_t.to(tl.float32)
-            if S_BF16X2:
+            if STACK_S:
+                s_b = _stacked_halves(s_t, BK)
+                ks = _dot(k_t, s_b, ks, PREC, INTERPRET)
+                qs = _dot(q_t, s_b, qs, PREC, INTERPRET)
+            elif S_BF16X2:
                 s_hi, s_lo = _split_bf16(s_t)
                 ks = _dot(k_t, s_hi, ks, PREC, INTERPRET)
                 ks = _dot(k_t, s_lo, ks, PREC, INTERPRET)
@@ -670,6 +698,12 @@ def _tree_gdn_verify_kernel(
                 if not FUSED_NORMS:
                     ss_k += tl.sum(k_f * k_f, axis=1)
                 ss_q += tl.sum(q_f * q_f, axis=1)
+        if STACK_S:
+            # every key column was counted twice in the Grams and the sums of squares (exact / 2)
+            kk = kk * 0.5
+            qk = qk * 0.5
+            ss_k = ss_k * 0.5
+            ss_q = ss_q * 0.5
         # unless PREFETCH, the ancestor mask and V are loaded after the loop so that no other
         # tile is live in it; G and C are formed at once so that kk, qk and decay die before the
         # solve. DEFER_GATES: the gates computed only now from inputs loaded at the start, so
@@ -885,6 +919,9 @@ def tree_gdn_verify_triton(
                 F16_SWEEPS=bool(config.fp16_sweeps) and precision == "tf32" and raw_gates
                 and bool(use_qk_l2norm_in_kernel) and int(meta.max_depth) <= F16_SWEEP_MAX_DEPTH,
                 DEFER_GATES=bool(config.defer_gates), PREFETCH=bool(config.prefetch_tiles),
+                STACK_S=bool(config.stacked_state) and bool(config.bf16_state)
+                and q.dtype == torch.bfloat16 and precision == "tf32" and not config.split_gram
+                and d_k % config.BK == 0,
                 INTERPRET=_interpreting(),
                 num_warps=config.num_warps, num_stages=config.num_stages,
                 **({"maxnreg": config.maxnreg} if config.maxnreg and not _interpreting() else {}))

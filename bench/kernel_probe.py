@@ -29,13 +29,6 @@ import kernels as kb  # noqa: E402  (bench/kernels.py: inputs, timing, byte floo
 from bole.config import gdn_shape  # noqa: E402
 
 
-#: command-line flag -> VerifyConfig field of the switches the probe can sweep
-KNOBS = {"bf16-state": "bf16_state", "cu-bf16x3": "cu_bf16x3", "fused-norms": "fused_norms",
-         "fp16-sweeps": "fp16_sweeps", "defer-gates": "defer_gates",
-         "prefetch-tiles": "prefetch_tiles", "stacked-state": "stacked_state", "maxnreg": "maxnreg",
-         "split": "split_gram"}
-
-
 def compiled_stats(kernel) -> dict:
     """registers / spills / shared memory of the variants of ``kernel`` compiled so far, by
     constexpr key."""
@@ -61,8 +54,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", nargs="+", type=int, default=[2])
     # 0/1 (maxnreg: 0 = no cap) values of the VerifyConfig switches; each given one multiplies the
     # grid, an absent one leaves each config's own value (the picked config's with --picked-only)
-    for flag, field in KNOBS.items():
-        ap.add_argument(f"--{flag}", nargs="+", type=int, default=None, help=f"VerifyConfig.{field}")
+    kb.add_switch_args(ap)
+    ap.add_argument("--maxnreg", nargs="+", type=int, default=None,
+                    help="VerifyConfig.maxnreg values (0: no cap)")
     ap.add_argument("--skip-no-sweep", action="store_true",
                     help="do not time the max_depth = 0 variant (halves the run)")
     ap.add_argument("--sets", type=int, default=0,
@@ -121,11 +115,9 @@ def main(argv=None) -> int:
                 for bv, bk, nw, st in itertools.product(args.bv, args.bk, args.warps, args.stages)]
         if args.picked_only:
             grid = [dataclasses.replace(picked, num_stages=st) for st in args.stages]
-        for flag, field in KNOBS.items():
-            values = getattr(args, flag.replace("-", "_"))
-            if values is not None:
-                grid = [dataclasses.replace(c, **{field: (v or None) if field == "maxnreg" else bool(v)})
-                        for c in grid for v in values]
+        grid = kb.with_switches(grid, args)
+        if args.maxnreg is not None:
+            grid = [dataclasses.replace(c, maxnreg=cap or None) for c in grid for cap in args.maxnreg]
         if picked not in grid:
             grid.insert(0, picked)
         for cfg in grid:

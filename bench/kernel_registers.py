@@ -31,10 +31,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
+import kernels as kb  # noqa: E402  (bench/kernels.py: the VerifyConfig switch flags)
 
 from bole.config import gdn_shape  # noqa: E402
 from bole.ops.gdn import triton_verify as tv  # noqa: E402
@@ -147,20 +150,7 @@ def main(argv=None) -> int:
     ap.add_argument("--maxnreg", nargs="+", type=int, default=[0], help="0: no register cap")
     ap.add_argument("--stages", nargs="+", type=int, default=None,
                     help="num_stages (default: CONFIG_TABLE's for the block)")
-    ap.add_argument("--bf16-state", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.bf16_state values (0/1): state products as two bf16 products")
-    ap.add_argument("--cu-bf16x3", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.cu_bf16x3 values (0/1): C U as three bf16 products")
-    ap.add_argument("--fused-norms", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.fused_norms values (0/1)")
-    ap.add_argument("--fp16-sweeps", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.fp16_sweeps values (0/1)")
-    ap.add_argument("--defer-gates", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.defer_gates values (0/1)")
-    ap.add_argument("--prefetch-tiles", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.prefetch_tiles values (0/1)")
-    ap.add_argument("--stacked-state", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.stacked_state values (0/1)")
+    kb.add_switch_args(ap)
     ap.add_argument("--sass", action="store_true",
                     help="also SASS instructions, loop bodies and layout conversions in loops")
     args = ap.parse_args(argv)
@@ -170,26 +160,24 @@ def main(argv=None) -> int:
                                  max(tv.CONFIG_TABLE))]
     stages = args.stages or [table.num_stages]
     print(f"{'BV':>4} {'BK':>4} {'warps':>5} {'st':>3} {'cap':>4} {'regs':>5} {'spill B':>8} "
-          f"{'smem B':>7} {'bf16S':>5} {'CUx3':>4} {'fnrm':>4} {'f16sw':>5} {'dfr':>3} {'pf':>2} {'stk':>3}"
-          + ("  SASS  loops (start+length)  converts in loops" if args.sass else ""))
-    for bv, bk, nw, st, cap, b16, cu3, fn, f16, dfr, pf, stk in itertools.product(
-            args.bv, args.bk, args.warps, stages, args.maxnreg, args.bf16_state, args.cu_bf16x3,
-            args.fused_norms, args.fp16_sweeps, args.defer_gates, args.prefetch_tiles,
-            args.stacked_state):
-        cfg = tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st,
-                              split_gram=args.block_nodes >= 256, maxnreg=cap or None,
-                              bf16_state=bool(b16), cu_bf16x3=bool(cu3), fused_norms=bool(fn),
-                              fp16_sweeps=bool(f16), defer_gates=bool(dfr),
-                              prefetch_tiles=bool(pf), stacked_state=bool(stk))
+          f"{'smem B':>7}" + ("  SASS  loops (start+length)  converts in loops" if args.sass else "")
+          + "  switches on")
+    base = [tv.VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st,
+                            split_gram=args.block_nodes >= 256, maxnreg=cap or None)
+            for bv, bk, nw, st, cap in itertools.product(args.bv, args.bk, args.warps, stages,
+                                                         args.maxnreg)]
+    for cfg in kb.with_switches(base, args):
         compiled = compile_verify(shape, args.block_nodes, cfg)
         use = resource_usage(compiled)
-        line = (f"{bv:>4} {bk:>4} {nw:>5} {st:>3} {cap or '-':>4} {use['registers']:>5} "
-                f"{use['stack_bytes']:>8} {use['dynamic_shared']:>7} {b16:>5} {cu3:>4} {fn:>4} {f16:>5} {dfr:>3} {pf:>2} {stk:>3}")
+        line = (f"{cfg.BV:>4} {cfg.BK:>4} {cfg.num_warps:>5} {cfg.num_stages:>3} "
+                f"{cfg.maxnreg or '-':>4} {use['registers']:>5} {use['stack_bytes']:>8} "
+                f"{use['dynamic_shared']:>7}")
         if args.sass:
             lines = sass_lines(compiled)
             loops = " ".join(f"{a}+{n}" for a, n in sass_loops(lines))
             line += f"  {len(lines):>4}  {loops}  {converts_in_loops(compiled.asm['ttgir'])}"
-        print(line, flush=True)
+        on = [name for name in kb.config_switches() if getattr(cfg, name)]
+        print(line + "  " + (" ".join(on) or "-"), flush=True)
     return 0
 
 

@@ -55,6 +55,28 @@ MAX_BOLE_ERR = 4e-3              # bf16 output: 1.8e-3 measured, 2.0e-3 is bf16'
 
 # ----------------------------------------------------------------------------- inputs
 
+def config_switches() -> list[str]:
+    """The verification kernel's on/off switches: every boolean field of ``VerifyConfig``."""
+    from bole.ops.gdn.triton_verify import VerifyConfig
+    return [f.name for f in dataclasses.fields(VerifyConfig) if f.type in ("bool", bool)]
+
+
+def add_switch_args(ap: argparse.ArgumentParser) -> None:
+    """``--<switch> 0 1 ...`` for every :func:`config_switches` entry (``--bf16-state``, ...)."""
+    for name in config_switches():
+        ap.add_argument("--" + name.replace("_", "-"), nargs="+", type=int, default=None,
+                        help=f"VerifyConfig.{name} values (0/1); absent: the base config's")
+
+
+def with_switches(configs: list, args: argparse.Namespace) -> list:
+    """Each config once per combination of the switch values given on the command line."""
+    for name in config_switches():
+        values = getattr(args, name)
+        if values is not None:
+            configs = [dataclasses.replace(c, **{name: bool(v)}) for c in configs for v in values]
+    return configs
+
+
 def bench_tree(nodes: int, depth: int, rng: np.random.Generator) -> DraftTree:
     """A random tree of ``nodes`` nodes whose depth is exactly min(depth, nodes - 1)."""
     d = min(depth, nodes - 1)

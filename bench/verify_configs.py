@@ -57,20 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--maxnreg", nargs="+", type=int, default=[0], help="0: no register cap")
     ap.add_argument("--stages", nargs="+", type=int, default=[2])
-    ap.add_argument("--bf16-state", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.bf16_state values (0/1)")
-    ap.add_argument("--fused-norms", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.fused_norms values (0/1)")
-    ap.add_argument("--cu-bf16x3", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.cu_bf16x3 values (1: C U as three bf16 products)")
-    ap.add_argument("--fp16-sweeps", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.fp16_sweeps values (1: the Neumann sweeps in fp16)")
-    ap.add_argument("--defer-gates", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.defer_gates values (0/1)")
-    ap.add_argument("--prefetch-tiles", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.prefetch_tiles values (0/1)")
-    ap.add_argument("--stacked-state", nargs="+", type=int, default=[0],
-                    help="VerifyConfig.stacked_state values (0/1)")
+    kb.add_switch_args(ap)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -90,14 +77,10 @@ def main(argv=None) -> int:
         ref, ref_u = ref.reshape(forest.num_nodes, shape.num_v_heads, -1), ref_f.u
         picked = pick_config(meta.block_nodes, shape.head_k_dim, shape.head_v_dim,
                              batch * shape.num_v_heads)
-        grid = [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st, maxnreg=cap or None,
-                             bf16_state=bool(b16), fused_norms=bool(fn), cu_bf16x3=bool(cu), fp16_sweeps=bool(f16),
-                             defer_gates=bool(dfr), prefetch_tiles=bool(pf),
-                             stacked_state=bool(stk))
-                for bv, bk, nw, cap, st, b16, fn, cu, f16, dfr, pf, stk in itertools.product(
-                    args.bv, args.bk, args.warps, args.maxnreg, args.stages, args.bf16_state,
-                    args.fused_norms, args.cu_bf16x3, args.fp16_sweeps, args.defer_gates,
-                    args.prefetch_tiles, args.stacked_state)]
+        grid = kb.with_switches(
+            [VerifyConfig(BV=bv, BK=bk, num_warps=nw, num_stages=st, maxnreg=cap or None)
+             for bv, bk, nw, cap, st in itertools.product(args.bv, args.bk, args.warps,
+                                                          args.maxnreg, args.stages)], args)
         for cfg in [picked] + [c for c in grid if c != picked]:
             rec = dict(nodes=nodes, batch=batch, block_nodes=meta.block_nodes,
                        config=dataclasses.asdict(cfg), picked=cfg == picked)

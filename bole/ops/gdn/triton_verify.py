@@ -446,7 +446,7 @@ def _tree_decay(anc_u8, g, rows, col_log2, FUSED: tl.constexpr, INTERPRET: tl.co
 def _dot(a, b, acc, PREC: tl.constexpr, INTERPRET: tl.constexpr):
     """``tl.dot(a, b, acc, input_precision=PREC)``. Under Triton's interpreter, whose products of
     bf16 tiles are wrong (Triton 3.6 to 3.9), bf16 operands are widened to fp32 first (exact), so
-    that the bf16 paths run on the CPU too; compiled code is unchanged."""
+    that the bf16 paths run on the CPU too; compiled, it is plain ``tl.dot``."""
     if INTERPRET and a.dtype == tl.bfloat16:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:

@@ -106,8 +106,9 @@ class VerifyConfig:
         sm_90 SASS the gates' layout conversion, a barrier, sits between the first and the
         second stage's loads). Ignored with split_gram.
     prefetch_tiles: load the ancestor mask and the value tile before the d_k loop instead of
-        after it (their latency hidden behind the loop, for 8 + BV * BT / 512 more registers per
-        thread at 4 warps). Ignored with split_gram.
+        after it (their latency hidden behind the loop, for BT^2 / 512 + BT * BV / 256 more live
+        registers per thread through the loop at 4 warps: 24 at BT = BV = 64). Ignored with
+        split_gram.
     stacked_state: with bf16_state, stack S's bf16 halves along K, ``[K | K] [S_hi ; S_lo]``, so
         that each of ``K S_pre`` and ``Q S_pre`` is one product per d_k step: Triton 3.6 makes
         these products synchronous (their B operand is computed each step), and the sm_90 SASS

@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -51,17 +52,16 @@ UNIT_STRIDES = ("s_gh", "s_bh", "s_sv")      # contiguous last dims: Triton spec
 
 def compile_verify(shape, block_nodes: int, cfg: tv.VerifyConfig):
     """The verification kernel compiled for sm_90 as bench/kernels.py launches it with ``cfg``
-    (bf16, raw gates, in-kernel l2 norm, tf32)."""
+    (bf16, raw gates, in-kernel l2 norm, tf32, depth-8 trees)."""
     fn = tv._tree_gdn_verify_kernel
     names = fn.arg_names
     const = dict(H_V=shape.num_v_heads, H_K=shape.num_k_heads,
                  GROUP=shape.num_v_heads // shape.num_k_heads, D_K=shape.head_k_dim,
                  D_V=shape.head_v_dim, BT=block_nodes, BK=cfg.BK, BV=cfg.BV,
-                 SPLIT=cfg.split_gram, RAW_GATES=True, L2NORM=True, PREC="tf32", S_BF16X2=cfg.bf16_state,
-                 CU_BF16X3=cfg.cu_bf16x3, FUSED_NORMS=cfg.fused_norms,
-                 F16_SWEEPS=cfg.fp16_sweeps, DEFER_GATES=cfg.defer_gates,
-                 PREFETCH=cfg.prefetch_tiles, STACK_S=cfg.stacked_state and cfg.bf16_state,
-                 INTERPRET=False,
+                 RAW_GATES=True, L2NORM=True, PREC="tf32",
+                 **tv.kernel_switches(cfg, dtype=torch.bfloat16, precision="tf32", raw_gates=True,
+                                      l2norm=True, max_depth=kb.DEPTH, d_k=shape.head_k_dim,
+                                      interpret=False),
                  **{n: 1 for n in UNIT_STRIDES})
     signature, attrs = {}, {}
     for i, n in enumerate(names):

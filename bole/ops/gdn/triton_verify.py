@@ -759,6 +759,31 @@ def _tree_gdn_verify_kernel(
 # Wrapper
 # --------------------------------------------------------------------------------------------
 
+def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str, raw_gates: bool,
+                    l2norm: bool, max_depth: int, d_k: int, interpret: bool) -> dict[str, bool]:
+    """The kernel's compile-time switches for ``config`` on these inputs: each of the config's
+    options where it applies, off where it does not (bench/kernel_registers.py compiles with the
+    same flags)."""
+    split = bool(config.split_gram)
+    s_bf16x2 = bool(config.bf16_state) and dtype == torch.bfloat16 and precision == "tf32"
+    return dict(
+        SPLIT=split,
+        S_BF16X2=s_bf16x2,
+        CU_BF16X3=bool(config.cu_bf16x3) and precision == "tf32",
+        # the Gram diagonal is the sum of squares unless fp32 keys are rounded to tf32
+        FUSED_NORMS=bool(config.fused_norms) and not split
+        and (dtype != torch.float32 or precision != "tf32"),
+        # |G_ij| <= 1 needs normalised keys and beta from the raw gates (a sigmoid)
+        F16_SWEEPS=bool(config.fp16_sweeps) and precision == "tf32" and raw_gates and l2norm
+        and max_depth <= F16_SWEEP_MAX_DEPTH,
+        DEFER_GATES=bool(config.defer_gates),
+        PREFETCH=bool(config.prefetch_tiles),
+        # the doubled tiles are loaded without column masks
+        STACK_S=bool(config.stacked_state) and s_bf16x2 and not split and d_k % config.BK == 0,
+        INTERPRET=interpret,
+    )
+
+
 def _rows(x: torch.Tensor, n: int, *tail: int) -> torch.Tensor:
     """``x`` reshaped to ``[n, *tail]`` (a view where possible) with unit stride in the last dim."""
     y = x.reshape(n, *tail)
@@ -909,21 +934,12 @@ def tree_gdn_verify_triton(
                 *initial_state.stride(),
                 meta.ancestor_mask.stride(0),
                 H_V=H_v, H_K=H_k, GROUP=H_v // H_k, D_K=d_k, D_V=d_v, BT=BT, BK=config.BK,
-                BV=config.BV, SPLIT=bool(config.split_gram), RAW_GATES=raw_gates,
-                L2NORM=bool(use_qk_l2norm_in_kernel), PREC=precision,
-                S_BF16X2=bool(config.bf16_state) and q.dtype == torch.bfloat16 and precision == "tf32",
-                CU_BF16X3=bool(config.cu_bf16x3) and precision == "tf32",
-                # the Gram diagonal is the sum of squares unless fp32 keys are rounded to tf32
-                FUSED_NORMS=bool(config.fused_norms) and not config.split_gram
-                and (q.dtype != torch.float32 or precision != "tf32"),
-                # |G_ij| <= 1 needs normalised keys and beta from the raw gates (a sigmoid)
-                F16_SWEEPS=bool(config.fp16_sweeps) and precision == "tf32" and raw_gates
-                and bool(use_qk_l2norm_in_kernel) and int(meta.max_depth) <= F16_SWEEP_MAX_DEPTH,
-                DEFER_GATES=bool(config.defer_gates), PREFETCH=bool(config.prefetch_tiles),
-                STACK_S=bool(config.stacked_state) and bool(config.bf16_state)
-                and q.dtype == torch.bfloat16 and precision == "tf32" and not config.split_gram
-                and d_k % config.BK == 0,
-                INTERPRET=_interpreting(),
+                BV=config.BV, RAW_GATES=raw_gates, L2NORM=bool(use_qk_l2norm_in_kernel),
+                PREC=precision,
+                **kernel_switches(config, dtype=q.dtype, precision=precision, raw_gates=raw_gates,
+                                  l2norm=bool(use_qk_l2norm_in_kernel),
+                                  max_depth=int(meta.max_depth), d_k=d_k,
+                                  interpret=_interpreting()),
                 num_warps=config.num_warps, num_stages=config.num_stages,
                 **({"maxnreg": config.maxnreg} if config.maxnreg and not _interpreting() else {}))
         except PTXASError as exc:

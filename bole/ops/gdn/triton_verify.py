@@ -546,6 +546,15 @@ def _pow2_scale(Rm):
 
 
 @triton.jit
+def _sweep_product(G, U, PREC: tl.constexpr, F16: tl.constexpr):
+    """``G U`` of one sweep: fp16 operands (G already fp16) when F16, else ``PREC``."""
+    if F16:
+        return tl.dot(G, U.to(tl.float16))
+    else:
+        return tl.dot(G, U, input_precision=PREC)
+
+
+@triton.jit
 def _neumann(G, Rm, max_depth, PREC: tl.constexpr, F16: tl.constexpr, INTERPRET: tl.constexpr):
     """``(I + G) U = R`` for G nilpotent of index <= max_depth + 1: max_depth sweeps are exact.
 
@@ -565,23 +574,15 @@ def _neumann(G, Rm, max_depth, PREC: tl.constexpr, F16: tl.constexpr, INTERPRET:
         # numpy >= 2.4 (int() of a 1-element array); a while loop only needs bool().
         sweep = 0
         while sweep < max_depth:
-            if F16:
-                U = Rm - tl.dot(G, U.to(tl.float16))
-            else:
-                U = Rm - tl.dot(G, U, input_precision=PREC)
+            U = Rm - _sweep_product(G, U, PREC, F16)
             sweep += 1
     elif max_depth > 0:
         # the first sweep is peeled so that G's conversion to the dot-operand layout happens
         # before the loop and CSE reuses it in there; in the plain loop Triton 3.6 redoes it in
         # every sweep (32 shuffles and 32 selects per thread and sweep in the sm_90 SASS)
-        if F16:
-            U = Rm - tl.dot(G, Rm.to(tl.float16))
-            for _ in range(1, max_depth):
-                U = Rm - tl.dot(G, U.to(tl.float16))
-        else:
-            U = Rm - tl.dot(G, Rm, input_precision=PREC)
-            for _ in range(1, max_depth):
-                U = Rm - tl.dot(G, U, input_precision=PREC)
+        U = Rm - _sweep_product(G, Rm, PREC, F16)
+        for _ in range(1, max_depth):
+            U = Rm - _sweep_product(G, U, PREC, F16)
     if F16:
         U = U * s_inv
     return U

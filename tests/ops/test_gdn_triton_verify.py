@@ -6,6 +6,7 @@ before triton is imported) on tiny fp32/fp16/bf16 shapes (bf16 products widened 
 """
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -78,6 +79,13 @@ def run_kernel(case, forest, meta=None, **kw):
     kw.setdefault("precision", "ieee")
     meta = forest.kernel_meta(DEVICE) if meta is None else meta
     return tree_gdn_verify_triton(q, k, v, meta, **args, **kw)
+
+
+def _with_and_without(case, forest, config, switch, precision="tf32", **kw):
+    """``(o, factors)`` of one launch with the VerifyConfig switch on and of the same launch with
+    it off."""
+    return tuple(run_kernel(case, forest, precision=precision,
+                            config=replace(config, **{switch: on}), **kw) for on in (True, False))
 
 
 def fp64_inputs(case):
@@ -161,7 +169,6 @@ def test_deep_chains_with_parallel_keys(nodes, variant):
 def test_set_bits_in_padding_columns_change_nothing():
     """The kernel masks only the rows of the ancestor mask (so its loads vectorise): bits in the
     columns past a tree's size must not matter, as their keys, gates and betas are zero."""
-    import dataclasses
     forest = PackedForest.pack([DraftTree.random(11, 4, np.random.default_rng(2)), DraftTree.chain(5)])
     case = make_case(forest, H_k=1, H_v=2, raw=True, seed=3)
     meta = forest.kernel_meta(DEVICE)
@@ -170,7 +177,7 @@ def test_set_bits_in_padding_columns_change_nothing():
     for r in range(forest.num_requests):
         lo, hi = int(forest.cu_nodes[r]), int(forest.cu_nodes[r + 1])
         noisy[lo:hi, hi - lo:] = 1
-    o2, f2 = run_kernel(case, forest, meta=dataclasses.replace(meta, ancestor_mask=noisy))
+    o2, f2 = run_kernel(case, forest, meta=replace(meta, ancestor_mask=noisy))
     assert torch.equal(o, o2) and torch.equal(f.u, f2.u) and torch.equal(f.log_decay, f2.log_decay)
 
 
@@ -371,7 +378,6 @@ def test_bf16_paths(path):
     plain tf32 launch's) and stay within its rounding: 2^-17 per split operand, fp16's 2^-11 on
     the sweeps' corrections (interpreter: 7e-6 to 5e-5). Compiled, the plain products are tf32
     (O ~1e-3), so the bound is checked where every product is split."""
-    from dataclasses import replace
     forest = PackedForest.pack([DraftTree.random(20, 5, np.random.default_rng(7)), DraftTree.chain(9)])
     case = make_case(forest, H_k=1, H_v=2, raw=True, seed=50, dtype=torch.bfloat16)
     o_ref, f_ref = run_reference(case, forest)
@@ -394,14 +400,12 @@ def test_bf16_paths(path):
 def test_stacked_state_only_where_it_applies(case_kind):
     """stacked_state needs bf16 inputs (the split) and BK | d_k (the doubled tiles are unmasked):
     elsewhere it is ignored, bit for bit."""
-    from dataclasses import replace
     forest = PackedForest.pack([DraftTree.random(12, 4, np.random.default_rng(8))])
     bf16 = case_kind != "fp32 inputs"
     case = make_case(forest, H_k=1, H_v=2, d_k=24 if bf16 else 16, raw=True, seed=51,
                      dtype=torch.bfloat16 if bf16 else torch.float32)
     base = VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, bf16_state=True)
-    o0, f0 = run_kernel(case, forest, precision="tf32", config=base)
-    o1, f1 = run_kernel(case, forest, precision="tf32", config=replace(base, stacked_state=True))
+    (o1, f1), (o0, f0) = _with_and_without(case, forest, base, "stacked_state")
     assert torch.equal(o0, o1) and torch.equal(f0.u, f1.u)
 
 
@@ -471,15 +475,6 @@ F16_SWEEPS = VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, fp16_sweeps=T
                           bf16_state=HAS_CUDA, cu_bf16x3=HAS_CUDA)
 
 
-def _u_with_and_without_fp16_sweeps(case, forest, config=F16_SWEEPS):
-    """U (and O) of one launch with fp16_sweeps and of the same launch with tf32 sweeps."""
-    from dataclasses import replace
-    on = run_kernel(case, forest, precision="tf32", config=config, out_dtype=torch.float32)
-    off = run_kernel(case, forest, precision="tf32", config=replace(config, fp16_sweeps=False),
-                     out_dtype=torch.float32)
-    return on, off
-
-
 @pytest.mark.parametrize("shape", sorted(TREES))
 def test_fp16_sweeps_against_the_closed_form(shape):
     """fp16_sweeps: G U in fp16 (R scaled by a power of two), fp32 accumulation. The path must be
@@ -487,7 +482,8 @@ def test_fp16_sweeps_against_the_closed_form(shape):
     forest = PackedForest.pack([TREES[shape](), DraftTree.chain(12)])
     case = make_case(forest, H_k=1, H_v=2, raw=True, seed=40 + len(shape),
                      dtype=torch.bfloat16 if HAS_CUDA else torch.float32)
-    (o, f), (o32, f32) = _u_with_and_without_fp16_sweeps(case, forest)
+    (o, f), (o32, f32) = _with_and_without(case, forest, F16_SWEEPS, "fp16_sweeps",
+                                           out_dtype=torch.float32)
     o_ref, f_ref = run_reference(case, forest)
     assert not torch.equal(f.u, f32.u)
     # interpreter, fp32 inputs: 4e-5 to 1e-4 (fp16's 2^-11 on the corrections G U)
@@ -505,7 +501,8 @@ def test_fp16_sweeps_at_the_growth_bound():
     case["k"] = case["k"][:, :1] + 1e-3 * case["k"]              # parallel keys
     case["a"] = torch.full_like(case["a"], -30.0)                  # g ~ -1e-13: decays ~ 1
     case["b"] = torch.full_like(case["b"], 30.0)                   # beta ~ 1
-    (o, f), (_, f32) = _u_with_and_without_fp16_sweeps(case, forest)
+    (o, f), (_, f32) = _with_and_without(case, forest, F16_SWEEPS, "fp16_sweeps",
+                                         out_dtype=torch.float32)
     o_ref, f_ref = run_reference(case, forest)
     assert torch.isfinite(f.u).all() and not torch.equal(f.u, f32.u)
     # interpreter: U 2.1e-4, O 6.6e-4
@@ -515,13 +512,11 @@ def test_fp16_sweeps_at_the_growth_bound():
 @pytest.mark.parametrize("what", ["deeper than 15", "loaded gates", "no l2 norm", "ieee"])
 def test_fp16_sweeps_only_where_safe(what):
     """Outside its overflow bound the option is ignored: bit-for-bit the tf32 sweeps' results."""
-    from dataclasses import replace
     forest = PackedForest.pack([DraftTree.chain(17 if what == "deeper than 15" else 9)])
     case = make_case(forest, H_k=1, H_v=2, raw=what != "loaded gates",
                      l2norm=what != "no l2 norm", seed=45)
-    prec = "ieee" if what == "ieee" else "tf32"
-    on = run_kernel(case, forest, precision=prec, config=F16_SWEEPS)
-    off = run_kernel(case, forest, precision=prec, config=replace(F16_SWEEPS, fp16_sweeps=False))
+    on, off = _with_and_without(case, forest, F16_SWEEPS, "fp16_sweeps",
+                                precision="ieee" if what == "ieee" else "tf32")
     assert torch.equal(on[0], off[0]) and torch.equal(on[1].u, off[1].u)
 
 

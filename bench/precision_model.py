@@ -55,17 +55,20 @@ def pow2_scale(r: torch.Tensor) -> torch.Tensor:
     return torch.exp2(-(torch.floor(torch.log2(m)) + 1))
 
 
-def neumann_sweeps(G: torch.Tensor, R: torch.Tensor, depth: int, how: str, rnd) -> torch.Tensor:
-    """The Neumann sweeps ``U <- R - G U``. "fp16" as ``VerifyConfig.fp16_sweeps``: R scaled once
-    by :func:`pow2_scale`, both operands of every product rounded to fp16 (to nearest), U / s at
-    the end; otherwise the operands go through ``rnd``."""
-    s = pow2_scale(R) if how == "fp16" else 1.0
-    Rs, U = R * s, R * s
+def fp16_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with both operands rounded to fp16 (to nearest)."""
+    return a.float().half().double() @ b.float().half().double()
+
+
+def neumann_sweeps(G: torch.Tensor, R: torch.Tensor, depth: int, product,
+                   scaled: bool = False) -> torch.Tensor:
+    """The Neumann sweeps ``U <- R - G U``, each ``G U`` by ``product(G, U)``. ``scaled``: R is
+    first scaled by :func:`pow2_scale` and U divided by it at the end, as
+    ``VerifyConfig.fp16_sweeps`` does (with :func:`fp16_product`)."""
+    s = pow2_scale(R) if scaled else 1.0
+    Rs = U = R * s
     for _ in range(depth):
-        if how == "fp16":
-            U = Rs - G.float().half().double() @ U.float().half().double()
-        else:
-            U = Rs - rnd(G) @ rnd(U)
+        U = Rs - product(G, U)
     return U / s
 
 
@@ -90,6 +93,8 @@ def emulate(x, forest, state: str, sweeps: str, cu: str) -> torch.Tensor:
     def product(a, b, how):
         """a @ b with both operands rounded; "3xtf32": big/small tf32 halves, three products
         (``a_big b_big + a_big b_small + a_small b_big``), as Triton's "tf32x3"."""
+        if how == "fp16":
+            return fp16_product(a, b)
         if how == "3xbf16":
             a_hi, b_hi = a.float().bfloat16().double(), b.float().bfloat16().double()
             a_lo = (a.float() - a_hi.float()).bfloat16().double()
@@ -100,14 +105,6 @@ def emulate(x, forest, state: str, sweeps: str, cu: str) -> torch.Tensor:
         a_big, b_big = tf32(a, "rz"), tf32(b, "rz")
         a_small, b_small = tf32(a.float().double() - a_big, "rz"), tf32(b.float().double() - b_big, "rz")
         return a_big @ b_big + a_big @ b_small + a_small @ b_big
-
-    def solve(G, R, depth, how):
-        if how in ("3xtf32", "3xbf16"):
-            U = R
-            for _ in range(depth):
-                U = R - product(G, U, how)
-            return U
-        return neumann_sweeps(G, R, depth, how, lambda t: rnd(t, how))
 
     p = fp64_inputs(x, forest, l2norm=False)          # raw keys: the norms are applied below
     scale = x["q"].shape[-1] ** -0.5
@@ -131,7 +128,8 @@ def emulate(x, forest, state: str, sweeps: str, cu: str) -> torch.Tensor:
         s_pre = rnd(p.state[r], state)
         e_L = torch.exp(L)[:, :, None]
         R = beta * (p.v[lo:hi].transpose(0, 1) - e_L * rk * (kh @ s_pre))
-        U = solve(G, R, tree.max_depth, sweeps)
+        U = neumann_sweeps(G, R, tree.max_depth, lambda a, b: product(a, b, sweeps),
+                           scaled=sweeps == "fp16")
         o[lo:hi] = (e_L * rq * (qh @ s_pre) + product(C, U, cu)).transpose(0, 1)
     return o
 
@@ -163,7 +161,9 @@ def two_step_solve_errors(model: str = "qwen3.5-9b") -> dict[str, float]:
         rnd = {"exact": lambda t: t, "fp32": lambda t: t.float().double()}.get(
             how, lambda t: tf32(t, how))
         if not two_step:
-            return neumann_sweeps(G, R, tree.max_depth, how, rnd)
+            return neumann_sweeps(G, R, tree.max_depth,
+                                  fp16_product if how == "fp16" else lambda a, b: rnd(a) @ rnd(b),
+                                  scaled=how == "fp16")
         G2, Rp = rnd(G) @ rnd(G), R - rnd(G) @ rnd(R)
         U = Rp
         for _ in range(math.ceil((tree.max_depth - 1) / 2)):

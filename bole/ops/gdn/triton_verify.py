@@ -504,8 +504,7 @@ def _stacked_halves(s2, BK: tl.constexpr):
     """``[S_hi ; S_lo]`` (bf16, ``[2 BK, BV]``) from ``[S ; S]`` (fp32): the bf16 split of
     :func:`_split_bf16` stacked along K, so that ``[X | X] [S_hi ; S_lo] = X S_hi + X S_lo`` is one
     product (one tensor-core wait per step instead of two)."""
-    hi = s2.to(tl.bfloat16)
-    lo = (s2 - hi.to(tl.float32)).to(tl.bfloat16)
+    hi, lo = _split_bf16(s2)
     return tl.where((tl.arange(0, 2 * BK) < BK)[:, None], hi, lo)
 
 

@@ -140,6 +140,9 @@ VARIANTS = {
     "fused_norms": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, fused_norms=True),
     "early_loads": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, defer_gates=True,
                                 prefetch_tiles=True),
+    # one warp: BV >= 16 * num_warps, so the transposed form is taken (compiled, mma.sync)
+    "transposed_sweeps": VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1,
+                                      transposed_sweeps=True),
 }
 
 
@@ -509,6 +512,31 @@ def test_fp16_sweeps_at_the_growth_bound():
     assert rel_err(f.u, f_ref.u) < 2e-3 and rel_err(o, o_ref) < 2e-3
 
 
+@pytest.mark.parametrize("shape", sorted(TREES))
+def test_transposed_fp16_sweeps(shape):
+    """The fp16 sweeps on the transposed system: the same fp16 operands and fp32 sums in another
+    order, so within fp32 rounding of the plain form's U and O."""
+    forest = PackedForest.pack([TREES[shape](), DraftTree.chain(12)])
+    case = make_case(forest, H_k=1, H_v=2, raw=True, seed=60 + len(shape),
+                     dtype=torch.bfloat16 if HAS_CUDA else torch.float32)
+    config = replace(F16_SWEEPS, num_warps=1)
+    (o, f), (o0, f0) = _with_and_without(case, forest, config, "transposed_sweeps",
+                                         out_dtype=torch.float32)
+    assert rel_err(f.u, f0.u) < 1e-5 and rel_err(o, o0) < 1e-5
+
+
+def test_transposed_sweeps_where_they_apply():
+    """The transposed form only where U^T's rows fill the warpgroups' tiles (BV >= 16 per warp)."""
+    from bole.ops.gdn.triton_verify import kernel_switches
+    kw = dict(dtype=torch.bfloat16, precision="tf32", raw_gates=True, l2norm=True, max_depth=8,
+              d_k=128, interpret=False)
+    on = {(bv, w): kernel_switches(VerifyConfig(BV=bv, BK=32, num_warps=w, transposed_sweeps=True),
+                                   **kw)["T_SWEEPS"] for bv in (32, 64, 128) for w in (4, 8)}
+    assert on == {(32, 4): False, (64, 4): True, (128, 4): True,
+                  (32, 8): False, (64, 8): False, (128, 8): True}
+    assert not kernel_switches(VerifyConfig(BV=128, BK=32), **kw)["T_SWEEPS"]
+
+
 @pytest.mark.parametrize("what", ["deeper than 15", "loaded gates", "no l2 norm", "ieee"])
 def test_fp16_sweeps_only_where_safe(what):
     """Outside its overflow bound the option is ignored: bit-for-bit the tf32 sweeps' results."""
@@ -531,6 +559,10 @@ GPU_VARIANTS = (VerifyConfig(BV=32, BK=32), VerifyConfig(BV=64, BK=32),
                 VerifyConfig(BV=64, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
                              fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
                              stacked_state=True),
+                VerifyConfig(BV=64, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
+                             fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
+                             transposed_sweeps=True),
+                VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, transposed_sweeps=True),
                 VerifyConfig(BV=32, BK=64, num_warps=8),
                 VerifyConfig(BV=64, BK=32, num_warps=8, maxnreg=128))
 

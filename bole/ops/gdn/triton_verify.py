@@ -116,6 +116,11 @@ class VerifyConfig:
         over (the Grams come out doubled and are halved, exactly). Written without a GPU at hand:
         CPU-tested, not timed, so no table entry sets it (bench/NOTES.md). Ignored with
         split_gram or where BK does not divide d_k.
+    transposed_sweeps: run the Neumann sweeps on the transposed system, ``U^T <- R^T - U^T G^T``,
+        so that the iterate is the tensor cores' register operand: no shared-memory store of U,
+        fence and barrier per sweep (in the sm_90 SASS each sweep of the plain form stores U,
+        waits on a memory barrier and two block barriers); two transpositions (R, U) once. Only
+        where ``BV >= 16 * num_warps`` (ignored below: the rows of U^T must fill wgmma's tiles).
     """
 
     BV: int
@@ -131,6 +136,7 @@ class VerifyConfig:
     defer_gates: bool = False
     prefetch_tiles: bool = False
     stacked_state: bool = False
+    transposed_sweeps: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -554,8 +560,22 @@ def _sweep_product(G, U, PREC: tl.constexpr, F16: tl.constexpr):
 
 
 @triton.jit
-def _neumann(G, Rm, max_depth, PREC: tl.constexpr, F16: tl.constexpr, INTERPRET: tl.constexpr):
+def _sweep_product_t(Ut, Gt, PREC: tl.constexpr, F16: tl.constexpr):
+    """``U^T G^T`` of one transposed sweep (Gt already fp16 when F16)."""
+    if F16:
+        return tl.dot(Ut.to(tl.float16), Gt)
+    else:
+        return tl.dot(Ut, Gt, input_precision=PREC)
+
+
+@triton.jit
+def _neumann(G, Rm, max_depth, PREC: tl.constexpr, F16: tl.constexpr, TRANS: tl.constexpr,
+             INTERPRET: tl.constexpr):
     """``(I + G) U = R`` for G nilpotent of index <= max_depth + 1: max_depth sweeps are exact.
+
+    TRANS: sweep the transposed system, ``U^T = R^T - U^T G^T``: the iterate is then the product's
+    first operand, which the tensor cores take from registers, so a sweep needs no shared-memory
+    store of U and no barrier (G^T, the constant operand, is stored once). Same arithmetic.
 
     F16: the products ``G U`` in fp16 (twice tf32's tensor-core rate; operands rounded to
     nearest with tf32's 10 mantissa bits, where tf32 truncates fp32 operands), fp32 accumulation
@@ -567,6 +587,20 @@ def _neumann(G, Rm, max_depth, PREC: tl.constexpr, F16: tl.constexpr, INTERPRET:
         s, s_inv = _pow2_scale(Rm)
         Rm = Rm * s
         G = G.to(tl.float16)
+    if TRANS:
+        U = _neumann_transposed(tl.trans(G), tl.trans(Rm), max_depth, PREC, F16, INTERPRET)
+        U = tl.trans(U)
+    else:
+        U = _neumann_sweeps(G, Rm, max_depth, PREC, F16, INTERPRET)
+    if F16:
+        U = U * s_inv
+    return U
+
+
+@triton.jit
+def _neumann_sweeps(G, Rm, max_depth, PREC: tl.constexpr, F16: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """max_depth sweeps ``U <- R - G U`` from ``U = R`` (operands as _neumann prepared them)."""
     U = Rm
     if INTERPRET:
         # Triton 3.6's interpreter cannot use a scalar argument as a range() bound under
@@ -582,9 +616,24 @@ def _neumann(G, Rm, max_depth, PREC: tl.constexpr, F16: tl.constexpr, INTERPRET:
         U = Rm - _sweep_product(G, Rm, PREC, F16)
         for _ in range(1, max_depth):
             U = Rm - _sweep_product(G, U, PREC, F16)
-    if F16:
-        U = U * s_inv
     return U
+
+
+@triton.jit
+def _neumann_transposed(Gt, Rt, max_depth, PREC: tl.constexpr, F16: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+    """max_depth sweeps ``U^T <- R^T - U^T G^T`` from ``U^T = R^T``: ``Rt`` [BV, BT], ``Gt`` [BT, BT]."""
+    Ut = Rt
+    if INTERPRET:
+        sweep = 0
+        while sweep < max_depth:
+            Ut = Rt - _sweep_product_t(Ut, Gt, PREC, F16)
+            sweep += 1
+    elif max_depth > 0:
+        Ut = Rt - _sweep_product_t(Rt, Gt, PREC, F16)
+        for _ in range(1, max_depth):
+            Ut = Rt - _sweep_product_t(Ut, Gt, PREC, F16)
+    return Ut
 
 
 # the sizes vary round to round: specialising on them (== 1, % 16) would compile a variant each
@@ -608,7 +657,7 @@ def _tree_gdn_verify_kernel(
     RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
     CU_BF16X3: tl.constexpr, FUSED_NORMS: tl.constexpr, F16_SWEEPS: tl.constexpr,
     DEFER_GATES: tl.constexpr, PREFETCH: tl.constexpr, STACK_S: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    T_SWEEPS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     iv = tl.program_id(0)
     r = tl.program_id(1)
@@ -650,7 +699,7 @@ def _tree_gdn_verify_kernel(
         v_t = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :],
                       other=0.0).to(tl.float32)
         U = _neumann(G, beta[:, None] * (v_t - row_ks[:, None] * ks), max_depth, PREC,
-                     F16_SWEEPS, INTERPRET)
+                     F16_SWEEPS, T_SWEEPS, INTERPRET)
         qk, qs, ss_q = _stream_dk(q_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
                                   D_K, D_V, BT, BK, BV, False, PREC, S_BF16X2, INTERPRET)
         strict, L, decay = _tree_decay(_load_ancestors(mask_rows, s_mn, rows, row_ok), g, rows, beta,
@@ -729,7 +778,7 @@ def _tree_gdn_verify_kernel(
         if not PREFETCH:
             v_in = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
         U = _neumann(G, beta[:, None] * (v_in.to(tl.float32) - row_ks[:, None] * ks), max_depth,
-                     PREC, F16_SWEEPS, INTERPRET)
+                     PREC, F16_SWEEPS, T_SWEEPS, INTERPRET)
 
     # ---- O = e^L Q S_pre + C U (l2 normalisation and scale applied as row / column scalings) ----
     if CU_BF16X3:
@@ -780,6 +829,10 @@ def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str,
         PREFETCH=bool(config.prefetch_tiles),
         # the doubled tiles are loaded without column masks
         STACK_S=bool(config.stacked_state) and s_bf16x2 and not split and d_k % config.BK == 0,
+        # the iterate as wgmma's register operand needs its rows (BV) to fill the warpgroups'
+        # 64-row tiles; below that Triton falls back to mma.sync with register shuffles (sm_90
+        # SASS at BV = 32, 4 warps: the sweep loop 47 -> 491 instructions)
+        T_SWEEPS=bool(config.transposed_sweeps) and config.BV >= 16 * config.num_warps,
         INTERPRET=interpret,
     )
 

@@ -15,7 +15,7 @@ from bole.ops.gdn.triton_verify import VerifyConfig  # noqa: E402
 def test_switches_are_the_boolean_fields():
     names = kb.config_switches()
     assert {"split_gram", "bf16_state", "cu_bf16x3", "fused_norms", "fp16_sweeps",
-            "prefetch_tiles", "stacked_state"} <= set(names)
+            "prefetch_tiles", "transposed_sweeps"} <= set(names)
     assert all(isinstance(getattr(VerifyConfig(BV=16, BK=16), n), bool) for n in names)
     assert "maxnreg" not in names and "BV" not in names
 

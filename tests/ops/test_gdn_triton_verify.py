@@ -368,7 +368,6 @@ def test_bf16_inputs():
 BF16_PATHS = {
     "bf16_state": dict(bf16_state=True),
     "cu_bf16x3": dict(cu_bf16x3=True),
-    "stacked_state": dict(bf16_state=True, stacked_state=True),
     "table-like": dict(bf16_state=True, cu_bf16x3=True, fused_norms=True, fp16_sweeps=True,
                        prefetch_tiles=True, defer_gates=True),
 }
@@ -392,24 +391,6 @@ def test_bf16_paths(path):
     if _interpreting() or path == "table-like":
         assert rel_err(o, o_ref) < 2e-4 and rel_err(f.u, f_ref.u) < 2e-4
     assert rel_err(f.log_decay, f_ref.log_decay) < TOL
-    if path == "stacked_state":
-        # the same split products as bf16_state, one per step: equal up to fp32 summation order
-        o1, f1 = run_kernel(case, forest, precision="tf32", out_dtype=torch.float32,
-                            config=replace(base, bf16_state=True))
-        assert rel_err(o, o1) < 1e-6 and rel_err(f.u, f1.u) < 1e-6
-
-
-@pytest.mark.parametrize("case_kind", ["BK does not divide d_k", "fp32 inputs"])
-def test_stacked_state_only_where_it_applies(case_kind):
-    """stacked_state needs bf16 inputs (the split) and BK | d_k (the doubled tiles are unmasked):
-    elsewhere it is ignored, bit for bit."""
-    forest = PackedForest.pack([DraftTree.random(12, 4, np.random.default_rng(8))])
-    bf16 = case_kind != "fp32 inputs"
-    case = make_case(forest, H_k=1, H_v=2, d_k=24 if bf16 else 16, raw=True, seed=51,
-                     dtype=torch.bfloat16 if bf16 else torch.float32)
-    base = VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, bf16_state=True)
-    (o1, f1), (o0, f0) = _with_and_without(case, forest, base, "stacked_state")
-    assert torch.equal(o0, o1) and torch.equal(f0.u, f1.u)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="compares against tf32's rounding, which the interpreter does not emulate")
@@ -557,8 +538,7 @@ GPU_VARIANTS = (VerifyConfig(BV=32, BK=32), VerifyConfig(BV=64, BK=32),
                 VerifyConfig(BV=32, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
                              fused_norms=True, fp16_sweeps=True),
                 VerifyConfig(BV=64, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
-                             fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
-                             stacked_state=True),
+                             fused_norms=True, fp16_sweeps=True, prefetch_tiles=True),
                 VerifyConfig(BV=64, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
                              fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
                              transposed_sweeps=True),

@@ -109,13 +109,6 @@ class VerifyConfig:
         after it (their latency hidden behind the loop, for BT^2 / 512 + BT * BV / 256 more live
         registers per thread through the loop at 4 warps: 24 at BT = BV = 64). Ignored with
         split_gram.
-    stacked_state: with bf16_state, stack S's bf16 halves along K, ``[K | K] [S_hi ; S_lo]``, so
-        that each of ``K S_pre`` and ``Q S_pre`` is one product per d_k step: Triton 3.6 makes
-        these products synchronous (their B operand is computed each step), and the sm_90 SASS
-        then waits twice per step instead of four times. K, Q and S's rows are loaded twice
-        over (the Grams come out doubled and are halved, exactly). Written without a GPU at hand:
-        CPU-tested, not timed, so no table entry sets it (bench/NOTES.md). Ignored with
-        split_gram or where BK does not divide d_k.
     transposed_sweeps: run the Neumann sweeps on the transposed system, ``U^T <- R^T - U^T G^T``,
         so that the iterate is the tensor cores' register operand: no shared-memory store of U,
         fence and barrier per sweep (in the sm_90 SASS each sweep of the plain form stores U,
@@ -135,7 +128,6 @@ class VerifyConfig:
     fp16_sweeps: bool = False
     defer_gates: bool = False
     prefetch_tiles: bool = False
-    stacked_state: bool = False
     transposed_sweeps: bool = False
 
     def validate(self) -> None:
@@ -472,17 +464,12 @@ def _split_bf16(s):
 @triton.jit
 def _load_dk_tiles(x_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk, s_sv,
                    D_K: tl.constexpr, D_V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                   LOAD_X: tl.constexpr, TWICE: tl.constexpr = False):
+                   LOAD_X: tl.constexpr):
     """Step ``k0`` of the d_k loop: ``X``'s and K's ``[BT, BK]`` tiles (input dtype; X = K unless
     LOAD_X) and the S_pre tile ``[BK, BV]`` (fp32). Where BK divides d_k (and BV d_v) the column
     masks are left out: the q/k masks are then uniform along a row, so the loads vectorise, and
-    the S_pre tile needs none (per-element masks cost address and predicate work every step).
-    TWICE (BK dividing d_k only): each tile holds its BK columns (rows of S) twice over, ``[X | X]``
-    ``[BT, 2 BK]`` and ``[S ; S]`` ``[2 BK, BV]``, for the stacked state products."""
-    if TWICE:
-        kc = k0 + tl.arange(0, 2 * BK) % BK
-    else:
-        kc = k0 + tl.arange(0, BK)
+    the S_pre tile needs none (per-element masks cost address and predicate work every step)."""
+    kc = k0 + tl.arange(0, BK)
     if D_K % BK == 0:
         k_t = tl.load(k_base + kc[None, :], mask=row_ok[:, None], other=0.0)
         x_t = k_t
@@ -503,15 +490,6 @@ def _load_dk_tiles(x_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk, s_sv,
         s_t = tl.load(s_base + kc[:, None] * s_sk + vcols[None, :] * s_sv,
                       mask=kc_ok[:, None] & v_ok[None, :], other=0.0)
     return x_t, k_t, s_t
-
-
-@triton.jit
-def _stacked_halves(s2, BK: tl.constexpr):
-    """``[S_hi ; S_lo]`` (bf16, ``[2 BK, BV]``) from ``[S ; S]`` (fp32): the bf16 split of
-    :func:`_split_bf16` stacked along K, so that ``[X | X] [S_hi ; S_lo] = X S_hi + X S_lo`` is one
-    product (one tensor-core wait per step instead of two)."""
-    hi, lo = _split_bf16(s2)
-    return tl.where((tl.arange(0, 2 * BK) < BK)[:, None], hi, lo)
 
 
 @triton.jit
@@ -656,8 +634,7 @@ def _tree_gdn_verify_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr,
     RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
     CU_BF16X3: tl.constexpr, FUSED_NORMS: tl.constexpr, F16_SWEEPS: tl.constexpr,
-    DEFER_GATES: tl.constexpr, PREFETCH: tl.constexpr, STACK_S: tl.constexpr,
-    T_SWEEPS: tl.constexpr, INTERPRET: tl.constexpr,
+    DEFER_GATES: tl.constexpr, PREFETCH: tl.constexpr, T_SWEEPS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     iv = tl.program_id(0)
     r = tl.program_id(1)
@@ -725,17 +702,13 @@ def _tree_gdn_verify_kernel(
             v_in = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
         for k0 in range(0, D_K, BK):
             q_t, k_t, s_t = _load_dk_tiles(q_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk,
-                                           s_sv, D_K, D_V, BK, BV, True, STACK_S)
+                                           s_sv, D_K, D_V, BK, BV, True)
             kt_t = tl.trans(k_t)
-            kk = _dot(k_t, kt_t, kk, PREC, INTERPRET)       # twice K K^T when STACK_S
+            kk = _dot(k_t, kt_t, kk, PREC, INTERPRET)
             qk = _dot(q_t, kt_t, qk, PREC, INTERPRET)
             k_f = k_t.to(tl.float32)
             q_f = q_t.to(tl.float32)
-            if STACK_S:
-                s_b = _stacked_halves(s_t, BK)
-                ks = _dot(k_t, s_b, ks, PREC, INTERPRET)
-                qs = _dot(q_t, s_b, qs, PREC, INTERPRET)
-            elif S_BF16X2:
+            if S_BF16X2:
                 s_hi, s_lo = _split_bf16(s_t)
                 ks = _dot(k_t, s_hi, ks, PREC, INTERPRET)
                 ks = _dot(k_t, s_lo, ks, PREC, INTERPRET)
@@ -748,12 +721,6 @@ def _tree_gdn_verify_kernel(
                 if not FUSED_NORMS:
                     ss_k += tl.sum(k_f * k_f, axis=1)
                 ss_q += tl.sum(q_f * q_f, axis=1)
-        if STACK_S:
-            # every key column was counted twice in the Grams and the sums of squares (exact / 2)
-            kk = kk * 0.5
-            qk = qk * 0.5
-            ss_k = ss_k * 0.5
-            ss_q = ss_q * 0.5
         # unless PREFETCH, the ancestor mask and V are loaded after the loop so that no other
         # tile is live in it; G and C are formed at once so that kk, qk and decay die before the
         # solve. DEFER_GATES: the gates computed only now from inputs loaded at the start, so
@@ -827,8 +794,6 @@ def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str,
         and max_depth <= F16_SWEEP_MAX_DEPTH,
         DEFER_GATES=bool(config.defer_gates),
         PREFETCH=bool(config.prefetch_tiles),
-        # the doubled tiles are loaded without column masks
-        STACK_S=bool(config.stacked_state) and s_bf16x2 and not split and d_k % config.BK == 0,
         # the iterate as wgmma's register operand needs its rows (BV) to fill the warpgroups'
         # 64-row tiles; below that Triton falls back to mma.sync with register shuffles (sm_90
         # SASS at BV = 32, 4 warps: the sweep loop 47 -> 491 instructions)

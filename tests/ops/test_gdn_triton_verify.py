@@ -518,6 +518,37 @@ def test_transposed_sweeps_where_they_apply():
     assert not kernel_switches(VerifyConfig(BV=128, BK=32), **kw)["T_SWEEPS"]
 
 
+#: whole_head on its own and with the table's switches (fp16 sweeps, transposed, split products)
+WHOLE_HEAD = {
+    "plain": VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1, whole_head=True),
+    "table-like": VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1, whole_head=True,
+                               bf16_state=True, cu_bf16x3=True, fused_norms=True,
+                               fp16_sweeps=True, prefetch_tiles=True, transposed_sweeps=True),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(WHOLE_HEAD))
+@pytest.mark.parametrize("d_v", [40, 64])
+def test_whole_head(variant, d_v):
+    """One program per head taking its value tiles in turn (three, the last part-masked, at
+    d_v = 40; four at 64): every tile's O and U as with one program per tile, padding rows
+    included, and within the kernel's rounding of the fp64 result."""
+    forest = PackedForest.pack([DraftTree.random(20, 5, np.random.default_rng(9)),
+                                DraftTree.chain(9), DraftTree.star(6)]).pad_to(48)
+    bf16 = variant == "table-like"
+    case = make_case(forest, H_k=1, H_v=2, d_v=d_v, raw=True, pool_slots=4, seed=70 + d_v,
+                     dtype=torch.bfloat16 if bf16 else torch.float32)
+    precision = "tf32" if bf16 else "ieee"
+    (o, f), (o0, f0) = _with_and_without(case, forest, WHOLE_HEAD[variant], "whole_head",
+                                         precision=precision, out_dtype=torch.float32)
+    assert rel_err(o, o0) < 1e-6 and rel_err(f.u, f0.u) < 1e-6
+    assert torch.equal(f.log_decay, f0.log_decay)
+    assert torch.equal(f.k_inv_norm, f0.k_inv_norm)
+    o_ref, f_ref = run_reference(case, forest)
+    tol = 2e-4 if bf16 else TOL
+    assert rel_err(o, o_ref) < tol and rel_err(f.u, f_ref.u) < tol
+
+
 @pytest.mark.parametrize("what", ["deeper than 15", "loaded gates", "no l2 norm", "ieee"])
 def test_fp16_sweeps_only_where_safe(what):
     """Outside its overflow bound the option is ignored: bit-for-bit the tf32 sweeps' results."""
@@ -543,6 +574,10 @@ GPU_VARIANTS = (VerifyConfig(BV=32, BK=32), VerifyConfig(BV=64, BK=32),
                              fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
                              transposed_sweeps=True),
                 VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, transposed_sweeps=True),
+                VerifyConfig(BV=64, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
+                             fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
+                             transposed_sweeps=True, whole_head=True),
+                VerifyConfig(BV=32, BK=32, num_stages=2, whole_head=True),
                 VerifyConfig(BV=32, BK=64, num_warps=8),
                 VerifyConfig(BV=64, BK=32, num_warps=8, maxnreg=128))
 

@@ -1,7 +1,8 @@
 """Value-tiled Triton kernel for exact GDN tree verification (Algorithm 1 of the paper).
 
 One program ("CTA") holds one request's whole draft tree for one value head and one tile of ``BV``
-value columns; grid = ``(d_v / BV, R, H_v)``. With ``A(i)`` the strict ancestors of node i and
+value columns; grid = ``(d_v / BV, R, H_v)`` (``(1, R, H_v)`` with ``whole_head``: each program
+then takes its head's value tiles in turn). With ``A(i)`` the strict ancestors of node i and
 ``L_i = sum of g over A(i) + {i}`` (DESIGN.md section 2), each program computes
 
     decay_ij = exp(where(j in A(i) + {i}, L_i - L_j, -inf))          (masked *before* exp)
@@ -114,6 +115,10 @@ class VerifyConfig:
         fence and barrier per sweep (in the sm_90 SASS each sweep of the plain form stores U,
         waits on a memory barrier and two block barriers); two transpositions (R, U) once. Only
         where ``BV >= 16 * num_warps`` (ignored below: the rows of U^T must fill wgmma's tiles).
+    whole_head: one program per (request, value head) instead of per value tile: it forms the
+        Grams, decays, G and C once, then takes the head's ``d_v / BV`` value tiles in turn (state
+        products, sweeps, O), so that none of that is redone per tile; for batches large enough
+        to fill the GPU with ``R * H_v`` programs. Ignored with split_gram.
     """
 
     BV: int
@@ -129,6 +134,7 @@ class VerifyConfig:
     defer_gates: bool = False
     prefetch_tiles: bool = False
     transposed_sweeps: bool = False
+    whole_head: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -493,6 +499,53 @@ def _load_dk_tiles(x_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk, s_sv,
 
 
 @triton.jit
+def _state_products(x_t, s_t, xs, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """``xs + X S`` for one d_k step: S split into bf16 halves (two products) when S_BF16X2,
+    else one product at PREC of X widened to fp32."""
+    if S_BF16X2:
+        s_hi, s_lo = _split_bf16(s_t)
+        xs = _dot(x_t, s_hi, xs, PREC, INTERPRET)
+        xs = _dot(x_t, s_lo, xs, PREC, INTERPRET)
+    else:
+        xs = tl.dot(x_t.to(tl.float32), s_t, xs, input_precision=PREC)
+    return xs
+
+
+@triton.jit
+def _stream_state(q_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
+                  D_K: tl.constexpr, D_V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """One pass over d_k for the state products alone: ``K S`` and ``Q S`` [BT, BV]."""
+    ks = tl.zeros([BT, BV], dtype=tl.float32)
+    qs = tl.zeros([BT, BV], dtype=tl.float32)
+    for k0 in range(0, D_K, BK):
+        q_t, k_t, s_t = _load_dk_tiles(q_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk, s_sv,
+                                       D_K, D_V, BK, BV, True)
+        ks = _state_products(k_t, s_t, ks, PREC, S_BF16X2, INTERPRET)
+        qs = _state_products(q_t, s_t, qs, PREC, S_BF16X2, INTERPRET)
+    return ks, qs
+
+
+@triton.jit
+def _output(C, U, row_qs, qs, PREC: tl.constexpr, CU_BF16X3: tl.constexpr,
+            INTERPRET: tl.constexpr):
+    """``O = e^L Q S_pre + C U`` (l2 normalisation and scale applied as row / column scalings):
+    ``C U`` as three bf16 products of hi/lo halves when CU_BF16X3 (16 mantissa bits against
+    tf32's 10), else one product at PREC."""
+    if CU_BF16X3:
+        c_hi, c_lo = _split_bf16(C)
+        u_hi, u_lo = _split_bf16(U)
+        O = _dot(c_hi, u_hi, row_qs[:, None] * qs, PREC, INTERPRET)
+        O = _dot(c_hi, u_lo, O, PREC, INTERPRET)
+        O = _dot(c_lo, u_hi, O, PREC, INTERPRET)
+    else:
+        O = row_qs[:, None] * qs + tl.dot(C, U, input_precision=PREC)
+    return O
+
+
+@triton.jit
 def _stream_dk(x_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
                D_K: tl.constexpr, D_V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, X_IS_K: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
@@ -505,13 +558,8 @@ def _stream_dk(x_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
         x_t, k_t, s_t = _load_dk_tiles(x_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk, s_sv,
                                        D_K, D_V, BK, BV, not X_IS_K)
         xk = _dot(x_t, tl.trans(k_t), xk, PREC, INTERPRET)
+        xs = _state_products(x_t, s_t, xs, PREC, S_BF16X2, INTERPRET)
         x_f = x_t.to(tl.float32)
-        if S_BF16X2:
-            s_hi, s_lo = _split_bf16(s_t)
-            xs = _dot(x_t, s_hi, xs, PREC, INTERPRET)
-            xs = _dot(x_t, s_lo, xs, PREC, INTERPRET)
-        else:
-            xs = tl.dot(x_f, s_t, xs, input_precision=PREC)
         ss += tl.sum(x_f * x_f, axis=1)
     return xk, xs, ss
 
@@ -634,7 +682,8 @@ def _tree_gdn_verify_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SPLIT: tl.constexpr,
     RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
     CU_BF16X3: tl.constexpr, FUSED_NORMS: tl.constexpr, F16_SWEEPS: tl.constexpr,
-    DEFER_GATES: tl.constexpr, PREFETCH: tl.constexpr, T_SWEEPS: tl.constexpr, INTERPRET: tl.constexpr,
+    DEFER_GATES: tl.constexpr, PREFETCH: tl.constexpr, T_SWEEPS: tl.constexpr,
+    WHOLE_HEAD: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     iv = tl.program_id(0)
     r = tl.program_id(1)
@@ -706,17 +755,10 @@ def _tree_gdn_verify_kernel(
             kt_t = tl.trans(k_t)
             kk = _dot(k_t, kt_t, kk, PREC, INTERPRET)
             qk = _dot(q_t, kt_t, qk, PREC, INTERPRET)
+            ks = _state_products(k_t, s_t, ks, PREC, S_BF16X2, INTERPRET)
+            qs = _state_products(q_t, s_t, qs, PREC, S_BF16X2, INTERPRET)
             k_f = k_t.to(tl.float32)
             q_f = q_t.to(tl.float32)
-            if S_BF16X2:
-                s_hi, s_lo = _split_bf16(s_t)
-                ks = _dot(k_t, s_hi, ks, PREC, INTERPRET)
-                ks = _dot(k_t, s_lo, ks, PREC, INTERPRET)
-                qs = _dot(q_t, s_hi, qs, PREC, INTERPRET)
-                qs = _dot(q_t, s_lo, qs, PREC, INTERPRET)
-            else:
-                ks = tl.dot(k_f, s_t, ks, input_precision=PREC)
-                qs = tl.dot(q_f, s_t, qs, input_precision=PREC)
             if L2NORM:
                 if not FUSED_NORMS:
                     ss_k += tl.sum(k_f * k_f, axis=1)
@@ -744,19 +786,12 @@ def _tree_gdn_verify_kernel(
                                                   BT, L2NORM, FUSED_NORMS)
         if not PREFETCH:
             v_in = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        if WHOLE_HEAD and F16_SWEEPS:
+            G = G.to(tl.float16)          # kept for the head's other tiles: half the registers
         U = _neumann(G, beta[:, None] * (v_in.to(tl.float32) - row_ks[:, None] * ks), max_depth,
                      PREC, F16_SWEEPS, T_SWEEPS, INTERPRET)
 
-    # ---- O = e^L Q S_pre + C U (l2 normalisation and scale applied as row / column scalings) ----
-    if CU_BF16X3:
-        # three bf16 products of the hi/lo halves: 16 mantissa bits against tf32's 10
-        c_hi, c_lo = _split_bf16(C)
-        u_hi, u_lo = _split_bf16(U)
-        O = _dot(c_hi, u_hi, row_qs[:, None] * qs, PREC, INTERPRET)
-        O = _dot(c_hi, u_lo, O, PREC, INTERPRET)
-        O = _dot(c_lo, u_hi, O, PREC, INTERPRET)
-    else:
-        O = row_qs[:, None] * qs + tl.dot(C, U, input_precision=PREC)
+    O = _output(C, U, row_qs, qs, PREC, CU_BF16X3, INTERPRET)
 
     # ---- write O, U (and L, k_inv_norm once per head) ----
     _store_o_u(o_ptr, u_ptr, O, U, lo, rows, h, vcols, row_ok[:, None] & v_ok[None, :], H_V, D_V)
@@ -769,6 +804,25 @@ def _tree_gdn_verify_kernel(
     if r == num_requests - 1:
         _pad_tail(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, hi32, num_nodes, h, hk, vcols,
                   v_ok, first_tile, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV, L2NORM, INTERPRET)
+
+    if WHOLE_HEAD:
+        # ---- the head's other value tiles, reusing G, C and the row scalings ----
+        not_first = rows < 0                             # [BT], all False: L, k_inv_norm are done
+        for t in range(1, (D_V + BV - 1) // BV):
+            vcols = t * BV + tl.arange(0, BV)
+            v_ok = vcols < D_V
+            v_in = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+            ks, qs = _stream_state(q_base, k_base, s_base, row_ok, vcols, v_ok, s_sk, s_sv,
+                                   D_K, D_V, BT, BK, BV, PREC, S_BF16X2, INTERPRET)
+            U = _neumann(G, beta[:, None] * (v_in.to(tl.float32) - row_ks[:, None] * ks),
+                         max_depth, PREC, F16_SWEEPS, T_SWEEPS, INTERPRET)
+            O = _output(C, U, row_qs, qs, PREC, CU_BF16X3, INTERPRET)
+            _store_o_u(o_ptr, u_ptr, O, U, lo, rows, h, vcols, row_ok[:, None] & v_ok[None, :],
+                       H_V, D_V)
+            if r == num_requests - 1:
+                _pad_tail(o_ptr, u_ptr, L_ptr, kinv_ptr, k_ptr, s_kn, s_kh, hi32, num_nodes, h,
+                          hk, vcols, v_ok, not_first, H_V, H_K, GROUP, D_K, D_V, BT, BK, BV,
+                          L2NORM, INTERPRET)
 
 
 # --------------------------------------------------------------------------------------------
@@ -798,6 +852,7 @@ def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str,
         # 64-row tiles; below that Triton falls back to mma.sync with register shuffles (sm_90
         # SASS at BV = 32, 4 warps: the sweep loop 47 -> 491 instructions)
         T_SWEEPS=bool(config.transposed_sweeps) and config.BV >= 16 * config.num_warps,
+        WHOLE_HEAD=bool(config.whole_head) and not split,
         INTERPRET=interpret,
     )
 
@@ -941,8 +996,13 @@ def tree_gdn_verify_triton(
 
     kinv_arg = k_inv_norm if k_inv_norm is not None else log_decay       # never written then
     if N > 0 and R > 0:
+        switches = kernel_switches(config, dtype=q.dtype, precision=precision,
+                                   raw_gates=raw_gates, l2norm=bool(use_qk_l2norm_in_kernel),
+                                   max_depth=int(meta.max_depth), d_k=d_k,
+                                   interpret=_interpreting())
+        value_tiles = 1 if switches["WHOLE_HEAD"] else triton.cdiv(d_v, config.BV)
         try:
-            _tree_gdn_verify_kernel[(triton.cdiv(d_v, config.BV), R, H_v)](
+            _tree_gdn_verify_kernel[(value_tiles, R, H_v)](
                 qf, kf, vf, gate1, gate2, A_log_t, dt_bias_t,
                 initial_state, state_indices, meta.cu_nodes, meta.ancestor_mask,
                 o, u, log_decay, kinv_arg,
@@ -953,11 +1013,7 @@ def tree_gdn_verify_triton(
                 meta.ancestor_mask.stride(0),
                 H_V=H_v, H_K=H_k, GROUP=H_v // H_k, D_K=d_k, D_V=d_v, BT=BT, BK=config.BK,
                 BV=config.BV, RAW_GATES=raw_gates, L2NORM=bool(use_qk_l2norm_in_kernel),
-                PREC=precision,
-                **kernel_switches(config, dtype=q.dtype, precision=precision, raw_gates=raw_gates,
-                                  l2norm=bool(use_qk_l2norm_in_kernel),
-                                  max_depth=int(meta.max_depth), d_k=d_k,
-                                  interpret=_interpreting()),
+                PREC=precision, **switches,
                 num_warps=config.num_warps, num_stages=config.num_stages,
                 **({"maxnreg": config.maxnreg} if config.maxnreg and not _interpreting() else {}))
         except PTXASError as exc:

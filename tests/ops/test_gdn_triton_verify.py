@@ -706,6 +706,12 @@ def test_pick_config():
     assert pick_config(64, 128, 128, 128, interpret=False).num_warps == 4
     assert pick_config(32, 128, 128, 128, interpret=False).BV == 128
     assert pick_config(32, 128, 128, 128, interpret=False).num_warps == 4
+    # whole_head where the wave model expects it to pay, at every Qwen3.5-9B batch measured at
+    # T = 64 (32 value heads): slower at 4 and 12, faster at 6, 8, 16 and 64
+    whole = {b: pick_config(64, 128, 128, 32 * b, interpret=False).whole_head
+             for b in (1, 4, 6, 8, 12, 16, 64)}
+    assert whole == {1: False, 4: False, 6: True, 8: True, 12: False, 16: True, 64: True}
+    assert not pick_config(128, 128, 128, 2048, interpret=False).whole_head      # one tile
     # tiny heads: tiles never exceed the (power-of-two padded) head dims
     c = pick_config(16, 16, 16, 4096, interpret=False)
     assert c.BV == 16 and c.BK == 16

@@ -191,19 +191,34 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #: 2% slower. ``defer_gates`` on top: within 1% either way, so off (kernel-probe-2026-11-30-early-loads-
 #: *.json). Neither was measured at BT = 16 and 32.
 #: CONFIG_TABLE maps BT to the warps, BK and split choice; pick_config sets BV from the wave rule.
+#: ``transposed_sweeps`` at BT = 16 to 128 (applies where BV >= 16 per warp, so not to the BV = 32
+#: launches of batch 1): T = 64, batch 16 / 64 57.6 -> 56.8, 211.2 -> 205.3 us (batch 4 within
+#: 1.3%); T = 128 batch 4 / 16 / 64 -3% / -4% / -2%; T = 16 and 32 -2% to -4.5%
+#: (kernel-probe-2026-11-30-tsweeps-*.json). ``whole_head`` at BT = 64 where pick_config's wave
+#: model expects it to pay (below): T = 64, batch 6 / 8 / 16 / 64 29.0 / 30.4 / 58.1 / 212.3 ->
+#: 26.6 / 28.0 / 54.1 / 197.9 us, but batch 4 16.8 -> 21.4 and batch 12 44.5 -> 51.0
+#: (kernel-probe-2026-11-30-whole-head-*.json).
 CONFIG_TABLE: dict[int, VerifyConfig] = {
-    16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fp16_sweeps=True),
+    16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fp16_sweeps=True,
+                     transposed_sweeps=True),
     32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fused_norms=True,
-                     fp16_sweeps=True),
+                     fp16_sweeps=True, transposed_sweeps=True),
     64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3, bf16_state=True, cu_bf16x3=True,
-                     fused_norms=True, fp16_sweeps=True, prefetch_tiles=True),
+                     fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
+                     transposed_sweeps=True, whole_head=True),
     128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, bf16_state=True, cu_bf16x3=True,
-                      fused_norms=True, fp16_sweeps=True, prefetch_tiles=True),
+                      fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
+                      transposed_sweeps=True),
     256: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2, split_gram=True, cu_bf16x3=True),
 }
 
 #: Programs in about one wave of the H200's 132 SMs: BV shrinks until the launch has this many.
 MIN_PROGRAMS = 128
+#: Programs resident at once on the H200 at BT = 64 (two 4-warp programs of ~255 registers per SM)
+WAVE_SLOTS = 2 * 132
+#: Time of one whole-head program over that of the head's value-tile programs together (T = 64,
+#: batch 64, where both launches run many full waves: 197.9 / 206.8 us)
+WHOLE_HEAD_COST = 0.955
 
 
 def _interpreting() -> bool:
@@ -242,7 +257,20 @@ def pick_config(block_nodes: int, d_k: int, d_v: int, num_programs: int, *,
     while bv > 32 and num_programs * triton.cdiv(d_v, bv) < MIN_PROGRAMS:
         bv //= 2
     warps = 8 if (block_nodes >= 128 or block_nodes * bv >= 8192) else base.num_warps
-    return replace(base, BV=bv, BK=bk, num_warps=max(base.num_warps, warps))
+    whole_head = base.whole_head and _whole_head_pays(num_programs, triton.cdiv(d_v, bv))
+    return replace(base, BV=bv, BK=bk, num_warps=max(base.num_warps, warps), whole_head=whole_head)
+
+
+def _whole_head_pays(num_programs: int, tiles: int) -> bool:
+    """Whether one program per head beats one per value tile, by counting waves: each launch
+    takes ``cdiv(programs, WAVE_SLOTS)`` waves (a part-filled wave costs a whole one), a
+    whole-head program ``WHOLE_HEAD_COST * tiles`` times a tile program. It matches every
+    measured T = 64 batch: faster at 6, 8, 16 and 64; slower at 4 (under half a wave) and 12
+    (1.45 waves against 2.9)."""
+    if tiles < 2:
+        return False
+    head_waves = triton.cdiv(num_programs, WAVE_SLOTS) * WHOLE_HEAD_COST * tiles
+    return head_waves < triton.cdiv(num_programs * tiles, WAVE_SLOTS)
 
 
 # --------------------------------------------------------------------------------------------

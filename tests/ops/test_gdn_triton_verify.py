@@ -140,9 +140,6 @@ VARIANTS = {
     "fused_norms": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, fused_norms=True),
     "early_loads": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, defer_gates=True,
                                 prefetch_tiles=True),
-    # one warp: BV >= 16 * num_warps, so the transposed form is taken (compiled, mma.sync)
-    "transposed_sweeps": VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1,
-                                      transposed_sweeps=True),
 }
 
 
@@ -507,15 +504,23 @@ def test_transposed_fp16_sweeps(shape):
 
 
 def test_transposed_sweeps_where_they_apply():
-    """The transposed form only where U^T's rows fill the warpgroups' tiles (BV >= 16 per warp)."""
+    """The transposed form only where U^T's rows fill the warpgroups' tiles (BV >= 16 per warp)
+    and the sweeps are fp16 (tf32 register operands gave wrong results on the H200)."""
     from bole.ops.gdn.triton_verify import kernel_switches
     kw = dict(dtype=torch.bfloat16, precision="tf32", raw_gates=True, l2norm=True, max_depth=8,
               d_k=128, interpret=False)
-    on = {(bv, w): kernel_switches(VerifyConfig(BV=bv, BK=32, num_warps=w, transposed_sweeps=True),
-                                   **kw)["T_SWEEPS"] for bv in (32, 64, 128) for w in (4, 8)}
-    assert on == {(32, 4): False, (64, 4): True, (128, 4): True,
-                  (32, 8): False, (64, 8): False, (128, 8): True}
-    assert not kernel_switches(VerifyConfig(BV=128, BK=32), **kw)["T_SWEEPS"]
+
+    def on(bv, w, **cfg):
+        config = VerifyConfig(BV=bv, BK=32, num_warps=w, transposed_sweeps=True, **cfg)
+        return kernel_switches(config, **kw)["T_SWEEPS"]
+
+    assert {(bv, w): on(bv, w, fp16_sweeps=True) for bv in (32, 64, 128) for w in (4, 8)} == {
+        (32, 4): False, (64, 4): True, (128, 4): True, (32, 8): False, (64, 8): False,
+        (128, 8): True}
+    assert not on(128, 8) and not on(64, 4)                          # tf32 sweeps
+    assert not kernel_switches(VerifyConfig(BV=128, BK=32, fp16_sweeps=True), **kw)["T_SWEEPS"]
+    kw["max_depth"] = 16                                             # past fp16's bound
+    assert not on(64, 4, fp16_sweeps=True)
 
 
 #: whole_head on its own and with the table's switches (fp16 sweeps, transposed, split products)

@@ -114,7 +114,8 @@ class VerifyConfig:
         so that the iterate is the tensor cores' register operand: no shared-memory store of U,
         fence and barrier per sweep (in the sm_90 SASS each sweep of the plain form stores U,
         waits on a memory barrier and two block barriers); two transpositions (R, U) once. Only
-        where ``BV >= 16 * num_warps`` (ignored below: the rows of U^T must fill wgmma's tiles).
+        where the sweeps run in fp16 (``fp16_sweeps`` applies) and ``BV >= 16 * num_warps`` (the
+        rows of U^T must fill wgmma's tiles); ignored elsewhere.
     whole_head: one program per (request, value head) instead of per value tile: it forms the
         Grams, decays, G and C once, then takes the head's ``d_v / BV`` value tiles in turn (state
         products, sweeps, O), so that none of that is redone per tile; for batches large enough
@@ -614,22 +615,13 @@ def _sweep_product(G, U, PREC: tl.constexpr, F16: tl.constexpr):
 
 
 @triton.jit
-def _sweep_product_t(Ut, Gt, PREC: tl.constexpr, F16: tl.constexpr):
-    """``U^T G^T`` of one transposed sweep (Gt already fp16 when F16)."""
-    if F16:
-        return tl.dot(Ut.to(tl.float16), Gt)
-    else:
-        return tl.dot(Ut, Gt, input_precision=PREC)
-
-
-@triton.jit
 def _neumann(G, Rm, max_depth, PREC: tl.constexpr, F16: tl.constexpr, TRANS: tl.constexpr,
              INTERPRET: tl.constexpr):
     """``(I + G) U = R`` for G nilpotent of index <= max_depth + 1: max_depth sweeps are exact.
 
-    TRANS: sweep the transposed system, ``U^T = R^T - U^T G^T``: the iterate is then the product's
-    first operand, which the tensor cores take from registers, so a sweep needs no shared-memory
-    store of U and no barrier (G^T, the constant operand, is stored once). Same arithmetic.
+    TRANS (with F16 only): sweep the transposed system, ``U^T = R^T - U^T G^T``: the iterate is
+    then the product's first operand, which the tensor cores take from registers, so a sweep
+    needs no shared-memory store of U and no barrier (G^T, the constant operand, is stored once).
 
     F16: the products ``G U`` in fp16 (twice tf32's tensor-core rate; operands rounded to
     nearest with tf32's 10 mantissa bits, where tf32 truncates fp32 operands), fp32 accumulation
@@ -642,7 +634,7 @@ def _neumann(G, Rm, max_depth, PREC: tl.constexpr, F16: tl.constexpr, TRANS: tl.
         Rm = Rm * s
         G = G.to(tl.float16)
     if TRANS:
-        U = _neumann_transposed(tl.trans(G), tl.trans(Rm), max_depth, PREC, F16, INTERPRET)
+        U = _neumann_transposed(tl.trans(G), tl.trans(Rm), max_depth, INTERPRET)
         U = tl.trans(U)
     else:
         U = _neumann_sweeps(G, Rm, max_depth, PREC, F16, INTERPRET)
@@ -674,19 +666,19 @@ def _neumann_sweeps(G, Rm, max_depth, PREC: tl.constexpr, F16: tl.constexpr,
 
 
 @triton.jit
-def _neumann_transposed(Gt, Rt, max_depth, PREC: tl.constexpr, F16: tl.constexpr,
-                        INTERPRET: tl.constexpr):
-    """max_depth sweeps ``U^T <- R^T - U^T G^T`` from ``U^T = R^T``: ``Rt`` [BV, BT], ``Gt`` [BT, BT]."""
+def _neumann_transposed(Gt, Rt, max_depth, INTERPRET: tl.constexpr):
+    """max_depth sweeps ``U^T <- R^T - U^T G^T`` from ``U^T = R^T``: ``Rt`` [BV, BT] fp32, ``Gt``
+    [BT, BT] fp16; the products in fp16 with fp32 accumulation."""
     Ut = Rt
     if INTERPRET:
         sweep = 0
         while sweep < max_depth:
-            Ut = Rt - _sweep_product_t(Ut, Gt, PREC, F16)
+            Ut = Rt - tl.dot(Ut.to(tl.float16), Gt)
             sweep += 1
     elif max_depth > 0:
-        Ut = Rt - _sweep_product_t(Rt, Gt, PREC, F16)
+        Ut = Rt - tl.dot(Rt.to(tl.float16), Gt)
         for _ in range(1, max_depth):
-            Ut = Rt - _sweep_product_t(Ut, Gt, PREC, F16)
+            Ut = Rt - tl.dot(Ut.to(tl.float16), Gt)
     return Ut
 
 
@@ -864,6 +856,9 @@ def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str,
     same flags)."""
     split = bool(config.split_gram)
     s_bf16x2 = bool(config.bf16_state) and dtype == torch.bfloat16 and precision == "tf32"
+    # |G_ij| <= 1 needs normalised keys and beta from the raw gates (a sigmoid)
+    f16_sweeps = (bool(config.fp16_sweeps) and precision == "tf32" and raw_gates and l2norm
+                  and max_depth <= F16_SWEEP_MAX_DEPTH)
     return dict(
         SPLIT=split,
         S_BF16X2=s_bf16x2,
@@ -871,15 +866,16 @@ def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str,
         # the Gram diagonal is the sum of squares unless fp32 keys are rounded to tf32
         FUSED_NORMS=bool(config.fused_norms) and not split
         and (dtype != torch.float32 or precision != "tf32"),
-        # |G_ij| <= 1 needs normalised keys and beta from the raw gates (a sigmoid)
-        F16_SWEEPS=bool(config.fp16_sweeps) and precision == "tf32" and raw_gates and l2norm
-        and max_depth <= F16_SWEEP_MAX_DEPTH,
+        F16_SWEEPS=f16_sweeps,
         DEFER_GATES=bool(config.defer_gates),
         PREFETCH=bool(config.prefetch_tiles),
         # the iterate as wgmma's register operand needs its rows (BV) to fill the warpgroups'
         # 64-row tiles; below that Triton falls back to mma.sync with register shuffles (sm_90
-        # SASS at BV = 32, 4 warps: the sweep loop 47 -> 491 instructions)
-        T_SWEEPS=bool(config.transposed_sweeps) and config.BV >= 16 * config.num_warps,
+        # SASS at BV = 32, 4 warps: the sweep loop 47 -> 491 instructions). fp16 sweeps only:
+        # with tf32 operands Triton 3.6 gave wrong results on the H200 (BV 128, 8 warps, BT 64:
+        # O off by 0.096 in tests/ops; bench/NOTES.md)
+        T_SWEEPS=bool(config.transposed_sweeps) and config.BV >= 16 * config.num_warps
+        and f16_sweeps,
         WHOLE_HEAD=bool(config.whole_head) and not split,
         INTERPRET=interpret,
     )

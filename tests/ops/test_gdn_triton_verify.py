@@ -505,7 +505,7 @@ def test_transposed_fp16_sweeps(shape):
 
 def test_transposed_sweeps_where_they_apply():
     """The transposed form only where U^T's rows fill the warpgroups' tiles (BV >= 16 per warp)
-    and the sweeps are fp16 (tf32 register operands gave wrong results on the H200)."""
+    and the sweeps are fp16 (the form verified compiled on the H200)."""
     from bole.ops.gdn.triton_verify import kernel_switches
     kw = dict(dtype=torch.bfloat16, precision="tf32", raw_gates=True, l2norm=True, max_depth=8,
               d_k=128, interpret=False)
@@ -554,6 +554,26 @@ def test_whole_head(variant, d_v):
     assert rel_err(o, o_ref) < tol and rel_err(f.u, f_ref.u) < tol
 
 
+def test_known_miscompile_is_refused():
+    """The launch Triton 3.6 miscompiled on the H200 (BT 64, BV 128, 8 warps, 3 stages, 16-bit
+    inputs, unsplit tf32 state products) is refused with what to do; its neighbours are not."""
+    from bole.ops.gdn.triton_verify import _refuse_known_miscompile, kernel_switches
+    bad = VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3)
+
+    def check(config, block_nodes=64, dtype=torch.bfloat16, precision="tf32"):
+        switches = kernel_switches(config, dtype=dtype, precision=precision, raw_gates=True,
+                                   l2norm=True, max_depth=8, d_k=128, interpret=False)
+        _refuse_known_miscompile(config, switches, block_nodes, dtype, precision)
+
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match="num_stages=2"):
+            check(bad, dtype=dtype)
+    for fine in (dict(config=replace(bad, num_stages=2)), dict(config=replace(bad, BV=64)),
+                 dict(config=replace(bad, bf16_state=True)), dict(config=bad, block_nodes=128),
+                 dict(config=bad, dtype=torch.float32), dict(config=bad, precision="ieee")):
+        check(**fine)
+
+
 @pytest.mark.parametrize("what", ["deeper than 15", "loaded gates", "no l2 norm", "ieee"])
 def test_fp16_sweeps_only_where_safe(what):
     """Outside its overflow bound the option is ignored: bit-for-bit the tf32 sweeps' results."""
@@ -578,7 +598,9 @@ GPU_VARIANTS = (VerifyConfig(BV=32, BK=32), VerifyConfig(BV=64, BK=32),
                 VerifyConfig(BV=64, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
                              fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
                              transposed_sweeps=True),
-                VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, transposed_sweeps=True),
+                VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, bf16_state=True,
+                             cu_bf16x3=True, fused_norms=True, fp16_sweeps=True,
+                             prefetch_tiles=True, transposed_sweeps=True),
                 VerifyConfig(BV=64, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
                              fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
                              transposed_sweeps=True, whole_head=True),

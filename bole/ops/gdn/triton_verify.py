@@ -872,13 +872,29 @@ def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str,
         # the iterate as wgmma's register operand needs its rows (BV) to fill the warpgroups'
         # 64-row tiles; below that Triton falls back to mma.sync with register shuffles (sm_90
         # SASS at BV = 32, 4 warps: the sweep loop 47 -> 491 instructions). fp16 sweeps only:
-        # with tf32 operands Triton 3.6 gave wrong results on the H200 (BV 128, 8 warps, BT 64:
-        # O off by 0.096 in tests/ops; bench/NOTES.md)
+        # that is the form verified compiled on the H200 (bench/verify_configs.py); tf32 register
+        # operands were never checked there (item 25's wrong results came from such operands)
         T_SWEEPS=bool(config.transposed_sweeps) and config.BV >= 16 * config.num_warps
         and f16_sweeps,
         WHOLE_HEAD=bool(config.whole_head) and not split,
         INTERPRET=interpret,
     )
+
+
+def _refuse_known_miscompile(config: VerifyConfig, switches: dict[str, bool], block_nodes: int,
+                             dtype: torch.dtype, precision: str) -> None:
+    """Refuse the one launch known to compute wrong results: Triton 3.6 on the H200 gave O off by
+    ~0.1 for BT = 64, BV = 128, 8 warps, 3 stages with fp16/bf16 inputs and unsplit tf32 state
+    products (BV 64, 2 stages, bf16_state, fp32 inputs, "ieee" and BT = 128 were all correct:
+    bench/NOTES.md, seventh session). pick_config never makes it (BT = 64 caps BV at 64)."""
+    if (switches["INTERPRET"] or block_nodes != 64 or config.BV < 128 or config.num_warps != 8
+            or config.num_stages < 3 or switches["S_BF16X2"] or precision != "tf32"
+            or dtype not in (torch.float16, torch.bfloat16)):
+        return
+    raise ValueError(
+        f"{config} at block_nodes=64 with {dtype} inputs and precision='tf32' miscompiles under "
+        f"Triton 3.6 (wrong results on the H200); use num_stages=2, BV=64, bf16_state=True (bf16 "
+        f"inputs) or config=None for pick_config's choice")
 
 
 def _rows(x: torch.Tensor, n: int, *tail: int) -> torch.Tensor:
@@ -1024,6 +1040,7 @@ def tree_gdn_verify_triton(
                                    raw_gates=raw_gates, l2norm=bool(use_qk_l2norm_in_kernel),
                                    max_depth=int(meta.max_depth), d_k=d_k,
                                    interpret=_interpreting())
+        _refuse_known_miscompile(config, switches, BT, q.dtype, precision)
         value_tiles = 1 if switches["WHOLE_HEAD"] else triton.cdiv(d_v, config.BV)
         try:
             _tree_gdn_verify_kernel[(value_tiles, R, H_v)](

@@ -17,7 +17,9 @@ scalings of these products, so the keys are never rewritten. The state pool is o
 program writes O and U (and, once per head, L and the key inverse norms).
 
 Each value tile recomputes the ``[BT, BT]`` Gram products of its tree: that redundancy is the price
-of ``d_v / BV`` times more parallelism, which small batches need. ``VerifyConfig.split_gram`` streams
+of ``d_v / BV`` times more parallelism, which small batches need; where the batch fills the GPU
+without it, ``VerifyConfig.whole_head`` gives each program a whole head, forming the Grams, G and C
+once and then taking the value tiles in turn. ``VerifyConfig.split_gram`` streams
 d_k twice (K for G, R and the solve; then Q for C and O) so that one Gram tile is live at a time,
 for large trees. 64-bit offsets sit in scalar per-tree bases (``cu_nodes[r] * stride``, the pool slot
 times its stride); per-element offsets within a tree stay 32-bit. Padding rows past ``cu_nodes[-1]``
@@ -30,7 +32,8 @@ replace tf32 (whose fp32 operands the tensor cores truncate, bench/precision_mod
 cost accuracy or time: the state products with bf16 inputs as split bf16 (``bf16_state``: S as
 bf16 hi + lo), the output product ``C U`` as three bf16 products of hi/lo halves (``cu_bf16x3``)
 and the Neumann sweeps in fp16 with R scaled by a power of two (``fp16_sweeps``, where its
-overflow bound holds).
+overflow bound holds), on the transposed system so that the iterate stays in registers
+(``transposed_sweeps``).
 
 This module knows nothing of models or requests beyond :class:`bole.tree.ForestMeta`.
 """

@@ -55,7 +55,6 @@ def main(argv=None) -> int:
     from bole.ops.gdn.closed_form import TreeFactors, commit_factored
     from bole.ops.gdn.triton_commit import commit_factored_triton
     from bole.ops.gdn.triton_serial import commit_from_snapshots_triton
-    from bole.ops.gdn.triton_verify import tree_gdn_verify_triton
 
     dev = torch.device("cuda")
     shape = gdn_shape(args.model)
@@ -65,22 +64,14 @@ def main(argv=None) -> int:
     for batch in args.batches:
         forest, meta = kb.bench_forest(NODES, batch, batch * 1000 + NODES, dev)
         x = kb.make_inputs(shape, forest, dev, seed=batch)
-        _, fac = tree_gdn_verify_triton(x["q"], x["k"], x["v"], meta,
-                                        initial_state=x["initial_state"], a=x["a"], b=x["b"],
-                                        A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                        use_qk_l2norm_in_kernel=True)
-        stacked = TreeFactors(*(t.expand(layers, *t.shape).contiguous()
-                                for t in (fac.log_decay, fac.k, fac.u, fac.k_inv_norm)))
-        pool0 = x["initial_state"].expand(layers, *x["initial_state"].shape).contiguous()
+        _, fac = kb.verify_inputs(x, meta)
+        c = kb.commit_inputs(fac, x["initial_state"], forest, layers, dev)
+        stacked, pool0, index, lengths, slots = c.factors, c.pool, c.index, c.lengths, c.slots
         pool = pool0.clone()
         R = forest.num_requests
-        accepted = (forest.cu_nodes.diff() - 1).tolist()  # the deepest-numbered node: depth 8
-        index, lengths = forest.padded_paths(accepted)
-        index, lengths = index.to(dev), lengths.to(dev)
-        slots = torch.arange(R, device=dev)
         ref = commit_factored(TreeFactors(*(t.double() for t in (
             fac.log_decay, fac.k, fac.u, fac.k_inv_norm))), x["initial_state"].double(), forest,
-            accepted)
+            c.accepted)
         state_bytes = pool.numel() * 4
         floor_us = 2 * state_bytes / bw * 1e6
 
@@ -112,7 +103,7 @@ def main(argv=None) -> int:
         record("copy-one-launch", us)
         us = kb.time_calls([lambda: pool.copy_(snaps)])
         record("torch-copy", us)
-        snaps = pool = pool0 = stacked = None      # free the device memory for the next batch
+        snaps = pool = pool0 = stacked = c = None  # free the device memory for the next batch
         torch.cuda.empty_cache()
 
     meta = kb.run_meta(model=args.model, copy_bandwidth_TBps=bw / 1e12, nodes=NODES,

@@ -104,9 +104,7 @@ def main(argv=None) -> int:
         picked = tv.pick_config(meta_f.block_nodes, dk, dv, R * Hv)
         if args.once:
             x = sets[0]
-            tv.tree_gdn_verify_triton(x["q"], x["k"], x["v"], meta_f, a=x["a"], b=x["b"],
-                                      A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                      initial_state=x["initial_state"], use_qk_l2norm_in_kernel=True)
+            kb.verify_inputs(x, meta_f)
             torch.cuda.synchronize()
             print(f"batch {batch}: {picked}", flush=True)
             continue
@@ -126,10 +124,7 @@ def main(argv=None) -> int:
                        config=dataclasses.asdict(cfg))
             try:
                 def call(x, m, cfg=cfg, out_dtype=None):
-                    return tv.tree_gdn_verify_triton(
-                        x["q"], x["k"], x["v"], m, a=x["a"], b=x["b"], A_log=x["A_log"],
-                        dt_bias=x["dt_bias"], initial_state=x["initial_state"],
-                        use_qk_l2norm_in_kernel=True, config=cfg, out_dtype=out_dtype)
+                    return kb.verify_inputs(x, m, config=cfg, out_dtype=out_dtype)
                 before = set(compiled_stats(kernel))
                 o, fac = call(sets[0], meta_f)
                 rec["rel_err"] = kb.rel_err(o, ref)

@@ -119,6 +119,41 @@ def make_inputs(shape, forest: PackedForest, dev, seed: int):
         initial_state=rnd(R, Hv, dk, dv, dt=torch.float32) * 0.1)
 
 
+def verify_inputs(x: dict, meta, **kw):
+    """``tree_gdn_verify_triton`` on one input set of :func:`make_inputs` as Qwen3.5 runs it (raw
+    a/b gates, q/k l2-normalised in the kernel); ``kw`` as the wrapper takes them (config, ...)."""
+    from bole.ops.gdn.triton_verify import tree_gdn_verify_triton
+    return tree_gdn_verify_triton(x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"],
+                                  a=x["a"], b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                  use_qk_l2norm_in_kernel=True, **kw)
+
+
+@dataclasses.dataclass
+class CommitInputs:
+    """The commit benchmarks' inputs: factors and state pool stacked over ``layers`` GDN layers
+    (``[Ly, ...]``), every request accepting its deepest-numbered node (depth DEPTH), that path
+    padded (``index``, ``lengths``) and the pool slots ``0 .. R - 1``."""
+    factors: object
+    pool: torch.Tensor
+    accepted: list[int]
+    index: torch.Tensor
+    lengths: torch.Tensor
+    slots: torch.Tensor
+
+
+def commit_inputs(factors, initial_state: torch.Tensor, forest: PackedForest, layers: int,
+                  dev) -> CommitInputs:
+    """:class:`CommitInputs` of one verify launch's ``factors`` and ``initial_state``."""
+    from bole.ops.gdn.closed_form import TreeFactors
+    stacked = TreeFactors(*(t.expand(layers, *t.shape).contiguous() for t in (
+        factors.log_decay, factors.k, factors.u, factors.k_inv_norm)))
+    accepted = (forest.cu_nodes.diff() - 1).tolist()
+    index, lengths = forest.padded_paths(accepted)
+    return CommitInputs(stacked, initial_state.expand(layers, *initial_state.shape).contiguous(),
+                        accepted, index.to(dev), lengths.to(dev),
+                        torch.arange(forest.num_requests, device=dev))
+
+
 def reference_fp64(x, forest: PackedForest):
     """The torch closed form in fp64 on the (bf16-valued) inputs of :func:`make_inputs`, gated and
     normalised as the kernels run them: ``(o, factors)``."""
@@ -253,7 +288,7 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
     from bole.ops.gdn.triton_commit import commit_factored_triton
     from bole.ops.gdn.triton_serial import (commit_from_snapshots_triton, serial_default_config,
                                             tree_gdn_serial_triton)
-    from bole.ops.gdn.triton_verify import pick_config, tree_gdn_verify_triton
+    from bole.ops.gdn.triton_verify import pick_config
 
     shape = gdn_shape(model)
     forest, meta = bench_forest(nodes, batch, batch * 1000 + nodes, dev)
@@ -261,7 +296,7 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
     Hk, Hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
     sets = rotating_sets(shape, forest, dev, seed=nodes * 7 + batch)
     base = sets[0]
-    common = dict(use_qk_l2norm_in_kernel=True)
+    common = dict(use_qk_l2norm_in_kernel=True)      # the serial and fla baselines take these
     gate = lambda x: dict(a=x["a"], b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"])  # noqa
 
     ref64, ref_f = reference_fp64(base, forest)
@@ -290,13 +325,10 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
     best = None
     for cfg in configs:
         try:
-            o, fac = tree_gdn_verify_triton(base["q"], base["k"], base["v"], meta,
-                                            initial_state=base["initial_state"], config=cfg,
-                                            **gate(base), **common)
+            o, fac = verify_inputs(base, meta, config=cfg)
             err, more = rel_err(o, ref64), errors(o, fac.u)
-            us = time_calls([lambda x=x, cfg=cfg: tree_gdn_verify_triton(
-                x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"], config=cfg,
-                **gate(x), **common) for x in sets])
+            us = time_calls([lambda x=x, cfg=cfg: verify_inputs(x, meta, config=cfg)
+                             for x in sets])
             cfgd = dataclasses.asdict(cfg)
             record("bole-config", us, err, factor_bytes, config=cfgd, picked=cfg == picked, **more)
             # a config whose output is off (a miscompile, say) never counts as the best
@@ -312,12 +344,9 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
     # --- the same bf16 inputs and launch, O written in fp32: the kernel's own error (tf32 dots),
     #     without bf16's output rounding
     try:
-        o, _ = tree_gdn_verify_triton(base["q"], base["k"], base["v"], meta,
-                                      initial_state=base["initial_state"], config=picked,
-                                      out_dtype=torch.float32, **gate(base), **common)
-        us = time_calls([lambda x=x: tree_gdn_verify_triton(
-            x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"], config=picked,
-            out_dtype=torch.float32, **gate(x), **common) for x in sets])
+        o, _ = verify_inputs(base, meta, config=picked, out_dtype=torch.float32)
+        us = time_calls([lambda x=x: verify_inputs(x, meta, config=picked, out_dtype=torch.float32)
+                         for x in sets])
         record("bole-fp32-out", us, rel_err(o, ref64), factor_bytes)
     except Exception as exc:
         record("bole-fp32-out", None, None, factor_bytes, error=repr(exc))
@@ -327,18 +356,13 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
     try:
         f32 = [{n: (t.float() if n in ("q", "k", "v") else t) for n, t in x.items()}
                for x in (sets[:1] if sweep == "picked" else sets)]
-        o, _ = tree_gdn_verify_triton(f32[0]["q"], f32[0]["k"], f32[0]["v"], meta,
-                                      initial_state=f32[0]["initial_state"], precision="tf32",
-                                      config=picked, **gate(f32[0]), **common)
+        o, _ = verify_inputs(f32[0], meta, precision="tf32", config=picked)
         tf32_err = rel_err(o, ref64)
-        o, fac = tree_gdn_verify_triton(f32[0]["q"], f32[0]["k"], f32[0]["v"], meta,
-                                        initial_state=f32[0]["initial_state"], precision="ieee",
-                                        **gate(f32[0]), **common)
+        o, fac = verify_inputs(f32[0], meta, precision="ieee")
         err = rel_err(o, ref64)
         ieee_u = rel_err(fac.u, ref_f.u)
-        us = None if sweep == "picked" else time_calls([lambda x=x: tree_gdn_verify_triton(
-            x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"], precision="ieee",
-            **gate(x), **common) for x in f32])
+        us = None if sweep == "picked" else time_calls(
+            [lambda x=x: verify_inputs(x, meta, precision="ieee") for x in f32])
         record("bole-ieee", us, err, factor_bytes, u_rel_err=ieee_u)
         record("bole-tf32-fp32-out", None, tf32_err, factor_bytes)
         del f32
@@ -397,20 +421,11 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
     if nodes == 64:
         try:
             layers = shape.num_gdn_layers
-            _, fac = tree_gdn_verify_triton(base["q"], base["k"], base["v"], meta,
-                                            initial_state=base["initial_state"],
-                                            **gate(base), **common)
-            from bole.ops.gdn.closed_form import TreeFactors
-            stacked = TreeFactors(fac.log_decay.expand(layers, *fac.log_decay.shape).contiguous(),
-                                  fac.k.expand(layers, *fac.k.shape).contiguous(),
-                                  fac.u.expand(layers, *fac.u.shape).contiguous(),
-                                  fac.k_inv_norm.expand(layers, *fac.k_inv_norm.shape).contiguous())
-            pool = base["initial_state"].expand(layers, *base["initial_state"].shape).contiguous()
-            acc = (forest.cu_nodes.diff() - 1).tolist()     # deepest-numbered node: depth 8
-            index, lengths = forest.padded_paths(acc)
-            index, lengths = index.to(dev), lengths.to(dev)
-            slots = torch.arange(R, device=dev)
-            us = time_calls([lambda: commit_factored_triton(stacked, pool, slots, index, lengths)])
+            _, fac = verify_inputs(base, meta)
+            c = commit_inputs(fac, base["initial_state"], forest, layers, dev)
+            pool, slots = c.pool, c.slots
+            us = time_calls([lambda: commit_factored_triton(c.factors, pool, slots, c.index,
+                                                            c.lengths)])
             record("bole-commit-all-layers", us, None, 0, layers=layers)
             # every layer copies its own accepted snapshots (distinct memory, as an engine holds
             # them; one buffer reused for all layers would be read from L2)

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("verify_configs needs a CUDA device (it checks compiled kernels)")
         return 0
-    from bole.ops.gdn.triton_verify import VerifyConfig, pick_config, tree_gdn_verify_triton
+    from bole.ops.gdn.triton_verify import VerifyConfig, pick_config
 
     dev = torch.device("cuda")
     shape = gdn_shape(args.model)
@@ -87,10 +87,7 @@ def main(argv=None) -> int:
             try:
                 outs = []
                 for _ in range(args.repeats):
-                    o, f = tree_gdn_verify_triton(x["q"], x["k"], x["v"], meta,
-                                                  initial_state=x["initial_state"], a=x["a"],
-                                                  b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                                  use_qk_l2norm_in_kernel=True, config=cfg)
+                    o, f = kb.verify_inputs(x, meta, config=cfg)
                     outs.append((o.reshape(forest.num_nodes, shape.num_v_heads, -1).clone(),
                                  f.u.clone()))
                 torch.cuda.synchronize()

@@ -1,5 +1,6 @@
-"""bench/kernels.py's VerifyConfig switch flags, shared by kernel_probe.py, verify_configs.py and
-kernel_registers.py."""
+"""bench/kernels.py's pieces shared by the other bench scripts: the VerifyConfig switch flags
+(kernel_probe.py, verify_configs.py, kernel_registers.py) and the verify / commit launch helpers
+(kernel_probe.py, verify_configs.py, commit_configs.py)."""
 
 import argparse
 import sys
@@ -31,3 +32,33 @@ def test_with_switches_crosses_given_values_and_keeps_absent_ones():
     assert sorted((c.BV, c.fp16_sweeps) for c in out) == [(32, False), (32, True),
                                                           (64, False), (64, True)]
     assert kb.with_switches(base, ap.parse_args([])) == base
+
+
+def test_verify_and_commit_inputs_on_a_tiny_shape():
+    """The benches' shared launch helpers on CPU (interpreter): verify_inputs gives the fp64
+    reference's O, and commit_inputs stacks factors and pool over layers with each request's
+    deepest-numbered node accepted, so that the cross-layer commit matches the fp64 commit."""
+    import pytest
+    import torch
+    pytest.importorskip("triton")
+    from bole.config import GDNShape
+    from bole.ops.gdn.closed_form import TreeFactors, commit_factored
+    from bole.ops.gdn.triton_commit import commit_factored_triton
+
+    dev = torch.device("cpu")
+    shape = GDNShape("tiny", num_gdn_layers=2, num_k_heads=1, num_v_heads=2, head_k_dim=16,
+                     head_v_dim=16)
+    forest, meta = kb.bench_forest(12, 2, 5, dev)
+    x = kb.make_inputs(shape, forest, dev, seed=3)
+    o, fac = kb.verify_inputs(x, meta, precision="ieee", out_dtype=torch.float32)
+    ref, _ = kb.reference_fp64(x, forest)
+    assert kb.rel_err(o, ref) < 1e-5
+    c = kb.commit_inputs(fac, x["initial_state"], forest, shape.num_gdn_layers, dev)
+    assert c.pool.shape == (2, *x["initial_state"].shape) and c.factors.u.shape == (2, *fac.u.shape)
+    assert c.accepted == [11, 11] and c.slots.tolist() == [0, 1]
+    commit_factored_triton(c.factors, c.pool, c.slots, c.index, c.lengths)
+    want = commit_factored(TreeFactors(*(t.double() for t in (
+        fac.log_decay, fac.k, fac.u, fac.k_inv_norm))), x["initial_state"].double(), forest,
+        c.accepted)
+    for layer in range(shape.num_gdn_layers):
+        assert kb.rel_err(c.pool[layer], want) < 1e-5

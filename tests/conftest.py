@@ -17,3 +17,21 @@ settings.register_profile(
 settings.register_profile(
     "ci", parent=settings.get_profile("bole"), derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "bole")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``BOLE_TEST_SHARD=i/n`` keeps every n-th collected test from the i-th (0-based), so that n
+    pytest processes can share one GPU and the CPUs compiling its kernels (no pytest-xdist on the
+    device). Unset: every test."""
+    shard = os.environ.get("BOLE_TEST_SHARD", "").strip()
+    if not shard:
+        return
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+        assert 0 <= i < n
+    except (ValueError, AssertionError):
+        import pytest
+        raise pytest.UsageError(f"BOLE_TEST_SHARD={shard!r} must be 'i/n' with 0 <= i < n, e.g. '0/4'")
+    keep = [item for j, item in enumerate(items) if j % n == i]
+    config.hook.pytest_deselected(items=[item for j, item in enumerate(items) if j % n != i])
+    items[:] = keep

@@ -32,6 +32,7 @@ from bole.ops.conv import conv_state_commit, tree_conv1d, tree_conv_windows
 from bole.ops.gdn.closed_form import TreeFactors, commit_factored, tree_gdn_closed_form
 from bole.ops.gdn.common import gates_from_raw
 from bole.ops.gdn.reference import tree_gdn_serial
+from bole.ops.triton_utils import check_kernel_device
 from bole.tree import DraftTree, PackedForest
 
 PREFILL_CHUNK = 64
@@ -144,6 +145,8 @@ class HybridModel:
             gdn_backend = "triton" if self.device.type == "cuda" else "torch"
         if gdn_backend not in GDN_BACKENDS:
             raise ValueError(f"gdn_backend must be one of {GDN_BACKENDS} or 'auto', got {gdn_backend!r}")
+        if gdn_backend.startswith("triton"):
+            check_kernel_device(self.device, f"gdn_backend={gdn_backend!r}")
         self.gdn_backend = gdn_backend
         self.timer: SectionTimer | None = None
         #: chunked chain kernel for prefill: fla's chunk_gated_delta_rule on the GPU when installed

@@ -5,6 +5,23 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import torch
+
+
+def interpreting() -> bool:
+    """Whether TRITON_INTERPRET asks for Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_kernel_device(device: torch.device | str, what: str, interpret: bool | None = None) -> None:
+    """Compiled Triton kernels take CUDA tensors; on another device they run only under the
+    interpreter. Raise a ValueError saying so (Triton's own error names a pointer argument)."""
+    device = torch.device(device)
+    if device.type != "cuda" and not (interpreting() if interpret is None else interpret):
+        raise ValueError(
+            f"{what} got tensors on {device}, but the compiled Triton kernels need CUDA tensors: "
+            f"move them to a GPU, use the torch backend (gdn_backend='torch'), or set "
+            f"TRITON_INTERPRET=1 before triton is imported for its (slow) CPU interpreter")
 
 
 def fix_interpreter_scalar_index() -> None:

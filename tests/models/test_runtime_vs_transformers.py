@@ -24,7 +24,8 @@ TOL = 1e-4
 
 
 def rel(a, b):
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).abs().max() / b.abs().max())
 
 
 # Each model type with the torch GDN path; the Triton paths (interpreted on CPU) on two types.
@@ -39,7 +40,10 @@ def pair(request, tmp_path_factory):
     hf = build(kind).eval()
     path = tmp_path_factory.mktemp(kind)
     hf.save_pretrained(path)
-    model = HybridModel.from_pretrained(path, dtype=torch.float32, gdn_backend=backend)
+    # the Triton backends: interpreted on a CPU-only machine, compiled on a GPU (where Triton's
+    # interpreter is off and its kernels take CUDA tensors only)
+    device = "cuda" if backend.startswith("triton") and torch.cuda.is_available() else "cpu"
+    model = HybridModel.from_pretrained(path, dtype=torch.float32, gdn_backend=backend, device=device)
     return hf, model
 
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from bole.ops.gdn.closed_form import TreeFactors
-from bole.ops.triton_utils import fix_interpreter_scalar_index
+from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index
 from bole.tree import PackedForest
 
 __all__ = ["commit_factored_triton", "commit_factored_accepted_triton"]
@@ -172,6 +172,7 @@ def commit_factored_triton(
             f"{'' if single else f'[Ly={Ly}, '}S, H_v={H_v}, d_k={d_k}, d_v={d_v}]")
     if pool.stride()[2:] != (d_k * d_v, d_v, 1):
         raise ValueError("state_pool must be contiguous in its last three dims [H_v, d_k, d_v]")
+    check_kernel_device(pool.device, "commit_factored_triton")
     for name, x in (("log_decay", L), ("k", k), ("u", u), ("k_inv_norm", k_inv)):
         if x is not None:
             if not x.dtype.is_floating_point:

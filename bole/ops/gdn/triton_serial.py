@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from bole.ops.gdn.common import check_gdn_tensors
-from bole.ops.triton_utils import fix_interpreter_scalar_index
+from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index
 from bole.tree import ForestMeta
 
 __all__ = [
@@ -177,6 +177,7 @@ def _launch_serial(q, k, v, g, beta, a, b, A_log, dt_bias, initial_state, state_
     B, T, H_k, d_k, H_v, d_v, _, _ = _validate(
         q, k, v, g, beta, a, b, A_log, dt_bias, initial_state, check_values)
     dev = q.device
+    check_kernel_device(dev, "the serial Triton kernel")
     if B * T != num_nodes:
         raise ValueError(
             f"inputs carry B*T = {B}*{T} = {B * T} nodes but the forest has {num_nodes}; "

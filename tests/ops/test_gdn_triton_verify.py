@@ -133,13 +133,17 @@ TREES = {
 
 #: every compile-time variant of the kernel body: one or two passes over d_k; key norms from sums
 #: of squares or (fused_norms) from the Gram diagonal, folded into the decays; the gates computed
-#: after the d_k loop and the mask / value tiles loaded before it (early_loads)
+#: after the d_k loop and the mask / value tiles loaded before it (early_loads); the decays
+#: formed before the loop (early_decay, which overrides defer_gates)
 VARIANTS = {
     "sweep": None,
     "split_gram": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, split_gram=True),
     "fused_norms": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, fused_norms=True),
     "early_loads": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, defer_gates=True,
                                 prefetch_tiles=True),
+    "early_decay": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, early_decay=True),
+    "early_decay_fused": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, early_decay=True,
+                                      fused_norms=True, prefetch_tiles=True, defer_gates=True),
 }
 
 
@@ -620,14 +624,17 @@ def test_table_configs_cuda(nodes, config):
     case = make_case(forest, H_k=2, H_v=4, d_k=128, d_v=128, raw=True, dtype=torch.bfloat16,
                      pool_slots=3, seed=nodes)
     block = forest.kernel_meta().block_nodes
+    variant = not isinstance(config, str)
     config = {"table": CONFIG_TABLE[block], "picked": None}.get(config, config)
-    if block >= 256 and config is not None and config.maxnreg:
-        # at BT = 256 a register cap may be too low for ptxas (Triton 3.6 needs >= 154 for one
-        # wgmma accumulator): then the wrapper must say so, not pass on ptxas's internal error
+    if block >= 256 and variant:
+        # at BT = 256 a variant meant for smaller trees may not fit: a register cap too low for
+        # ptxas (Triton 3.6 needs >= 154 for one wgmma accumulator) or more shared memory than
+        # the GPU has (BV 64, 3 stages, no split_gram: 254 KB on the H200). Then the wrapper must
+        # say so, not pass on Triton's error
         try:
             run_kernel(case, forest, precision="tf32", config=config)
         except ValueError as exc:
-            assert "raise maxnreg" in str(exc)
+            assert "raise maxnreg" in str(exc) or "does not fit this GPU" in str(exc), exc
             return
     o, f, _, _ = check_against_closed_form(case, forest, tol=1e-2, precision="tf32", config=config)
     # a race in compiled code shows as results that change from run to run (bench/NOTES.md)
@@ -713,6 +720,50 @@ def test_ptxas_failure_under_register_cap_is_a_clear_error(monkeypatch):
         _call(forest, args, config=VerifyConfig(BV=16, BK=16))
 
 
+def test_launch_too_large_for_the_gpu_is_a_clear_error(monkeypatch):
+    """A launch that needs more shared memory than the GPU has (on the H200: BV 64, 3 stages and
+    no split_gram at BT = 256) becomes a ValueError that says what to change, raised before
+    anything is written."""
+    from bole.ops.gdn import triton_verify as tv
+
+    class FailingLaunch:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise tv.OutOfResources(253952, 232448, "shared memory")
+            return launch
+
+    forest, args = _valid_args()
+    pool = args["initial_state"].clone()
+    monkeypatch.setattr(tv, "_tree_gdn_verify_kernel", FailingLaunch())
+    with pytest.raises(ValueError, match=r"does not fit this GPU.*shared memory, Required: 253952"
+                                         r".*fewer num_stages"):
+        _call(forest, args, config=VerifyConfig(BV=16, BK=16, num_stages=3))
+    assert torch.equal(args["initial_state"], pool)
+
+
+def test_cpu_tensors_without_the_interpreter_are_a_clear_error(monkeypatch):
+    """Compiled (no TRITON_INTERPRET), the kernels take CUDA tensors only: CPU tensors get a
+    ValueError that says what to do, not Triton's "Pointer argument (at 0)" from the launcher."""
+    from bole.ops.gdn import triton_verify as tv
+    from bole.ops.triton_utils import check_kernel_device
+    with pytest.raises(ValueError, match=r"on cpu, but the compiled Triton kernels need CUDA.*"
+                                         r"TRITON_INTERPRET=1"):
+        check_kernel_device("cpu", "x", interpret=False)
+    check_kernel_device("cpu", "x", interpret=True)
+    if HAS_CUDA:
+        check_kernel_device("cuda", "x", interpret=False)
+        return
+    forest, args = _valid_args()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="tree_gdn_verify_triton got tensors on cpu"):
+        _call(forest, args)
+    monkeypatch.setattr(tv, "_tree_gdn_verify_kernel", None)       # never reached
+    with pytest.raises(ValueError, match=r"gdn_backend='triton' got tensors on cpu"):
+        from bole.models.presets import preset_config
+        from bole.models.qwen3_hybrid import HybridModel
+        HybridModel.random(preset_config("tiny"), dtype=torch.float32, gdn_backend="triton")
+
+
 def test_pick_config():
     assert pick_config(32, 16, 16, 8, interpret=True) == INTERPRET_CONFIG
     for bt in (16, 32, 64, 128, 256, 512):
@@ -739,6 +790,9 @@ def test_pick_config():
              for b in (1, 4, 6, 8, 12, 16, 64)}
     assert whole == {1: False, 4: False, 6: True, 8: True, 12: False, 16: True, 64: True}
     assert not pick_config(128, 128, 128, 2048, interpret=False).whole_head      # one tile
+    # early_decay at BT = 64 from BV 64 on: slower at batch 1's BV 32 (spills), faster at 4 and 16
+    early = {b: pick_config(64, 128, 128, 32 * b, interpret=False).early_decay for b in (1, 4, 16)}
+    assert early == {1: False, 4: True, 16: True}
     # tiny heads: tiles never exceed the (power-of-two padded) head dims
     c = pick_config(16, 16, 16, 4096, interpret=False)
     assert c.BV == 16 and c.BK == 16

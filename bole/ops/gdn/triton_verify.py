@@ -19,7 +19,8 @@ program writes O and U (and, once per head, L and the key inverse norms).
 Each value tile recomputes the ``[BT, BT]`` Gram products of its tree: that redundancy is the price
 of ``d_v / BV`` times more parallelism, which small batches need; where the batch fills the GPU
 without it, ``VerifyConfig.whole_head`` gives each program a whole head, forming the Grams, G and C
-once and then taking the value tiles in turn. ``VerifyConfig.split_gram`` streams
+once and then taking the value tiles in turn; ``VerifyConfig.early_decay`` forms the decays before
+the d_k loop, while its first tiles load. ``VerifyConfig.split_gram`` streams
 d_k twice (K for G, R and the solve; then Q for C and O) so that one Gram tile is live at a time,
 for large trees. 64-bit offsets sit in scalar per-tree bases (``cu_nodes[r] * stride``, the pool slot
 times its stride); per-element offsets within a tree stay 32-bit. Padding rows past ``cu_nodes[-1]``
@@ -49,12 +50,18 @@ import triton.language as tl
 
 from bole.ops.gdn.closed_form import TreeFactors
 from bole.ops.gdn.common import check_gdn_tensors
+from bole.ops.triton_utils import check_kernel_device
 from bole.tree import ForestMeta
 
 try:                                    # in Triton 3.6 and 3.9; a Triton without it never raises it
     from triton.runtime.errors import PTXASError
 except ImportError:                     # pragma: no cover
     class PTXASError(Exception):
+        """Stand-in that nothing raises."""
+try:
+    from triton.runtime.errors import OutOfResources
+except ImportError:                     # pragma: no cover
+    class OutOfResources(Exception):
         """Stand-in that nothing raises."""
 
 __all__ = [
@@ -123,6 +130,11 @@ class VerifyConfig:
         Grams, decays, G and C once, then takes the head's ``d_v / BV`` value tiles in turn (state
         products, sweeps, O), so that none of that is redone per tile; for batches large enough
         to fill the GPU with ``R * H_v`` programs. Ignored with split_gram.
+    early_decay: form the decays (from the gates and the ancestor mask, which it loads before the
+        d_k loop) before the loop instead of after it, so that they overlap the loop's first loads
+        (in batch 1's launch 8% of the warps' samples wait there, ncu); the key norms then scale
+        G and C's columns after the loop instead of riding in the decays' exponent. Overrides
+        defer_gates; ignored with split_gram.
     """
 
     BV: int
@@ -139,6 +151,7 @@ class VerifyConfig:
     prefetch_tiles: bool = False
     transposed_sweeps: bool = False
     whole_head: bool = False
+    early_decay: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -202,6 +215,10 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #: model expects it to pay (below): T = 64, batch 6 / 8 / 16 / 64 29.0 / 30.4 / 58.1 / 212.3 ->
 #: 26.6 / 28.0 / 54.1 / 197.9 us, but batch 4 16.8 -> 21.4 and batch 12 44.5 -> 51.0
 #: (kernel-probe-2026-11-30-whole-head-*.json).
+#: ``early_decay`` at BT = 64 with BV >= 64 (pick_config drops it below, EARLY_DECAY_MIN_BV):
+#: T = 64, batch 4 / 16 16.43 / 53.63 -> 15.98 / 51.65 us, but batch 1 (BV 32, 12 bytes of
+#: spills with it) 11.15 -> 11.85 (kernel-probe-2026-11-30-early-decay.json; batch 64, T = 128 and
+#: T <= 32 not measured with it).
 CONFIG_TABLE: dict[int, VerifyConfig] = {
     16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fp16_sweeps=True,
                      transposed_sweeps=True),
@@ -209,7 +226,7 @@ CONFIG_TABLE: dict[int, VerifyConfig] = {
                      fp16_sweeps=True, transposed_sweeps=True),
     64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3, bf16_state=True, cu_bf16x3=True,
                      fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
-                     transposed_sweeps=True, whole_head=True),
+                     transposed_sweeps=True, whole_head=True, early_decay=True),
     128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, bf16_state=True, cu_bf16x3=True,
                       fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
                       transposed_sweeps=True),
@@ -218,6 +235,9 @@ CONFIG_TABLE: dict[int, VerifyConfig] = {
 
 #: Programs in about one wave of the H200's 132 SMs: BV shrinks until the launch has this many.
 MIN_PROGRAMS = 128
+#: Narrowest value tile that keeps ``early_decay``: at BV = 32 (batch 1's launch) the decays held
+#: through the d_k loop spill and it was 6% slower on the H200.
+EARLY_DECAY_MIN_BV = 64
 #: Programs resident at once on the H200 at BT = 64 (two 4-warp programs of ~255 registers per SM)
 WAVE_SLOTS = 2 * 132
 #: Time of one whole-head program over that of the head's value-tile programs together (T = 64,
@@ -262,7 +282,8 @@ def pick_config(block_nodes: int, d_k: int, d_v: int, num_programs: int, *,
         bv //= 2
     warps = 8 if (block_nodes >= 128 or block_nodes * bv >= 8192) else base.num_warps
     whole_head = base.whole_head and _whole_head_pays(num_programs, triton.cdiv(d_v, bv))
-    return replace(base, BV=bv, BK=bk, num_warps=max(base.num_warps, warps), whole_head=whole_head)
+    return replace(base, BV=bv, BK=bk, num_warps=max(base.num_warps, warps), whole_head=whole_head,
+                   early_decay=base.early_decay and bv >= EARLY_DECAY_MIN_BV)
 
 
 def _whole_head_pays(num_programs: int, tiles: int) -> bool:
@@ -706,7 +727,7 @@ def _tree_gdn_verify_kernel(
     RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
     CU_BF16X3: tl.constexpr, FUSED_NORMS: tl.constexpr, F16_SWEEPS: tl.constexpr,
     DEFER_GATES: tl.constexpr, PREFETCH: tl.constexpr, T_SWEEPS: tl.constexpr,
-    WHOLE_HEAD: tl.constexpr, INTERPRET: tl.constexpr,
+    WHOLE_HEAD: tl.constexpr, EARLY_DECAY: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     iv = tl.program_id(0)
     r = tl.program_id(1)
@@ -717,7 +738,7 @@ def _tree_gdn_verify_kernel(
     # 64-bit offsets live in the scalar per-tree bases; per-element offsets (< BT rows) stay 32-bit
     gate_in = _load_gate_columns(g_ptr + lo * s_gn + h * s_gh, beta_ptr + lo * s_bn + h * s_bh,
                                  s_gn, s_bn, A_log_ptr, dt_bias_ptr, h, rows, row_ok, RAW_GATES)
-    if not (DEFER_GATES and not SPLIT):
+    if not (DEFER_GATES and not SPLIT and not EARLY_DECAY):
         g, beta = _gates(*gate_in, row_ok, RAW_GATES)
 
     vcols = iv * BV + tl.arange(0, BV)
@@ -768,10 +789,18 @@ def _tree_gdn_verify_kernel(
         qs = tl.zeros([BT, BV], dtype=tl.float32)
         ss_k = tl.zeros([BT], dtype=tl.float32)
         ss_q = tl.zeros([BT], dtype=tl.float32)
-        if PREFETCH:
+        if PREFETCH or EARLY_DECAY:
             # issued before the loop so that their latency hides behind it (registers permitting)
             anc_u8 = _load_ancestors(mask_rows, s_mn, rows, row_ok)
+        if PREFETCH:
             v_in = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
+        if EARLY_DECAY:
+            # the decays need only the gates and the mask: formed while the loop's first tiles
+            # load (batch 1's launch otherwise idles there, ncu); the key norms' column scaling
+            # is applied after the loop, and a decay of a non-ancestor is 0, so the mask is not
+            # needed again (only the diagonal is taken out of G)
+            _, L, decay = _tree_decay(anc_u8, g, rows, tl.zeros([BT], dtype=tl.float32), True,
+                                      INTERPRET)
         for k0 in range(0, D_K, BK):
             q_t, k_t, s_t = _load_dk_tiles(q_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk,
                                            s_sv, D_K, D_V, BK, BV, True)
@@ -790,11 +819,15 @@ def _tree_gdn_verify_kernel(
         # tile is live in it; G and C are formed at once so that kk, qk and decay die before the
         # solve. DEFER_GATES: the gates computed only now from inputs loaded at the start, so
         # that the prologue's loads are not held up behind the gate loads' latency.
-        if DEFER_GATES:
+        if DEFER_GATES and not EARLY_DECAY:
             g, beta = _gates(*gate_in, row_ok, RAW_GATES)
-        if not PREFETCH:
+        if not (PREFETCH or EARLY_DECAY):
             anc_u8 = _load_ancestors(mask_rows, s_mn, rows, row_ok)
-        if FUSED_NORMS:
+        if EARLY_DECAY:
+            strict = rows[:, None] != rows[None, :]
+            if FUSED_NORMS and L2NORM:
+                ss_k = tl.sum(tl.where(rows[:, None] == rows[None, :], kk, 0.0), axis=1)
+        elif FUSED_NORMS:
             # |k_i|^2 from the diagonal of K K^T (the same products, accumulated by the tensor
             # cores), and the column scaling rk_j of G and C folded into the decays' exponent
             if L2NORM:
@@ -806,7 +839,7 @@ def _tree_gdn_verify_kernel(
         else:
             strict, L, decay = _tree_decay(anc_u8, g, rows, beta, False, INTERPRET)
         G, C, rk, row_ks, row_qs = _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L, scale,
-                                                  BT, L2NORM, FUSED_NORMS)
+                                                  BT, L2NORM, FUSED_NORMS and not EARLY_DECAY)
         if not PREFETCH:
             v_in = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
         if WHOLE_HEAD and F16_SWEEPS:
@@ -880,6 +913,7 @@ def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str,
         T_SWEEPS=bool(config.transposed_sweeps) and config.BV >= 16 * config.num_warps
         and f16_sweeps,
         WHOLE_HEAD=bool(config.whole_head) and not split,
+        EARLY_DECAY=bool(config.early_decay) and not split,
         INTERPRET=interpret,
     )
 
@@ -967,6 +1001,7 @@ def tree_gdn_verify_triton(
         q, k, v, g, beta, a, b, A_log, dt_bias, initial_state, None, check_values,
         resolve_raw_gates=False)
     raw_gates = g is None
+    check_kernel_device(q.device, "tree_gdn_verify_triton")
     if q.dtype not in KERNEL_INPUT_DTYPES:
         raise TypeError(
             f"the Triton kernel takes fp16, bf16 or fp32 q/k/v, got {q.dtype}; "
@@ -1070,4 +1105,11 @@ def tree_gdn_verify_triton(
                 f"ptxas could not compile the verification kernel for {config} at "
                 f"block_nodes={BT} under maxnreg={config.maxnreg}; raise maxnreg or leave it "
                 f"None (ptxas: {said[:240]})") from exc
+        except OutOfResources as exc:
+            # raised before the launch: the outputs are new and the pool is only read
+            raise ValueError(
+                f"the verification kernel for {config} does not fit this GPU at "
+                f"block_nodes={BT} ({exc}); use fewer num_stages, a smaller BV or BK, "
+                f"split_gram=True for trees over 128 nodes, or config=None for pick_config's "
+                f"choice") from exc
     return o, TreeFactors(log_decay=log_decay, k=k_raw, u=u, k_inv_norm=k_inv_norm)

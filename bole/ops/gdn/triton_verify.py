@@ -20,7 +20,7 @@ Each value tile recomputes the ``[BT, BT]`` Gram products of its tree: that redu
 of ``d_v / BV`` times more parallelism, which small batches need; where the batch fills the GPU
 without it, ``VerifyConfig.whole_head`` gives each program a whole head, forming the Grams, G and C
 once and then taking the value tiles in turn; ``VerifyConfig.early_decay`` forms the decays before
-the d_k loop, while its first tiles load. ``VerifyConfig.split_gram`` streams
+the d_k loop. ``VerifyConfig.split_gram`` streams
 d_k twice (K for G, R and the solve; then Q for C and O) so that one Gram tile is live at a time,
 for large trees. 64-bit offsets sit in scalar per-tree bases (``cu_nodes[r] * stride``, the pool slot
 times its stride); per-element offsets within a tree stay 32-bit. Padding rows past ``cu_nodes[-1]``
@@ -131,10 +131,12 @@ class VerifyConfig:
         products, sweeps, O), so that none of that is redone per tile; for batches large enough
         to fill the GPU with ``R * H_v`` programs. Ignored with split_gram.
     early_decay: form the decays (from the gates and the ancestor mask, which it loads before the
-        d_k loop) before the loop instead of after it, so that they overlap the loop's first loads
-        (in batch 1's launch 8% of the warps' samples wait there, ncu); the key norms then scale
-        G and C's columns after the loop instead of riding in the decays' exponent. Overrides
-        defer_gates; ignored with split_gram.
+        d_k loop) before the loop instead of after it, which shortens the chain after the loop;
+        the key norms then scale G and C's columns after the loop instead of riding in the decays'
+        exponent. The aim was to overlap the loop's first tile loads (8% of batch 1's samples wait
+        on them, ncu), but in the sm_90 SASS Triton 3.6 issues those loads only after the decays,
+        which overlap the gate and mask loads instead. Overrides defer_gates; ignored with
+        split_gram.
     """
 
     BV: int
@@ -795,10 +797,10 @@ def _tree_gdn_verify_kernel(
         if PREFETCH:
             v_in = tl.load(v_rows + vcols[None, :], mask=row_ok[:, None] & v_ok[None, :], other=0.0)
         if EARLY_DECAY:
-            # the decays need only the gates and the mask: formed while the loop's first tiles
-            # load (batch 1's launch otherwise idles there, ncu); the key norms' column scaling
-            # is applied after the loop, and a decay of a non-ancestor is 0, so the mask is not
-            # needed again (only the diagonal is taken out of G)
+            # the decays need only the gates and the mask (Triton 3.6 issues the loop's first
+            # loads after them); the key norms' column scaling is applied after the loop, and a
+            # decay of a non-ancestor is 0, so the mask is not needed again (only the diagonal is
+            # taken out of G)
             _, L, decay = _tree_decay(anc_u8, g, rows, tl.zeros([BT], dtype=tl.float32), True,
                                       INTERPRET)
         for k0 in range(0, D_K, BK):

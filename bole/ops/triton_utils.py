@@ -32,7 +32,7 @@ def fix_interpreter_scalar_index() -> None:
     be converted to Python scalars"). This re-registers ``__index__`` to read the single element.
     Only active when ``TRITON_INTERPRET=1``; compiled kernels are unaffected. Idempotent.
     """
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+    if not interpreting():
         return
     from triton.runtime import interpreter as interp
 

@@ -512,7 +512,7 @@ def test_transposed_sweeps_where_they_apply():
     and the sweeps are fp16 (the form verified compiled on the H200)."""
     from bole.ops.gdn.triton_verify import kernel_switches
     kw = dict(dtype=torch.bfloat16, precision="tf32", raw_gates=True, l2norm=True, max_depth=8,
-              d_k=128, interpret=False)
+              interpret=False)
 
     def on(bv, w, **cfg):
         config = VerifyConfig(BV=bv, BK=32, num_warps=w, transposed_sweeps=True, **cfg)
@@ -566,7 +566,7 @@ def test_known_miscompile_is_refused():
 
     def check(config, block_nodes=64, dtype=torch.bfloat16, precision="tf32"):
         switches = kernel_switches(config, dtype=dtype, precision=precision, raw_gates=True,
-                                   l2norm=True, max_depth=8, d_k=128, interpret=False)
+                                   l2norm=True, max_depth=8, interpret=False)
         _refuse_known_miscompile(config, switches, block_nodes, dtype, precision)
 
     for dtype in (torch.bfloat16, torch.float16):

@@ -41,7 +41,6 @@ This module knows nothing of models or requests beyond :class:`bole.tree.ForestM
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -50,7 +49,7 @@ import triton.language as tl
 
 from bole.ops.gdn.closed_form import TreeFactors
 from bole.ops.gdn.common import check_gdn_tensors
-from bole.ops.triton_utils import check_kernel_device
+from bole.ops.triton_utils import check_kernel_device, interpreting
 from bole.tree import ForestMeta
 
 try:                                    # in Triton 3.6 and 3.9; a Triton without it never raises it
@@ -256,7 +255,7 @@ def _interpreting() -> bool:
     kernel = globals().get("_tree_gdn_verify_kernel")
     if kernel is not None:
         return type(kernel).__name__ == "InterpretedFunction"
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    return interpreting()
 
 
 def _next_pow2(x: int) -> int:
@@ -740,7 +739,7 @@ def _tree_gdn_verify_kernel(
     # 64-bit offsets live in the scalar per-tree bases; per-element offsets (< BT rows) stay 32-bit
     gate_in = _load_gate_columns(g_ptr + lo * s_gn + h * s_gh, beta_ptr + lo * s_bn + h * s_bh,
                                  s_gn, s_bn, A_log_ptr, dt_bias_ptr, h, rows, row_ok, RAW_GATES)
-    if not (DEFER_GATES and not SPLIT and not EARLY_DECAY):
+    if not DEFER_GATES:
         g, beta = _gates(*gate_in, row_ok, RAW_GATES)
 
     vcols = iv * BV + tl.arange(0, BV)
@@ -821,19 +820,19 @@ def _tree_gdn_verify_kernel(
         # tile is live in it; G and C are formed at once so that kk, qk and decay die before the
         # solve. DEFER_GATES: the gates computed only now from inputs loaded at the start, so
         # that the prologue's loads are not held up behind the gate loads' latency.
-        if DEFER_GATES and not EARLY_DECAY:
+        if DEFER_GATES:
             g, beta = _gates(*gate_in, row_ok, RAW_GATES)
         if not (PREFETCH or EARLY_DECAY):
             anc_u8 = _load_ancestors(mask_rows, s_mn, rows, row_ok)
+        if FUSED_NORMS and L2NORM:
+            # |k_i|^2 from the diagonal of K K^T (the same products, accumulated by the tensor
+            # cores)
+            ss_k = tl.sum(tl.where(rows[:, None] == rows[None, :], kk, 0.0), axis=1)
         if EARLY_DECAY:
             strict = rows[:, None] != rows[None, :]
-            if FUSED_NORMS and L2NORM:
-                ss_k = tl.sum(tl.where(rows[:, None] == rows[None, :], kk, 0.0), axis=1)
         elif FUSED_NORMS:
-            # |k_i|^2 from the diagonal of K K^T (the same products, accumulated by the tensor
-            # cores), and the column scaling rk_j of G and C folded into the decays' exponent
+            # the column scaling rk_j of G and C folded into the decays' exponent
             if L2NORM:
-                ss_k = tl.sum(tl.where(rows[:, None] == rows[None, :], kk, 0.0), axis=1)
                 col_log2 = tl.log2(tl.rsqrt(ss_k + 1e-6))        # log2 of _tree_matrices' rk
             else:
                 col_log2 = tl.zeros([BT], dtype=tl.float32)
@@ -888,7 +887,7 @@ def _tree_gdn_verify_kernel(
 # --------------------------------------------------------------------------------------------
 
 def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str, raw_gates: bool,
-                    l2norm: bool, max_depth: int, d_k: int, interpret: bool) -> dict[str, bool]:
+                    l2norm: bool, max_depth: int, interpret: bool) -> dict[str, bool]:
     """The kernel's compile-time switches for ``config`` on these inputs: each of the config's
     options where it applies, off where it does not (bench/kernel_registers.py compiles with the
     same flags)."""
@@ -905,7 +904,8 @@ def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str,
         FUSED_NORMS=bool(config.fused_norms) and not split
         and (dtype != torch.float32 or precision != "tf32"),
         F16_SWEEPS=f16_sweeps,
-        DEFER_GATES=bool(config.defer_gates),
+        # early_decay needs the gates before the loop; split_gram computes them there anyway
+        DEFER_GATES=bool(config.defer_gates) and not split and not config.early_decay,
         PREFETCH=bool(config.prefetch_tiles),
         # the iterate as wgmma's register operand needs its rows (BV) to fill the warpgroups'
         # 64-row tiles; below that Triton falls back to mma.sync with register shuffles (sm_90
@@ -1078,8 +1078,7 @@ def tree_gdn_verify_triton(
     if N > 0 and R > 0:
         switches = kernel_switches(config, dtype=q.dtype, precision=precision,
                                    raw_gates=raw_gates, l2norm=bool(use_qk_l2norm_in_kernel),
-                                   max_depth=int(meta.max_depth), d_k=d_k,
-                                   interpret=_interpreting())
+                                   max_depth=int(meta.max_depth), interpret=_interpreting())
         _refuse_known_miscompile(config, switches, BT, q.dtype, precision)
         value_tiles = 1 if switches["WHOLE_HEAD"] else triton.cdiv(d_v, config.BV)
         try:
@@ -1096,7 +1095,8 @@ def tree_gdn_verify_triton(
                 BV=config.BV, RAW_GATES=raw_gates, L2NORM=bool(use_qk_l2norm_in_kernel),
                 PREC=precision, **switches,
                 num_warps=config.num_warps, num_stages=config.num_stages,
-                **({"maxnreg": config.maxnreg} if config.maxnreg and not _interpreting() else {}))
+                **({"maxnreg": config.maxnreg} if config.maxnreg and not switches["INTERPRET"]
+                   else {}))
         except PTXASError as exc:
             if not config.maxnreg:
                 raise

@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--picked-only", action="store_true",
                     help="time pick_config's choice at each of --stages only (no BV/BK/warps grid)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--compile-workers", type=int, default=0,
+                    help="compile the grid in this many processes first (Triton's disk cache)")
     ap.add_argument("--once", action="store_true",
                     help="launch pick_config's choice once per batch, no timing (for ncu)")
     args = ap.parse_args(argv)
@@ -95,6 +97,7 @@ def main(argv=None) -> int:
     shape = gdn_shape(args.model)
     Hv, dk, dv = shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
     records = []
+    compiled_configs: set = set()
     for batch in args.batches:
         forest, meta_f = kb.bench_forest(args.nodes, batch, batch * 1000 + args.nodes, dev)
         no_sweep = dataclasses.replace(meta_f, max_depth=0)
@@ -118,6 +121,9 @@ def main(argv=None) -> int:
             grid = [dataclasses.replace(c, maxnreg=cap or None) for c in grid for cap in args.maxnreg]
         if picked not in grid:
             grid.insert(0, picked)
+        kb.precompile(args.model, [(args.nodes, c) for c in grid if c not in compiled_configs],
+                      args.compile_workers)
+        compiled_configs.update(grid)
         for cfg in grid:
             rec = dict(batch=batch, nodes=args.nodes, floor_us=floor_us, picked=cfg == picked,
                        input_sets=len(sets),

@@ -262,6 +262,49 @@ def time_calls(calls, min_ms: float = 150.0) -> float:
     return statistics.median(times)
 
 
+#: the verification launches of one config that run_shape makes: (fp32 copies of q/k/v,
+#: precision, out dtype) -- bf16 as is, bf16 with fp32 O, fp32 in tf32 and fp32 in IEEE mode
+SHAPE_VARIANTS = ((False, None, None), (False, None, torch.float32), (True, "tf32", None),
+                  (True, "ieee", None))
+
+
+def _compile_one(model: str, nodes: int, config_fields: dict, variants: tuple) -> str | None:
+    """One worker of :func:`precompile`: launch the config once per variant (as in
+    SHAPE_VARIANTS) on a batch-1 forest of ``nodes`` nodes (same strides and alignment as every
+    batch, so the same Triton cache entries); the error text, or None."""
+    from bole.ops.gdn.triton_verify import VerifyConfig
+    try:
+        dev = torch.device("cuda")
+        forest, meta = bench_forest(nodes, 1, nodes, dev)
+        x = make_inputs(gdn_shape(model), forest, dev, seed=0)
+        f32 = {n: (t.float() if n in ("q", "k", "v") else t) for n, t in x.items()}
+        for fp32_in, precision, out_dtype in variants:
+            verify_inputs(f32 if fp32_in else x, meta, config=VerifyConfig(**config_fields),
+                          out_dtype=out_dtype, **({"precision": precision} if precision else {}))
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:                 # the timing run meets it again and records it
+        return repr(exc)[:300]
+
+
+def precompile(model: str, jobs: list, workers: int, variants: tuple = SHAPE_VARIANTS[:2]) -> None:
+    """Compile the verification kernel for ``jobs`` (``(nodes, VerifyConfig)`` pairs) in
+    ``workers`` processes at once, into Triton's on-disk cache, so that the timing run (one
+    process) only loads them: at d = 128 one launch compiles for 7-40 s, and a run has dozens."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+    jobs = list(dict.fromkeys(jobs))
+    if workers < 2 or len(jobs) < 2:
+        return
+    with cf.ProcessPoolExecutor(max_workers=min(workers, len(jobs)),
+                                mp_context=mp.get_context("spawn")) as pool:
+        futures = {pool.submit(_compile_one, model, nodes, dataclasses.asdict(c), variants):
+                   (nodes, c) for nodes, c in jobs}
+        for job in cf.as_completed(futures):
+            if job.result() is not None:
+                print(f"precompile {futures[job]}: {job.result()}", flush=True)
+
+
 # ----------------------------------------------------------------------------- one shape
 
 def sweep_configs(level: str, block_nodes: int):
@@ -504,6 +547,21 @@ def plot(path: Path) -> Path:
     return out
 
 
+def precompile_model(model: str, batches, nodes, sweep: str, workers: int) -> None:
+    """:func:`precompile` every verification launch that run_shape makes for ``model``."""
+    from bole.ops.gdn.triton_verify import pick_config
+    shape = gdn_shape(model)
+    picked, others = [], []
+    for t in nodes:
+        bt = bench_forest(t, 1, t, "cpu")[0].kernel_meta("cpu").block_nodes
+        for b in batches:
+            picked.append((t, pick_config(bt, shape.head_k_dim, shape.head_v_dim,
+                                          b * shape.num_v_heads, interpret=False)))
+        others += [(t, c) for c in sweep_configs(sweep, bt)]
+    precompile(model, picked, workers, SHAPE_VARIANTS)
+    precompile(model, [j for j in others if j not in picked], workers, SHAPE_VARIANTS[:1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few shapes, one config each")
@@ -515,6 +573,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", choices=("full", "small", "picked"), default="small",
                     help="verification-kernel configs timed besides pick_config's (default small)")
     ap.add_argument("--tag", default="", help="suffix of the results file name")
+    ap.add_argument("--compile-workers", type=int, default=0,
+                    help="compile every model's verification launches in this many processes "
+                         "first (Triton's disk cache), then time them in this one")
     ap.add_argument("--merge", nargs="+", default=None,
                     help="merge results files (same device and date) into kernels-<date><tag>.json, "
                          "then plot")
@@ -556,6 +617,9 @@ def main(argv=None) -> int:
     batches = [1, 16] if args.quick else args.batches
     nodes = [64] if args.quick else args.nodes
     for model in models:
+        if args.compile_workers > 1:
+            precompile_model(model, batches, nodes, "picked" if args.quick else args.sweep,
+                             args.compile_workers)
         for b in batches:
             for t in nodes:
                 try:

@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton")
 from bole.ops.gdn.closed_form import commit_factored, tree_gdn_closed_form  # noqa: E402
 from bole.ops.gdn.reference import tree_gdn_serial  # noqa: E402
 from bole.ops.gdn.triton_verify import (  # noqa: E402
-    CONFIG_TABLE, INTERPRET_CONFIG, VerifyConfig, _interpreting, pick_config, tree_gdn_verify_triton)
+    CONFIG_TABLE, INTERPRET_CONFIG, NARROW_TILE, VerifyConfig, _interpreting, pick_config, tree_gdn_verify_triton)
 from bole.tree import DraftTree, PackedForest  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -771,8 +771,10 @@ def test_pick_config():
             c = pick_config(bt, 128, 128, programs, interpret=False)
             c.validate()
             assert c.BV <= 128 and c.BK <= 128 and c.num_warps <= 8
-            base = CONFIG_TABLE[min((kb for kb in CONFIG_TABLE if kb >= bt), default=max(CONFIG_TABLE))]
-            assert c.BK == base.BK and c.split_gram == base.split_gram
+            key = min((kb for kb in CONFIG_TABLE if kb >= bt), default=max(CONFIG_TABLE))
+            base = CONFIG_TABLE[key]
+            narrow = NARROW_TILE.get(key, {}) if c.BV == 32 else {}
+            assert c.BK == narrow.get("BK", base.BK) and c.split_gram == base.split_gram
             assert c.bf16_state == base.bf16_state and c.num_stages == base.num_stages
             if programs >= 2048:
                 assert c.BV == base.BV
@@ -790,9 +792,11 @@ def test_pick_config():
              for b in (1, 4, 6, 8, 12, 16, 64)}
     assert whole == {1: False, 4: False, 6: True, 8: True, 12: False, 16: True, 64: True}
     assert not pick_config(128, 128, 128, 2048, interpret=False).whole_head      # one tile
-    # early_decay at BT = 64 from BV 64 on: slower at batch 1's BV 32 (spills), faster at 4 and 16
-    early = {b: pick_config(64, 128, 128, 32 * b, interpret=False).early_decay for b in (1, 4, 16)}
-    assert early == {1: False, 4: True, 16: True}
+    # early_decay at BT = 64: at batch 1's BV 32 only with BK 64 (BK 32 spills), faster at 4 / 16
+    picks = {b: pick_config(64, 128, 128, 32 * b, interpret=False) for b in (1, 4, 16)}
+    assert {b: (c.BV, c.BK, c.early_decay) for b, c in picks.items()} == {
+        1: (32, 64, True), 4: (64, 32, True), 16: (64, 32, True)}
+    assert pick_config(64, 32, 128, 32, interpret=False).BK == 32       # never past d_k
     # tiny heads: tiles never exceed the (power-of-two padded) head dims
     c = pick_config(16, 16, 16, 4096, interpret=False)
     assert c.BV == 16 and c.BK == 16

@@ -64,7 +64,7 @@ except ImportError:                     # pragma: no cover
         """Stand-in that nothing raises."""
 
 __all__ = [
-    "VerifyConfig", "CONFIG_TABLE", "INTERPRET_CONFIG", "PRECISIONS", "pick_config",
+    "VerifyConfig", "CONFIG_TABLE", "NARROW_TILE", "INTERPRET_CONFIG", "PRECISIONS", "pick_config",
     "tree_gdn_verify_triton",
 ]
 
@@ -236,9 +236,15 @@ CONFIG_TABLE: dict[int, VerifyConfig] = {
 
 #: Programs in about one wave of the H200's 132 SMs: BV shrinks until the launch has this many.
 MIN_PROGRAMS = 128
-#: Narrowest value tile that keeps ``early_decay``: at BV = 32 (batch 1's launch) the decays held
-#: through the d_k loop spill and it was 6% slower on the H200.
+#: Narrowest value tile that keeps ``early_decay`` with the table's BK: at BV = 32 (batch 1's
+#: launch) and BK = 32 the decays held through the d_k loop spill and it was 6% slower on the H200.
 EARLY_DECAY_MIN_BV = 64
+#: Changes for the narrowest value tile (BV = 32: batch 1 at BT = 64), by block: BK = 64 (two
+#: d_k steps) keeps ``early_decay`` without spills (248 registers in the sm_90 cubin against 255
+#: and 12 bytes at BK = 32). H200, T = 64, batch 1, two runs side by side: 11.24 / 11.23 us
+#: against the table's 11.39 / 11.44 (kernel-probe-2026-11-30-bk64-b1*.json; the 15 other
+#: combinations of BK 32 / 64, fused_norms, prefetch_tiles and early_decay 11.26-12.44).
+NARROW_TILE: dict[int, dict] = {64: dict(BK=64, early_decay=True)}
 #: Programs resident at once on the H200 at BT = 64 (two 4-warp programs of ~255 registers per SM)
 WAVE_SLOTS = 2 * 132
 #: Time of one whole-head program over that of the head's value-tile programs together (T = 64,
@@ -283,8 +289,13 @@ def pick_config(block_nodes: int, d_k: int, d_v: int, num_programs: int, *,
         bv //= 2
     warps = 8 if (block_nodes >= 128 or block_nodes * bv >= 8192) else base.num_warps
     whole_head = base.whole_head and _whole_head_pays(num_programs, triton.cdiv(d_v, bv))
-    return replace(base, BV=bv, BK=bk, num_warps=max(base.num_warps, warps), whole_head=whole_head,
-                   early_decay=base.early_decay and bv >= EARLY_DECAY_MIN_BV)
+    config = replace(base, BV=bv, BK=bk, num_warps=max(base.num_warps, warps),
+                     whole_head=whole_head, early_decay=base.early_decay and bv >= EARLY_DECAY_MIN_BV)
+    if bv == 32 and key in NARROW_TILE:
+        narrow = dict(NARROW_TILE[key])
+        narrow["BK"] = max(16, min(narrow.get("BK", bk), _next_pow2(d_k)))
+        config = replace(config, **narrow)
+    return config
 
 
 def _whole_head_pays(num_programs: int, tiles: int) -> bool:

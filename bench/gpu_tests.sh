@@ -15,7 +15,10 @@ mkdir -p "$log_dir"
 {
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  git log -1 --format='%h %s' 2>/dev/null
+  # a copied working tree may carry an older checkout's .git: the hash of the sources says which
+  # files ran (compare: cat $(git ls-files 'bole/*.py' 'tests/*.py') | sha1sum)
+  echo "git: $(git log -1 --format='%h %s' 2>/dev/null | cut -c1-100)"
+  echo "sources: $(cat $(git ls-files 'bole/*.py' 'tests/*.py' 2>/dev/null) | sha1sum | cut -c1-12)"
   date -u
   echo "pytest $* in $shards shards"
 } > "$log_dir/summary.txt"

@@ -218,8 +218,10 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #: (kernel-probe-2026-11-30-whole-head-*.json).
 #: ``early_decay`` at BT = 64 with BV >= 64 (pick_config drops it below, EARLY_DECAY_MIN_BV):
 #: T = 64, batch 4 / 16 16.43 / 53.63 -> 15.98 / 51.65 us, but batch 1 (BV 32, 12 bytes of
-#: spills with it) 11.15 -> 11.85 (kernel-probe-2026-11-30-early-decay.json; batch 64, T = 128 and
-#: T <= 32 not measured with it).
+#: spills with it) 11.15 -> 11.85 (kernel-probe-2026-11-30-early-decay.json), so batch 1 takes it
+#: only with BK 64 (NARROW_TILE). kernels.py, all of the table: batch 4 / 16 / 64 16.7 / 53.3 /
+#: 200.2 -> 16.1 / 51.9 / 194.6 us (kernels-2026-11-30-9b-session9.json). Not at T <= 32 (-1% to
+#: +6%, kernel-probe-2026-11-30-early-decay-t16-t32.json) nor BT = 128 (more spills, offline).
 CONFIG_TABLE: dict[int, VerifyConfig] = {
     16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fp16_sweeps=True,
                      transposed_sweeps=True),

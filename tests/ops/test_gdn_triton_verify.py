@@ -22,7 +22,8 @@ triton = pytest.importorskip("triton")
 from bole.ops.gdn.closed_form import commit_factored, tree_gdn_closed_form  # noqa: E402
 from bole.ops.gdn.reference import tree_gdn_serial  # noqa: E402
 from bole.ops.gdn.triton_verify import (  # noqa: E402
-    CONFIG_TABLE, INTERPRET_CONFIG, NARROW_TILE, VerifyConfig, _interpreting, pick_config, tree_gdn_verify_triton)
+    CONFIG_TABLE, INTERPRET_CONFIG, NARROW_TILE, VerifyConfig, _interpreting, pick_config,
+    tree_gdn_verify_triton)
 from bole.tree import DraftTree, PackedForest  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -134,7 +135,8 @@ TREES = {
 #: every compile-time variant of the kernel body: one or two passes over d_k; key norms from sums
 #: of squares or (fused_norms) from the Gram diagonal, folded into the decays; the gates computed
 #: after the d_k loop and the mask / value tiles loaded before it (early_loads); the decays
-#: formed before the loop (early_decay, which overrides defer_gates)
+#: formed before the loop (early_decay, which overrides defer_gates) or in its first step
+#: (decay_in_loop)
 VARIANTS = {
     "sweep": None,
     "split_gram": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, split_gram=True),
@@ -144,6 +146,8 @@ VARIANTS = {
     "early_decay": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, early_decay=True),
     "early_decay_fused": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, early_decay=True,
                                       fused_norms=True, prefetch_tiles=True, defer_gates=True),
+    "decay_in_loop": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, early_decay=True,
+                                  decay_in_loop=True, fused_norms=True, prefetch_tiles=True),
 }
 
 
@@ -615,7 +619,7 @@ GPU_VARIANTS = (VerifyConfig(BV=32, BK=32), VerifyConfig(BV=64, BK=32),
 
 @pytest.mark.skipif(not HAS_CUDA, reason="compiled table configurations need a GPU")
 @pytest.mark.parametrize("config", ["table", "picked", *GPU_VARIANTS], ids=str)
-@pytest.mark.parametrize("nodes", [12, 60, 120, 129])
+@pytest.mark.parametrize("nodes", [12, 30, 60, 120, 129])
 def test_table_configs_cuda(nodes, config):
     """Every CONFIG_TABLE entry, pick_config's choice and a few variants compile and are correct
     at the real head dims (d = 128, bf16)."""
@@ -792,11 +796,19 @@ def test_pick_config():
              for b in (1, 4, 6, 8, 12, 16, 64)}
     assert whole == {1: False, 4: False, 6: True, 8: True, 12: False, 16: True, 64: True}
     assert not pick_config(128, 128, 128, 2048, interpret=False).whole_head      # one tile
-    # early_decay at BT = 64: at batch 1's BV 32 only with BK 64 (BK 32 spills), faster at 4 / 16
-    picks = {b: pick_config(64, 128, 128, 32 * b, interpret=False) for b in (1, 4, 16)}
-    assert {b: (c.BV, c.BK, c.early_decay) for b, c in picks.items()} == {
-        1: (32, 64, True), 4: (64, 32, True), 16: (64, 32, True)}
-    assert pick_config(64, 32, 128, 32, interpret=False).BK == 32       # never past d_k
+    # early_decay at BT = 64; at batch 1's BV 32 formed in the d_k loop (before it, it spills),
+    # at BV 64 before the loop (in it, it spills); at BT = 32 in the loop at every batch, at
+    # BT = 16 only for batch 1
+    picks = {(bt, b): pick_config(bt, 128, 128, 32 * b, interpret=False)
+             for bt in (16, 32, 64) for b in (1, 4, 16)}
+    assert {k: (c.BV, c.BK, c.early_decay, c.decay_in_loop) for k, c in picks.items()} == {
+        (64, 1): (32, 32, True, True), (64, 4): (64, 32, True, False),
+        (64, 16): (64, 32, True, False),
+        (32, 1): (32, 32, True, True), (32, 4): (128, 32, True, True),
+        (32, 16): (128, 32, True, True),
+        (16, 1): (32, 32, True, True), (16, 4): (128, 32, False, False),
+        (16, 16): (128, 32, False, False)}
+    assert pick_config(64, 16, 128, 32, interpret=False).BK == 16       # never past d_k
     # tiny heads: tiles never exceed the (power-of-two padded) head dims
     c = pick_config(16, 16, 16, 4096, interpret=False)
     assert c.BV == 16 and c.BK == 16

@@ -20,11 +20,12 @@ Each value tile recomputes the ``[BT, BT]`` Gram products of its tree: that redu
 of ``d_v / BV`` times more parallelism, which small batches need; where the batch fills the GPU
 without it, ``VerifyConfig.whole_head`` gives each program a whole head, forming the Grams, G and C
 once and then taking the value tiles in turn; ``VerifyConfig.early_decay`` forms the decays before
-the d_k loop. ``VerifyConfig.split_gram`` streams
-d_k twice (K for G, R and the solve; then Q for C and O) so that one Gram tile is live at a time,
-for large trees. 64-bit offsets sit in scalar per-tree bases (``cu_nodes[r] * stride``, the pool slot
-times its stride); per-element offsets within a tree stay 32-bit. Padding rows past ``cu_nodes[-1]``
-are written (zeros) by the last request's programs, so no output needs a memset.
+the d_k loop (with ``decay_in_loop``, in its first step, after its first loads are issued).
+``VerifyConfig.split_gram`` streams d_k twice (K for G, R and the solve; then Q for C and O) so
+that one Gram tile is live at a time, for large trees. 64-bit offsets sit in scalar per-tree bases
+(``cu_nodes[r] * stride``, the pool slot times its stride); per-element offsets within a tree stay
+32-bit. Padding rows past ``cu_nodes[-1]`` are written (zeros) by the last request's programs,
+so no output needs a memset.
 
 Inputs may be fp16/bf16/fp32; gates, state and all accumulation are fp32. ``precision`` selects
 tl.dot's ``input_precision`` for fp32 operands ("tf32" fast, "tf32x3", or "ieee" exact); fp16/bf16
@@ -134,8 +135,13 @@ class VerifyConfig:
         the key norms then scale G and C's columns after the loop instead of riding in the decays'
         exponent. The aim was to overlap the loop's first tile loads (8% of batch 1's samples wait
         on them, ncu), but in the sm_90 SASS Triton 3.6 issues those loads only after the decays,
-        which overlap the gate and mask loads instead. Overrides defer_gates; ignored with
-        split_gram.
+        which overlap the gate and mask loads instead (``decay_in_loop`` fixes the order).
+        Overrides defer_gates; ignored with split_gram.
+    decay_in_loop: with early_decay, form the decays in the first step of the d_k loop instead of
+        before it: the loop's prologue (the first stages' loads) is then issued before them, with
+        the gate and mask loads, so that the decays wait for one round trip to memory instead of
+        coming between two (sm_90 SASS at BV 32: the first tile load at instruction 108 against
+        675); the decays (and the gates) then overlap the first Gram products.
     """
 
     BV: int
@@ -153,6 +159,7 @@ class VerifyConfig:
     transposed_sweeps: bool = False
     whole_head: bool = False
     early_decay: bool = False
+    decay_in_loop: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -216,17 +223,20 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #: model expects it to pay (below): T = 64, batch 6 / 8 / 16 / 64 29.0 / 30.4 / 58.1 / 212.3 ->
 #: 26.6 / 28.0 / 54.1 / 197.9 us, but batch 4 16.8 -> 21.4 and batch 12 44.5 -> 51.0
 #: (kernel-probe-2026-11-30-whole-head-*.json).
-#: ``early_decay`` at BT = 64 with BV >= 64 (pick_config drops it below, EARLY_DECAY_MIN_BV):
-#: T = 64, batch 4 / 16 16.43 / 53.63 -> 15.98 / 51.65 us, but batch 1 (BV 32, 12 bytes of
-#: spills with it) 11.15 -> 11.85 (kernel-probe-2026-11-30-early-decay.json), so batch 1 takes it
-#: only with BK 64 (NARROW_TILE). kernels.py, all of the table: batch 4 / 16 / 64 16.7 / 53.3 /
-#: 200.2 -> 16.1 / 51.9 / 194.6 us (kernels-2026-11-30-9b-session9.json). Not at T <= 32 (-1% to
-#: +6%, kernel-probe-2026-11-30-early-decay-t16-t32.json) nor BT = 128 (more spills, offline).
+#: ``early_decay`` at BT = 64 for BV 64: T = 64, batch 4 / 16 16.43 / 53.63 -> 15.98 / 51.65 us
+#: (kernel-probe-2026-11-30-early-decay.json); kernels.py, all of the table: batch 4 / 16 / 64
+#: 16.7 / 53.3 / 200.2 -> 16.1 / 51.9 / 194.6 us (kernels-2026-11-30-9b-session9.json). Its
+#: ``decay_in_loop`` form spills there (batch 4 / 16 16.08 / 53.22 -> 16.94 / 56.59 us) but not at
+#: BT = 32, where both together are 1.4-6.5% faster at every batch (T = 32, batch 1 / 4 / 16 / 64:
+#: 8.88 / 12.86 / 32.21 / 111.57 -> 8.30 / 12.67 / 31.51 / 110.05 us; early_decay alone -1% to
+#: +6%); at BT = 16 only batch 1 gains (NARROW_TILE), batch 16 is 25% slower
+#: (kernel-probe-2026-11-30-decay-in-loop-*.json). BT = 128: more spills (offline), not timed.
 CONFIG_TABLE: dict[int, VerifyConfig] = {
     16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fp16_sweeps=True,
                      transposed_sweeps=True),
     32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fused_norms=True,
-                     fp16_sweeps=True, transposed_sweeps=True),
+                     fp16_sweeps=True, transposed_sweeps=True, early_decay=True,
+                     decay_in_loop=True),
     64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3, bf16_state=True, cu_bf16x3=True,
                      fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
                      transposed_sweeps=True, whole_head=True, early_decay=True),
@@ -238,15 +248,15 @@ CONFIG_TABLE: dict[int, VerifyConfig] = {
 
 #: Programs in about one wave of the H200's 132 SMs: BV shrinks until the launch has this many.
 MIN_PROGRAMS = 128
-#: Narrowest value tile that keeps ``early_decay`` with the table's BK: at BV = 32 (batch 1's
-#: launch) and BK = 32 the decays held through the d_k loop spill and it was 6% slower on the H200.
-EARLY_DECAY_MIN_BV = 64
-#: Changes for the narrowest value tile (BV = 32: batch 1 at BT = 64), by block: BK = 64 (two
-#: d_k steps) keeps ``early_decay`` without spills (248 registers in the sm_90 cubin against 255
-#: and 12 bytes at BK = 32). H200, T = 64, batch 1, two runs side by side: 11.24 / 11.23 us
-#: against the table's 11.39 / 11.44 (kernel-probe-2026-11-30-bk64-b1*.json; the 15 other
-#: combinations of BK 32 / 64, fused_norms, prefetch_tiles and early_decay 11.26-12.44).
-NARROW_TILE: dict[int, dict] = {64: dict(BK=64, early_decay=True)}
+#: Changes for the narrowest value tile (BV = 32: batch 1 at BT <= 64), by block: the decays
+#: formed in the d_k loop's first step (``early_decay`` + ``decay_in_loop``: no spills, 238
+#: registers at BT = 64 against 255 and 12 bytes with the decays before the loop). H200, batch 1,
+#: side by side: T = 64 10.90 / 10.87 us in two runs against 11.06 / 11.09 for the launch of
+#: kernels-2026-11-30-9b-session9.json (BK 64, decays before the loop; that BK 64 had taken
+#: 11.39 / 11.44 to 11.24 / 11.23, kernel-probe-2026-11-30-bk64-b1*.json); T = 16 6.99 -> 6.82
+#: (kernel-probe-2026-11-30-decay-in-loop-*.json).
+NARROW_TILE: dict[int, dict] = {16: dict(early_decay=True, decay_in_loop=True),
+                                64: dict(early_decay=True, decay_in_loop=True)}
 #: Programs resident at once on the H200 at BT = 64 (two 4-warp programs of ~255 registers per SM)
 WAVE_SLOTS = 2 * 132
 #: Time of one whole-head program over that of the head's value-tile programs together (T = 64,
@@ -292,7 +302,7 @@ def pick_config(block_nodes: int, d_k: int, d_v: int, num_programs: int, *,
     warps = 8 if (block_nodes >= 128 or block_nodes * bv >= 8192) else base.num_warps
     whole_head = base.whole_head and _whole_head_pays(num_programs, triton.cdiv(d_v, bv))
     config = replace(base, BV=bv, BK=bk, num_warps=max(base.num_warps, warps),
-                     whole_head=whole_head, early_decay=base.early_decay and bv >= EARLY_DECAY_MIN_BV)
+                     whole_head=whole_head)
     if bv == 32 and key in NARROW_TILE:
         narrow = dict(NARROW_TILE[key])
         narrow["BK"] = max(16, min(narrow.get("BK", bk), _next_pow2(d_k)))
@@ -741,7 +751,8 @@ def _tree_gdn_verify_kernel(
     RAW_GATES: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr, S_BF16X2: tl.constexpr,
     CU_BF16X3: tl.constexpr, FUSED_NORMS: tl.constexpr, F16_SWEEPS: tl.constexpr,
     DEFER_GATES: tl.constexpr, PREFETCH: tl.constexpr, T_SWEEPS: tl.constexpr,
-    WHOLE_HEAD: tl.constexpr, EARLY_DECAY: tl.constexpr, INTERPRET: tl.constexpr,
+    WHOLE_HEAD: tl.constexpr, EARLY_DECAY: tl.constexpr, DECAY_IN_LOOP: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     iv = tl.program_id(0)
     r = tl.program_id(1)
@@ -752,7 +763,7 @@ def _tree_gdn_verify_kernel(
     # 64-bit offsets live in the scalar per-tree bases; per-element offsets (< BT rows) stay 32-bit
     gate_in = _load_gate_columns(g_ptr + lo * s_gn + h * s_gh, beta_ptr + lo * s_bn + h * s_bh,
                                  s_gn, s_bn, A_log_ptr, dt_bias_ptr, h, rows, row_ok, RAW_GATES)
-    if not DEFER_GATES:
+    if not (DEFER_GATES or DECAY_IN_LOOP):
         g, beta = _gates(*gate_in, row_ok, RAW_GATES)
 
     vcols = iv * BV + tl.arange(0, BV)
@@ -812,10 +823,20 @@ def _tree_gdn_verify_kernel(
             # the decays need only the gates and the mask (Triton 3.6 issues the loop's first
             # loads after them); the key norms' column scaling is applied after the loop, and a
             # decay of a non-ancestor is 0, so the mask is not needed again (only the diagonal is
-            # taken out of G)
-            _, L, decay = _tree_decay(anc_u8, g, rows, tl.zeros([BT], dtype=tl.float32), True,
-                                      INTERPRET)
+            # taken out of G). DECAY_IN_LOOP: in the loop's first step, after its first loads
+            if DECAY_IN_LOOP:
+                beta = tl.zeros([BT], dtype=tl.float32)
+                L = tl.zeros([BT], dtype=tl.float64)
+                decay = tl.zeros([BT, BT], dtype=tl.float32)
+            else:
+                _, L, decay = _tree_decay(anc_u8, g, rows, tl.zeros([BT], dtype=tl.float32), True,
+                                          INTERPRET)
         for k0 in range(0, D_K, BK):
+            if DECAY_IN_LOOP:
+                if k0 == 0:
+                    g, beta = _gates(*gate_in, row_ok, RAW_GATES)
+                    _, L, decay = _tree_decay(anc_u8, g, rows, tl.zeros([BT], dtype=tl.float32),
+                                              True, INTERPRET)
             q_t, k_t, s_t = _load_dk_tiles(q_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk,
                                            s_sv, D_K, D_V, BK, BV, True)
             kt_t = tl.trans(k_t)
@@ -929,6 +950,7 @@ def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str,
         and f16_sweeps,
         WHOLE_HEAD=bool(config.whole_head) and not split,
         EARLY_DECAY=bool(config.early_decay) and not split,
+        DECAY_IN_LOOP=bool(config.decay_in_loop and config.early_decay) and not split,
         INTERPRET=interpret,
     )
 

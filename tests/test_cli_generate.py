@@ -1,12 +1,12 @@
 """`bole generate` end to end on a tiny checkpoint written by transformers, with a tiny tokenizer."""
 
 import json
-import sys
 
 import pytest
 
-for blocked in ("fla", "causal_conv1d"):
-    sys.modules.setdefault(blocked, None)
+from tests.oracle_imports import block_fast_kernels
+
+block_fast_kernels()  # transformers on its torch paths (tests/oracle_imports.py)
 
 pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

@@ -1,13 +1,12 @@
 """The shipped bundled checkpoint: loads through Bole's loader and through transformers' Qwen3.5
 classes, with equal logits; carries its MTP head and tokenizer; is the CLI's default model."""
 
-import sys
-
 import pytest
 import torch
 
-for blocked in ("fla", "causal_conv1d"):
-    sys.modules.setdefault(blocked, None)
+from tests.oracle_imports import block_fast_kernels
+
+block_fast_kernels()  # transformers on its torch paths (tests/oracle_imports.py)
 pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 

@@ -2,14 +2,14 @@
 
 import json
 import shutil
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-for blocked in ("fla", "causal_conv1d"):
-    sys.modules.setdefault(blocked, None)  # keep transformers on its torch path on CPU
+from tests.oracle_imports import block_fast_kernels
+
+block_fast_kernels()  # transformers on its torch paths (tests/oracle_imports.py)
 
 transformers = pytest.importorskip("transformers")
 

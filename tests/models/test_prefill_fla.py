@@ -5,32 +5,21 @@ and an fp32 initial state, against the fp64 serial recurrence. Model level: pref
 committed GDN state of a tiny random model in fp32 with fla against the tree path (fla off).
 """
 
-import sys
-
 import pytest
 import torch
 
 from bole.ops.gdn.reference import chain_gdn_recurrent
+from tests.oracle_imports import fla_unblocked
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="fla's kernels need a GPU")
 
 
 @pytest.fixture(autouse=True)
 def _fla_unblocked():
-    """The transformers-oracle test modules block fla (None in sys.modules, at import, for the
-    whole process) so that transformers keeps its torch path; these tests need the real fla, so
-    the block is lifted for each of them and put back after, with fla's modules removed again."""
-    blocked = "fla" in sys.modules and sys.modules["fla"] is None
-    if not blocked:
+    """The transformers-oracle test modules block fla for the whole process (so that
+    transformers keeps its torch path); these tests need the real fla."""
+    with fla_unblocked():
         yield
-        return
-    del sys.modules["fla"]
-    yield
-    # the block back, and fla's modules imported here out: `from fla.ops... import` finds a
-    # submodule in sys.modules without its parent, so a later model would pick fla's prefill up
-    for name in [n for n in sys.modules if n.startswith("fla.")]:
-        del sys.modules[name]
-    sys.modules["fla"] = None
 
 
 def _fla():

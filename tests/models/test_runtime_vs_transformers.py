@@ -4,14 +4,13 @@ Prefill logits, 16 decode steps, tree verification (each node equals decoding it
 decode step after committing an accepted path, all to 1e-4 in fp32.
 """
 
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-for blocked in ("fla", "causal_conv1d"):
-    sys.modules.setdefault(blocked, None)
+from tests.oracle_imports import block_fast_kernels
+
+block_fast_kernels()  # transformers on its torch paths (tests/oracle_imports.py)
 
 pytest.importorskip("transformers")
 

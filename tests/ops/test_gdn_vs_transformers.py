@@ -4,13 +4,12 @@ transformers swaps its torch GDN / conv functions for fla's / causal_conv1d's ke
 import; we block both imports first so the oracle is the plain torch code (DESIGN.md section 3).
 """
 
-import sys
-
 import pytest
 import torch
 
-for blocked in ("fla", "causal_conv1d"):
-    sys.modules.setdefault(blocked, None)  # make `import fla` fail inside transformers
+from tests.oracle_imports import block_fast_kernels
+
+block_fast_kernels()  # transformers on its torch paths (tests/oracle_imports.py)
 
 qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 

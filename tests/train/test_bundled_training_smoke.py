@@ -4,14 +4,14 @@ drafter (same inputs, same positions, same logits)."""
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-for blocked in ("fla", "causal_conv1d"):
-    sys.modules.setdefault(blocked, None)
+from tests.oracle_imports import block_fast_kernels
+
+block_fast_kernels()  # transformers on its torch paths (tests/oracle_imports.py)
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]

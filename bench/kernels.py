@@ -119,6 +119,12 @@ def make_inputs(shape, forest: PackedForest, dev, seed: int):
         initial_state=rnd(R, Hv, dk, dv, dt=torch.float32) * 0.1)
 
 
+def fp32_inputs(x: dict) -> dict:
+    """The input set ``x`` with fp32 copies of its (bf16) q, k and v: the same values, for the
+    launches that measure accuracy without bf16 operands (the other tensors are shared)."""
+    return {n: (t.float() if n in ("q", "k", "v") else t) for n, t in x.items()}
+
+
 def verify_inputs(x: dict, meta, **kw):
     """``tree_gdn_verify_triton`` on one input set of :func:`make_inputs` as Qwen3.5 runs it (raw
     a/b gates, q/k l2-normalised in the kernel); ``kw`` as the wrapper takes them (config, ...)."""
@@ -277,7 +283,7 @@ def _compile_one(model: str, nodes: int, config_fields: dict, variants: tuple) -
         dev = torch.device("cuda")
         forest, meta = bench_forest(nodes, 1, nodes, dev)
         x = make_inputs(gdn_shape(model), forest, dev, seed=0)
-        f32 = {n: (t.float() if n in ("q", "k", "v") else t) for n, t in x.items()}
+        f32 = fp32_inputs(x)
         for fp32_in, precision, out_dtype in variants:
             verify_inputs(f32 if fp32_in else x, meta, config=VerifyConfig(**config_fields),
                           out_dtype=out_dtype, **({"precision": precision} if precision else {}))
@@ -397,8 +403,7 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
     # --- accuracy without the output rounding: fp32 copies of the same values, O written in fp32,
     #     in the fast tf32 mode and the exact IEEE-fp32 mode (timed only with a full sweep)
     try:
-        f32 = [{n: (t.float() if n in ("q", "k", "v") else t) for n, t in x.items()}
-               for x in (sets[:1] if sweep == "picked" else sets)]
+        f32 = [fp32_inputs(x) for x in (sets[:1] if sweep == "picked" else sets)]
         o, _ = verify_inputs(f32[0], meta, precision="tf32", config=picked)
         tf32_err = rel_err(o, ref64)
         o, fac = verify_inputs(f32[0], meta, precision="ieee")
@@ -553,7 +558,7 @@ def precompile_model(model: str, batches, nodes, sweep: str, workers: int) -> No
     shape = gdn_shape(model)
     picked, others = [], []
     for t in nodes:
-        bt = bench_forest(t, 1, t, "cpu")[0].kernel_meta("cpu").block_nodes
+        bt = bench_forest(t, 1, t, "cpu")[1].block_nodes
         for b in batches:
             picked.append((t, pick_config(bt, shape.head_k_dim, shape.head_v_dim,
                                           b * shape.num_v_heads, interpret=False)))

@@ -60,7 +60,8 @@ def compile_verify(shape, block_nodes: int, cfg: tv.VerifyConfig):
                  D_V=shape.head_v_dim, BT=block_nodes, BK=cfg.BK, BV=cfg.BV,
                  RAW_GATES=True, L2NORM=True, PREC="tf32",
                  **tv.kernel_switches(cfg, dtype=torch.bfloat16, precision="tf32", raw_gates=True,
-                                      l2norm=True, max_depth=kb.DEPTH, interpret=False),
+                                      l2norm=True, max_depth=kb.DEPTH, interpret=False,
+                                      d_k=shape.head_k_dim),
                  **{n: 1 for n in UNIT_STRIDES})
     signature, attrs = {}, {}
     for i, n in enumerate(names):

@@ -135,8 +135,8 @@ TREES = {
 #: every compile-time variant of the kernel body: one or two passes over d_k; key norms from sums
 #: of squares or (fused_norms) from the Gram diagonal, folded into the decays; the gates computed
 #: after the d_k loop and the mask / value tiles loaded before it (early_loads); the decays
-#: formed before the loop (early_decay, which overrides defer_gates) or in its first step
-#: (decay_in_loop)
+#: formed before the loop (early_decay, which overrides defer_gates) or in its first or last
+#: step (decay_in_loop, decay_last_step)
 VARIANTS = {
     "sweep": None,
     "split_gram": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, split_gram=True),
@@ -148,6 +148,9 @@ VARIANTS = {
                                       fused_norms=True, prefetch_tiles=True, defer_gates=True),
     "decay_in_loop": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, early_decay=True,
                                   decay_in_loop=True, fused_norms=True, prefetch_tiles=True),
+    "decay_last_step": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, early_decay=True,
+                                    decay_in_loop=True, decay_last_step=True, fused_norms=True,
+                                    prefetch_tiles=True),
 }
 
 
@@ -375,6 +378,10 @@ BF16_PATHS = {
     "cu_bf16x3": dict(cu_bf16x3=True),
     "table-like": dict(bf16_state=True, cu_bf16x3=True, fused_norms=True, fp16_sweeps=True,
                        prefetch_tiles=True, defer_gates=True),
+    # batch 1's launch at BT = 64: the decays in the d_k loop's last step, path sums in fp32
+    "batch-1-like": dict(bf16_state=True, cu_bf16x3=True, fused_norms=True, fp16_sweeps=True,
+                         prefetch_tiles=True, early_decay=True, decay_in_loop=True,
+                         decay_last_step=True, fp32_log_decay=True),
 }
 
 
@@ -516,7 +523,7 @@ def test_transposed_sweeps_where_they_apply():
     and the sweeps are fp16 (the form verified compiled on the H200)."""
     from bole.ops.gdn.triton_verify import kernel_switches
     kw = dict(dtype=torch.bfloat16, precision="tf32", raw_gates=True, l2norm=True, max_depth=8,
-              interpret=False)
+              interpret=False, d_k=128)
 
     def on(bv, w, **cfg):
         config = VerifyConfig(BV=bv, BK=32, num_warps=w, transposed_sweeps=True, **cfg)
@@ -570,7 +577,7 @@ def test_known_miscompile_is_refused():
 
     def check(config, block_nodes=64, dtype=torch.bfloat16, precision="tf32"):
         switches = kernel_switches(config, dtype=dtype, precision=precision, raw_gates=True,
-                                   l2norm=True, max_depth=8, interpret=False)
+                                   l2norm=True, max_depth=8, interpret=False, d_k=128)
         _refuse_known_miscompile(config, switches, block_nodes, dtype, precision)
 
     for dtype in (torch.bfloat16, torch.float16):
@@ -779,7 +786,8 @@ def test_pick_config():
             base = CONFIG_TABLE[key]
             narrow = NARROW_TILE.get(key, {}) if c.BV == 32 else {}
             assert c.BK == narrow.get("BK", base.BK) and c.split_gram == base.split_gram
-            assert c.bf16_state == base.bf16_state and c.num_stages == base.num_stages
+            assert c.bf16_state == narrow.get("bf16_state", base.bf16_state)
+            assert c.num_stages == base.num_stages
             if programs >= 2048:
                 assert c.BV == base.BV
     # measured on the H200: at BT = 64, BV 32 at batch 1 (32 heads), 64 with 4 warps from batch 4;
@@ -796,18 +804,20 @@ def test_pick_config():
              for b in (1, 4, 6, 8, 12, 16, 64)}
     assert whole == {1: False, 4: False, 6: True, 8: True, 12: False, 16: True, 64: True}
     assert not pick_config(128, 128, 128, 2048, interpret=False).whole_head      # one tile
-    # early_decay at BT = 64; at batch 1's BV 32 formed in the d_k loop (before it, it spills),
-    # at BV 64 before the loop (in it, it spills); at BT = 32 in the loop at every batch, at
-    # BT = 16 only for batch 1
+    # early_decay at BT = 64; at batch 1's BV 32 formed in the d_k loop's last step (BK 64: two
+    # steps), at BV 64 before the loop (in it, it spills); at BT = 32 in the loop's first step at
+    # every batch, at BT = 16 only for batch 1 (in the last step); fp32 path sums where the
+    # decays are fused (BT >= 32, and batch 1 at BT = 16)
     picks = {(bt, b): pick_config(bt, 128, 128, 32 * b, interpret=False)
              for bt in (16, 32, 64) for b in (1, 4, 16)}
-    assert {k: (c.BV, c.BK, c.early_decay, c.decay_in_loop) for k, c in picks.items()} == {
-        (64, 1): (32, 32, True, True), (64, 4): (64, 32, True, False),
-        (64, 16): (64, 32, True, False),
-        (32, 1): (32, 32, True, True), (32, 4): (128, 32, True, True),
-        (32, 16): (128, 32, True, True),
-        (16, 1): (32, 32, True, True), (16, 4): (128, 32, False, False),
-        (16, 16): (128, 32, False, False)}
+    assert {k: (c.BV, c.BK, c.early_decay, c.decay_in_loop, c.decay_last_step, c.fp32_log_decay)
+            for k, c in picks.items()} == {
+        (64, 1): (32, 64, True, True, True, True), (64, 4): (64, 32, True, False, False, True),
+        (64, 16): (64, 32, True, False, False, True),
+        (32, 1): (32, 32, True, True, False, True), (32, 4): (128, 32, True, True, False, True),
+        (32, 16): (128, 32, True, True, False, True),
+        (16, 1): (32, 64, True, True, True, True), (16, 4): (128, 32, False, False, False, False),
+        (16, 16): (128, 32, False, False, False, False)}
     assert pick_config(64, 16, 128, 32, interpret=False).BK == 16       # never past d_k
     # tiny heads: tiles never exceed the (power-of-two padded) head dims
     c = pick_config(16, 16, 16, 4096, interpret=False)

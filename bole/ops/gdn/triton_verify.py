@@ -142,6 +142,15 @@ class VerifyConfig:
         the gate and mask loads, so that the decays wait for one round trip to memory instead of
         coming between two (sm_90 SASS at BV 32: the first tile load at instruction 108 against
         675); the decays (and the gates) then overlap the first Gram products.
+    decay_last_step: with decay_in_loop, in the loop's last step instead of its first (Triton
+        peels that step off the loop): the loop then runs from the first tiles' arrival to the
+        last products with no gate, mask or decay work in between, and the decays come after it,
+        independent of the Gram products they scale (batch 1, T = 64, BK 64: 7% faster).
+    fp32_log_decay: with precision "tf32", the path log-decays ``L`` and their differences in the
+        fused decays in fp32 instead of fp64 (the fp64 form costs ~90 more instructions per
+        thread at BT = 64, conversions and half-rate adds). fp32 loses about ``eps_fp32 * |L|`` in
+        ``L_i - L_j``: O's error against fp64 at T = 64 went from 5.0e-6 to 5.2e-6, far below
+        what the tf32-mode products leave; the "ieee" mode keeps fp64.
     """
 
     BV: int
@@ -160,6 +169,8 @@ class VerifyConfig:
     whole_head: bool = False
     early_decay: bool = False
     decay_in_loop: bool = False
+    decay_last_step: bool = False
+    fp32_log_decay: bool = False
 
     def validate(self) -> None:
         for name in ("BV", "BK"):
@@ -231,32 +242,48 @@ INTERPRET_CONFIG = VerifyConfig(BV=16, BK=16, num_warps=1, num_stages=1)
 #: 8.88 / 12.86 / 32.21 / 111.57 -> 8.30 / 12.67 / 31.51 / 110.05 us; early_decay alone -1% to
 #: +6%); at BT = 16 only batch 1 gains (NARROW_TILE), batch 16 is 25% slower
 #: (kernel-probe-2026-11-30-decay-in-loop-*.json). BT = 128: more spills (offline), not timed.
+#: ``fp32_log_decay`` wherever the decays are fused (BT = 32 to 128): T = 64, batch 1 / 4 / 16 / 64
+#: 10.52 / 15.98 / 51.88 / 193.1 -> 10.28 / 15.67 / 50.64 / 186.0 us; T = 32 batch 1 / 4 / 16
+#: -2% / -3% / -1%; T = 128 batch 1 / 4 / 16 -5.6% / -1.4% / -2.4% (kernel-probe-2026-11-30-fp32-
+#: log-decay-t*.json). ``decay_last_step`` at BT = 64 and BV 64 (with decay_in_loop): batch 4
+#: 15.67 -> 15.34, batch 16 50.59 -> 51.09 (whole_head), so not in the table (-session10-switches-b).
 CONFIG_TABLE: dict[int, VerifyConfig] = {
     16: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fp16_sweeps=True,
                      transposed_sweeps=True),
     32: VerifyConfig(BV=128, BK=32, num_warps=4, num_stages=3, cu_bf16x3=True, fused_norms=True,
                      fp16_sweeps=True, transposed_sweeps=True, early_decay=True,
-                     decay_in_loop=True),
+                     decay_in_loop=True, fp32_log_decay=True),
     64: VerifyConfig(BV=64, BK=32, num_warps=4, num_stages=3, bf16_state=True, cu_bf16x3=True,
                      fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
-                     transposed_sweeps=True, whole_head=True, early_decay=True),
+                     transposed_sweeps=True, whole_head=True, early_decay=True,
+                     fp32_log_decay=True),
     128: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3, bf16_state=True, cu_bf16x3=True,
                       fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
-                      transposed_sweeps=True),
+                      transposed_sweeps=True, fp32_log_decay=True),
     256: VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=2, split_gram=True, cu_bf16x3=True),
 }
 
 #: Programs in about one wave of the H200's 132 SMs: BV shrinks until the launch has this many.
 MIN_PROGRAMS = 128
-#: Changes for the narrowest value tile (BV = 32: batch 1 at BT <= 64), by block: the decays
-#: formed in the d_k loop's first step (``early_decay`` + ``decay_in_loop``: no spills, 238
-#: registers at BT = 64 against 255 and 12 bytes with the decays before the loop). H200, batch 1,
+#: Changes for the narrowest value tile (BV = 32: batch 1 at BT <= 64), by block. Tenth session
+#: (kernel-probe-2026-11-30-decay-step*.json, -decay-last-*.json, -session10-*.json; the same
+#: switches spelled x_decay_last, x_f32_L there): at BT = 64 BK 64 with the decays in the d_k
+#: loop's last step, and the fp32 path sums of CONFIG_TABLE: 10.83-11.18 -> 10.10-10.48 us in five
+#: side-by-side runs (-session10-repeats.json; 10.32 / 10.52 with fp64 sums); at BT = 16 the
+#: same (T = 16: 6.9 -> 6.0 us, T = 8: 5.9) with bf16 state products, fused norms and prefetched
+#: tiles; at BT = 32 those two switches (8.36 -> 8.09 us; the last step there: 9.07, slower).
+#: Before (ninth session): the decays formed in the d_k loop's first step (``early_decay`` +
+#: ``decay_in_loop``: no spills, 238 registers at BT = 64 against 255 and 12 bytes with the
+#: decays before the loop). H200, batch 1,
 #: side by side: T = 64 10.90 / 10.87 us in two runs against 11.06 / 11.09 for the launch of
 #: kernels-2026-11-30-9b-session9.json (BK 64, decays before the loop; that BK 64 had taken
 #: 11.39 / 11.44 to 11.24 / 11.23, kernel-probe-2026-11-30-bk64-b1*.json); T = 16 6.99 -> 6.82
 #: (kernel-probe-2026-11-30-decay-in-loop-*.json).
-NARROW_TILE: dict[int, dict] = {16: dict(early_decay=True, decay_in_loop=True),
-                                64: dict(early_decay=True, decay_in_loop=True)}
+NARROW_TILE: dict[int, dict] = {
+    16: dict(BK=64, bf16_state=True, fused_norms=True, prefetch_tiles=True, early_decay=True,
+             decay_in_loop=True, decay_last_step=True, fp32_log_decay=True),
+    32: dict(bf16_state=True, prefetch_tiles=True),
+    64: dict(BK=64, early_decay=True, decay_in_loop=True, decay_last_step=True)}
 #: Programs resident at once on the H200 at BT = 64 (two 4-warp programs of ~255 registers per SM)
 WAVE_SLOTS = 2 * 132
 #: Time of one whole-head program over that of the head's value-tile programs together (T = 64,
@@ -502,21 +529,29 @@ def _load_ancestors(mask_rows, s_mn, rows, row_ok):
 
 
 @triton.jit
-def _tree_decay(anc_u8, g, rows, col_log2, FUSED: tl.constexpr, INTERPRET: tl.constexpr):
+def _tree_decay(anc_u8, g, rows, col_log2, FUSED: tl.constexpr, INTERPRET: tl.constexpr,
+                F32_L: tl.constexpr = False):
     """Ancestor mask (self included) from :func:`_load_ancestors`, strict mask, path log-decay L
     and the masked decay matrix.
 
     FUSED: ``decay_ij = 2^(L_i log2(e) - L_j log2(e) + col_log2_j)`` in one ftz exp2 per element,
-    the exponent in fp64; ``col_log2`` (``[BT]`` fp32) folds a column scaling (the key inverse
-    norms) into the decays. Otherwise ``exp(L_i - L_j)`` and ``col_log2`` is not read."""
+    the exponent in fp64 (fp32 when F32_L: ``L`` then returns in fp32); ``col_log2`` (``[BT]``
+    fp32) folds a column scaling (the key inverse norms) into the decays. Otherwise
+    ``exp(L_i - L_j)`` and ``col_log2`` is not read."""
     anc = anc_u8 != 0
     strict = anc & (rows[:, None] != rows[None, :])
     # L_i = sum_j mask_ij g_j in fp64 (L_i - L_j of two long paths loses eps * |L| in fp32);
     # decays from the differences, masked to -inf *before* exp
-    L = tl.sum(tl.where(anc, g.to(tl.float64)[None, :], 0.0), axis=1)
+    if F32_L:
+        L = tl.sum(tl.where(anc, g[None, :], 0.0), axis=1)
+    else:
+        L = tl.sum(tl.where(anc, g.to(tl.float64)[None, :], 0.0), axis=1)
     if FUSED:
         L2 = L * 1.4426950408889634                                  # log2(e)
-        diff = (L2[:, None] - (L2 - col_log2.to(tl.float64))[None, :]).to(tl.float32)
+        if F32_L:
+            diff = L2[:, None] - (L2 - col_log2)[None, :]
+        else:
+            diff = (L2[:, None] - (L2 - col_log2.to(tl.float64))[None, :]).to(tl.float32)
         decay = _exp2_ftz(tl.where(anc, diff, float("-inf")), INTERPRET)
     else:
         diff = (L[:, None] - L[None, :]).to(tl.float32)
@@ -752,6 +787,7 @@ def _tree_gdn_verify_kernel(
     CU_BF16X3: tl.constexpr, FUSED_NORMS: tl.constexpr, F16_SWEEPS: tl.constexpr,
     DEFER_GATES: tl.constexpr, PREFETCH: tl.constexpr, T_SWEEPS: tl.constexpr,
     WHOLE_HEAD: tl.constexpr, EARLY_DECAY: tl.constexpr, DECAY_IN_LOOP: tl.constexpr,
+    DECAY_STEP: tl.constexpr, F32_L: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     iv = tl.program_id(0)
@@ -823,20 +859,21 @@ def _tree_gdn_verify_kernel(
             # the decays need only the gates and the mask (Triton 3.6 issues the loop's first
             # loads after them); the key norms' column scaling is applied after the loop, and a
             # decay of a non-ancestor is 0, so the mask is not needed again (only the diagonal is
-            # taken out of G). DECAY_IN_LOOP: in the loop's first step, after its first loads
+            # taken out of G). DECAY_IN_LOOP: in the loop's step DECAY_STEP (the first, after
+            # its first loads, or the last, which Triton peels off the loop)
             if DECAY_IN_LOOP:
                 beta = tl.zeros([BT], dtype=tl.float32)
-                L = tl.zeros([BT], dtype=tl.float64)
+                L = tl.zeros([BT], dtype=tl.float32 if F32_L else tl.float64)
                 decay = tl.zeros([BT, BT], dtype=tl.float32)
             else:
                 _, L, decay = _tree_decay(anc_u8, g, rows, tl.zeros([BT], dtype=tl.float32), True,
-                                          INTERPRET)
+                                          INTERPRET, F32_L)
         for k0 in range(0, D_K, BK):
             if DECAY_IN_LOOP:
-                if k0 == 0:
+                if k0 == DECAY_STEP * BK:
                     g, beta = _gates(*gate_in, row_ok, RAW_GATES)
                     _, L, decay = _tree_decay(anc_u8, g, rows, tl.zeros([BT], dtype=tl.float32),
-                                              True, INTERPRET)
+                                              True, INTERPRET, F32_L)
             q_t, k_t, s_t = _load_dk_tiles(q_base, k_base, s_base, k0, row_ok, vcols, v_ok, s_sk,
                                            s_sv, D_K, D_V, BK, BV, True)
             kt_t = tl.trans(k_t)
@@ -870,7 +907,7 @@ def _tree_gdn_verify_kernel(
                 col_log2 = tl.log2(tl.rsqrt(ss_k + 1e-6))        # log2 of _tree_matrices' rk
             else:
                 col_log2 = tl.zeros([BT], dtype=tl.float32)
-            strict, L, decay = _tree_decay(anc_u8, g, rows, col_log2, True, INTERPRET)
+            strict, L, decay = _tree_decay(anc_u8, g, rows, col_log2, True, INTERPRET, F32_L)
         else:
             strict, L, decay = _tree_decay(anc_u8, g, rows, beta, False, INTERPRET)
         G, C, rk, row_ks, row_qs = _tree_matrices(kk, qk, ss_k, ss_q, strict, decay, beta, L, scale,
@@ -921,7 +958,7 @@ def _tree_gdn_verify_kernel(
 # --------------------------------------------------------------------------------------------
 
 def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str, raw_gates: bool,
-                    l2norm: bool, max_depth: int, interpret: bool) -> dict[str, bool]:
+                    l2norm: bool, max_depth: int, interpret: bool, d_k: int) -> dict[str, int]:
     """The kernel's compile-time switches for ``config`` on these inputs: each of the config's
     options where it applies, off where it does not (bench/kernel_registers.py compiles with the
     same flags)."""
@@ -951,6 +988,10 @@ def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str,
         WHOLE_HEAD=bool(config.whole_head) and not split,
         EARLY_DECAY=bool(config.early_decay) and not split,
         DECAY_IN_LOOP=bool(config.decay_in_loop and config.early_decay) and not split,
+        # the d_k loop's step that forms the decays under DECAY_IN_LOOP: the first or the last
+        DECAY_STEP=triton.cdiv(d_k, config.BK) - 1 if config.decay_last_step else 0,
+        # fp32 path sums: the error they add is far below that of tf32-mode products
+        F32_L=bool(config.fp32_log_decay) and precision == "tf32",
         INTERPRET=interpret,
     )
 
@@ -1113,7 +1154,8 @@ def tree_gdn_verify_triton(
     if N > 0 and R > 0:
         switches = kernel_switches(config, dtype=q.dtype, precision=precision,
                                    raw_gates=raw_gates, l2norm=bool(use_qk_l2norm_in_kernel),
-                                   max_depth=int(meta.max_depth), interpret=_interpreting())
+                                   max_depth=int(meta.max_depth), interpret=_interpreting(),
+                                   d_k=d_k)
         _refuse_known_miscompile(config, switches, BT, q.dtype, precision)
         value_tiles = 1 if switches["WHOLE_HEAD"] else triton.cdiv(d_v, config.BV)
         try:

@@ -135,8 +135,8 @@ TREES = {
 #: every compile-time variant of the kernel body: one or two passes over d_k; key norms from sums
 #: of squares or (fused_norms) from the Gram diagonal, folded into the decays; the gates computed
 #: after the d_k loop and the mask / value tiles loaded before it (early_loads); the decays
-#: formed before the loop (early_decay, which overrides defer_gates) or in its first or last
-#: step (decay_in_loop, decay_last_step)
+#: formed before the loop (early_decay, which overrides defer_gates) or in its first step
+#: (decay_in_loop; d_k = 16 is one step: test_decays_in_the_last_d_k_step takes the last of three)
 VARIANTS = {
     "sweep": None,
     "split_gram": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, split_gram=True),
@@ -148,9 +148,6 @@ VARIANTS = {
                                       fused_norms=True, prefetch_tiles=True, defer_gates=True),
     "decay_in_loop": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, early_decay=True,
                                   decay_in_loop=True, fused_norms=True, prefetch_tiles=True),
-    "decay_last_step": VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, early_decay=True,
-                                    decay_in_loop=True, decay_last_step=True, fused_norms=True,
-                                    prefetch_tiles=True),
 }
 
 
@@ -175,6 +172,35 @@ def test_deep_chains_with_parallel_keys(nodes, variant):
     case["g"] = case["g"] * 0.05                     # long chains: keep the decays away from 0
     case["beta"] = torch.full_like(case["beta"], 0.95)
     check_against_closed_form(case, forest, config=VARIANTS[variant])
+
+
+@pytest.mark.parametrize("fp32_log_decay", [False, True])
+def test_decays_in_the_last_d_k_step(fp32_log_decay):
+    """decay_last_step forms the gates and decays in the d_k loop's last step, here the third of
+    three (the VARIANTS' d_k = 16 has one step): the same decays as in the first step, so the
+    same results bit for bit, and the closed form's. fp32_log_decay: the path sums in fp32 (tf32
+    precision only), within the tolerance of the fp64 reference too."""
+    forest = PackedForest.pack([DraftTree.random(20, 5, np.random.default_rng(5)),
+                                DraftTree.chain(9), DraftTree.star(4)])
+    case = make_case(forest, H_k=1, H_v=2, d_k=48, raw=True, seed=21)
+    first = VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, early_decay=True,
+                         decay_in_loop=True, fused_norms=True, prefetch_tiles=True,
+                         fp32_log_decay=fp32_log_decay)
+    last = replace(first, decay_last_step=True)
+    o1, f1 = run_kernel(case, forest, precision="tf32", config=first)
+    o2, f2 = run_kernel(case, forest, precision="tf32", config=last)
+    assert torch.equal(o1, o2) and torch.equal(f1.u, f2.u)
+    assert torch.equal(f1.log_decay, f2.log_decay)
+    check_against_closed_form(case, forest, precision="tf32", config=last)
+
+
+def test_fp32_log_decay_only_in_tf32_mode():
+    """In the "ieee" mode the path sums stay fp64: the switch changes nothing there."""
+    forest = PackedForest.pack([DraftTree.random(30, 8, np.random.default_rng(6))])
+    case = make_case(forest, H_k=1, H_v=2, raw=True, seed=22)
+    base = VerifyConfig(BV=16, BK=16, num_warps=4, num_stages=1, fused_norms=True)
+    on, off = _with_and_without(case, forest, base, "fp32_log_decay", precision="ieee")
+    assert torch.equal(on[0], off[0]) and torch.equal(on[1].log_decay, off[1].log_decay)
 
 
 def test_set_bits_in_padding_columns_change_nothing():
@@ -378,7 +404,8 @@ BF16_PATHS = {
     "cu_bf16x3": dict(cu_bf16x3=True),
     "table-like": dict(bf16_state=True, cu_bf16x3=True, fused_norms=True, fp16_sweeps=True,
                        prefetch_tiles=True, defer_gates=True),
-    # batch 1's launch at BT = 64: the decays in the d_k loop's last step, path sums in fp32
+    # batch 1's launch at BT = 64 (its decays in the d_k loop's last step, here the only one; the
+    # path sums in fp32)
     "batch-1-like": dict(bf16_state=True, cu_bf16x3=True, fused_norms=True, fp16_sweeps=True,
                          prefetch_tiles=True, early_decay=True, decay_in_loop=True,
                          decay_last_step=True, fp32_log_decay=True),

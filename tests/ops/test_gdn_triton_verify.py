@@ -191,7 +191,9 @@ def test_decays_in_the_last_d_k_step(fp32_log_decay):
     o2, f2 = run_kernel(case, forest, precision="tf32", config=last)
     assert torch.equal(o1, o2) and torch.equal(f1.u, f2.u)
     assert torch.equal(f1.log_decay, f2.log_decay)
-    check_against_closed_form(case, forest, precision="tf32", config=last)
+    # compiled, tf32 truncates the fp32 operands of every product (~1e-3)
+    tol = 2e-2 if HAS_CUDA and not _interpreting() else TOL
+    check_against_closed_form(case, forest, tol=tol, precision="tf32", config=last)
 
 
 def test_fp32_log_decay_only_in_tf32_mode():

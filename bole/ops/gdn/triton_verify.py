@@ -967,13 +967,16 @@ def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str,
     # |G_ij| <= 1 needs normalised keys and beta from the raw gates (a sigmoid)
     f16_sweeps = (bool(config.fp16_sweeps) and precision == "tf32" and raw_gates and l2norm
                   and max_depth <= F16_SWEEP_MAX_DEPTH)
+    # the Gram diagonal is the sum of squares unless fp32 keys are rounded to tf32
+    fused_norms = (bool(config.fused_norms) and not split
+                   and (dtype != torch.float32 or precision != "tf32"))
+    early_decay = bool(config.early_decay) and not split
+    decay_in_loop = bool(config.decay_in_loop) and early_decay
     return dict(
         SPLIT=split,
         S_BF16X2=s_bf16x2,
         CU_BF16X3=bool(config.cu_bf16x3) and precision == "tf32",
-        # the Gram diagonal is the sum of squares unless fp32 keys are rounded to tf32
-        FUSED_NORMS=bool(config.fused_norms) and not split
-        and (dtype != torch.float32 or precision != "tf32"),
+        FUSED_NORMS=fused_norms,
         F16_SWEEPS=f16_sweeps,
         # early_decay needs the gates before the loop; split_gram computes them there anyway
         DEFER_GATES=bool(config.defer_gates) and not split and not config.early_decay,
@@ -986,12 +989,14 @@ def kernel_switches(config: VerifyConfig, *, dtype: torch.dtype, precision: str,
         T_SWEEPS=bool(config.transposed_sweeps) and config.BV >= 16 * config.num_warps
         and f16_sweeps,
         WHOLE_HEAD=bool(config.whole_head) and not split,
-        EARLY_DECAY=bool(config.early_decay) and not split,
-        DECAY_IN_LOOP=bool(config.decay_in_loop and config.early_decay) and not split,
+        EARLY_DECAY=early_decay,
+        DECAY_IN_LOOP=decay_in_loop,
         # the d_k loop's step that forms the decays under DECAY_IN_LOOP: the first or the last
-        DECAY_STEP=triton.cdiv(d_k, config.BK) - 1 if config.decay_last_step else 0,
-        # fp32 path sums: the error they add is far below that of tf32-mode products
-        F32_L=bool(config.fp32_log_decay) and precision == "tf32",
+        DECAY_STEP=triton.cdiv(d_k, config.BK) - 1 if decay_in_loop and config.decay_last_step
+        else 0,
+        # fp32 path sums where the decays are fused (the only _tree_decay form that takes them):
+        # the error they add is far below that of tf32-mode products
+        F32_L=bool(config.fp32_log_decay) and precision == "tf32" and (early_decay or fused_norms),
         INTERPRET=interpret,
     )
 

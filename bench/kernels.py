@@ -13,8 +13,9 @@ For Qwen3.5 GDN layer shapes, batches and tree sizes (depth 8) it times, per lay
 
 plus the commits: bole's cross-layer factored commit (all GDN layers, one launch) and the
 tree-serial copy commit. Inputs are bf16 (fp32 state), gates fused from raw a/b, q/k l2-normalised
-in the kernel, as Qwen3.5 runs. Timing: each kernel captured in a CUDA graph over several input sets
-(so caches do not flatter it), median over replays. Byte floor = (S_pre, q, k, v, g, beta read once;
+in the kernel, as Qwen3.5 runs, each request's pool slot passed as the engine passes it. Timing:
+each kernel captured in a CUDA graph over several input sets (so caches do not flatter it), median
+over replays. Byte floor = (S_pre, q, k, v, g, beta read once;
 O and U written once) / measured copy bandwidth. rel_err = ||o - o_fp64|| / ||o_fp64|| against the
 torch closed form in fp64 on the same (bf16-valued) inputs.
 
@@ -116,7 +117,12 @@ def make_inputs(shape, forest: PackedForest, dev, seed: int):
         a=rnd(1, N, Hv), b=rnd(1, N, Hv),
         A_log=torch.log(torch.empty(Hv, device=dev).uniform_(1, 16, generator=gen)),
         dt_bias=rnd(Hv, dt=torch.float32),
-        initial_state=rnd(R, Hv, dk, dv, dt=torch.float32) * 0.1)
+        initial_state=rnd(R, Hv, dk, dv, dt=torch.float32) * 0.1,
+        # each request's pool slot, passed as the engine passes it (built once per forward);
+        # without it the wrappers build arange(R) on the device, one more launch per call
+        # (1.07 us at batch 1 in bench/ab_kernels.py, in the timings before 2026-11-30's
+        # eleventh session)
+        slots=torch.arange(R, dtype=torch.int32, device=dev))
 
 
 def fp32_inputs(x: dict) -> dict:
@@ -127,8 +133,10 @@ def fp32_inputs(x: dict) -> dict:
 
 def verify_inputs(x: dict, meta, **kw):
     """``tree_gdn_verify_triton`` on one input set of :func:`make_inputs` as Qwen3.5 runs it (raw
-    a/b gates, q/k l2-normalised in the kernel); ``kw`` as the wrapper takes them (config, ...)."""
+    a/b gates, q/k l2-normalised in the kernel, the set's slots as ``state_indices``); ``kw`` as
+    the wrapper takes them (config, ...)."""
     from bole.ops.gdn.triton_verify import tree_gdn_verify_triton
+    kw.setdefault("state_indices", x["slots"])
     return tree_gdn_verify_triton(x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"],
                                   a=x["a"], b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                                   use_qk_l2norm_in_kernel=True, **kw)
@@ -428,11 +436,12 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
         try:
             o, _ = tree_gdn_serial_triton(base["q"], base["k"], base["v"], meta,
                                           initial_state=base["initial_state"], snapshots=snaps,
-                                          **gate(base), **common, **cfg)
+                                          state_indices=base["slots"], **gate(base), **common,
+                                          **cfg)
             err, more = rel_err(o, ref64), errors(o)
             us = time_calls([lambda x=x, cfg=cfg: tree_gdn_serial_triton(
                 x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"], snapshots=snaps,
-                **gate(x), **common, **cfg) for x in sets])
+                state_indices=x["slots"], **gate(x), **common, **cfg) for x in sets])
             record("tree-serial-config", us, err, snap_bytes, config=cfg, **more)
             if best is None or us < best[0]:
                 best = (us, err, cfg, more)
@@ -612,7 +621,8 @@ def main(argv=None) -> int:
         fla_fn, fla_version = None, None
     bw = copy_bandwidth(dev)
     meta = run_meta(fla=fla_version, copy_bandwidth_TBps=bw / 1e12, depth=DEPTH,
-                    inputs="bf16 q/k/v, raw a/b gates, in-kernel q/k l2norm, fp32 state",
+                    inputs="bf16 q/k/v, raw a/b gates, in-kernel q/k l2norm, fp32 state, "
+                           "pool slots passed as state_indices (no arange launch per call)",
                     timing="CUDA graph replay over rotating input sets, median")
     print(json.dumps(meta), flush=True)
     records = []

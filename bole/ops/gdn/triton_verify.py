@@ -1048,7 +1048,8 @@ def tree_gdn_verify_triton(
             (gates then computed in the kernel, in fp32).
         initial_state: state pool ``[S, H_v, d_k, d_v]`` fp32, only read.
         state_indices: ``[R]`` integer slot of each request in the pool; default ``arange(R)``
-            (then ``S`` must equal ``R``).
+            (then ``S`` must equal ``R``), built on the device at every call: one more launch
+            (about 1 us on the H200), so a caller that runs many layers passes its slots.
         scale: query scale, default ``d_k ** -0.5``.
         precision: tl.dot input precision for fp32 operands: "tf32", "tf32x3" or "ieee". Default:
             "tf32" for fp16/bf16 inputs (measured on the H200, bf16 inputs, Qwen3.5-9B shapes,

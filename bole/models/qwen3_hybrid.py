@@ -28,7 +28,7 @@ from bole.cache import CacheShape, HybridCache
 from bole.models.config import HybridConfig
 from bole.models.loader import load_checkpoint
 from bole.models.weights import FP32_SUFFIXES, text_model_specs
-from bole.ops.conv import conv_state_commit, tree_conv1d, tree_conv_windows
+from bole.ops.conv import conv_commit_rows, conv_state_commit, tree_conv1d, tree_conv_windows
 from bole.ops.gdn.closed_form import TreeFactors, commit_factored, tree_gdn_closed_form
 from bole.ops.gdn.common import gates_from_raw
 from bole.ops.gdn.reference import tree_gdn_serial
@@ -124,6 +124,7 @@ class TreeForwardOutput:
     chain_prefill: bool = False                               # GDN by the chunked chain kernel
     conv_windows: torch.Tensor | None = None                  # [N, K] built once per forward
     attention_rows: list = field(default_factory=list)        # per request: lo, hi, n_ctx, visible
+    slot_index: torch.Tensor | None = None                    # [R] int32 slots on the device
 
 
 class HybridModel:
@@ -189,7 +190,10 @@ class HybridModel:
                            dtype=self.dtype, device=self.device)
 
     def _slot_tensor(self, slots: list[int]) -> torch.Tensor:
-        return torch.tensor(slots, dtype=torch.int32, device=self.device)
+        """``[R]`` int32 slots on the device, built once per forward: the kernels' state_indices
+        and the index of every cache gather / scatter (a Python list as an index, or a new tensor
+        per layer, is a pageable host-to-device copy, which synchronises the stream, per layer)."""
+        return torch.tensor(slots, dtype=torch.int32).to(self.device)
 
     def _section(self, name: str):
         return self.timer.section(name) if self.timer is not None else contextlib.nullcontext()
@@ -270,7 +274,7 @@ class HybridModel:
         N, Hk, Hv = x.shape[0], c.linear_num_key_heads, c.linear_num_value_heads
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         gi = self.gdn_index[layer]
-        slots = out.slots
+        slots = out.slot_index
         mixed, z, b, a = self._gdn_projections(layer, x)
         out.conv_inputs[layer] = mixed
         conv = tree_conv1d(mixed[None], w[p + "conv1d.weight"], cache.conv_state[gi, slots],
@@ -293,7 +297,7 @@ class HybridModel:
             from bole.ops.gdn.triton_verify import tree_gdn_verify_triton
             o, out.factors[layer] = tree_gdn_verify_triton(
                 q, k, v, out.meta, initial_state=cache.gdn_state[gi],
-                state_indices=self._slot_tensor(slots), **gates)
+                state_indices=slots, **gates)
         elif self.gdn_backend == "torch-serial":
             o, _, out.snapshots[layer] = tree_gdn_serial(
                 q, k, v, out.forest, initial_state=cache.gdn_state[gi, slots],
@@ -302,7 +306,7 @@ class HybridModel:
             from bole.ops.gdn.triton_serial import tree_gdn_serial_triton
             o, out.snapshots[layer] = tree_gdn_serial_triton(
                 q, k, v, out.meta, initial_state=cache.gdn_state[gi],
-                state_indices=self._slot_tensor(slots), **gates)
+                state_indices=slots, **gates)
         o = gated_rms_norm(o[0], z, w[p + "norm.weight"], c.rms_norm_eps)
         return F.linear(o.reshape(N, Hv * dv), w[p + "out_proj.weight"])
 
@@ -356,8 +360,9 @@ class HybridModel:
         if bool((need > cache.max_len).any()):
             raise ValueError(f"the tree would reach position {int(need.max()) - 1}, past the "
                              f"cache's {cache.max_len} tokens per slot")
-        positions = forest.positions(lengths)
+        positions = forest.positions(lengths).to(self.device)      # once, not per layer
         out = TreeForwardOutput(None, None, forest, slots, {}, {}, {})
+        out.slot_index = self._slot_tensor(slots)
         out.chain_prefill = chain_prefill and self.prefill_gdn is not None
         # per-forest structure, built once and shared by every layer
         if self.gdn_backend != "torch" and not out.chain_prefill:
@@ -404,15 +409,17 @@ class HybridModel:
     @torch.no_grad()
     def commit(self, cache: HybridCache, out: TreeForwardOutput, accepted) -> None:
         """Make each slot's accepted path (root .. accepted node, local index) its new state."""
-        f, slots = out.forest, out.slots
+        f, slots = out.forest, out.slot_index
         index, lengths = f.padded_paths(accepted)
+        # every index reaches the device once per commit, not once per layer (each host-to-device
+        # copy of a pageable tensor synchronises the stream)
+        paths = [index[r, :int(lengths[r])].to(self.device) for r in range(len(out.slots))]
         for layer, (k, v) in out.kv.items():
             li = self.full_index[layer]
-            for r, slot in enumerate(slots):
+            for r, slot in enumerate(out.slots):
                 n0, n = int(cache.lengths[slot]), int(lengths[r])
-                path = index[r, :n].to(self.device)
-                cache.k[li, slot, n0:n0 + n] = k[path]
-                cache.v[li, slot, n0:n0 + n] = v[path]
+                cache.k[li, slot, n0:n0 + n] = k[paths[r]]
+                cache.v[li, slot, n0:n0 + n] = v[paths[r]]
         if out.chain_prefill:                       # the chain kernel's final state
             if [int(a) for a in accepted] != [n - 1 for n in f.sizes().tolist()]:
                 raise ValueError("a chain prefill commits the whole chunk")
@@ -428,7 +435,7 @@ class HybridModel:
                                                             f, accepted)
             else:                                       # one launch, in place
                 from bole.ops.gdn.triton_commit import commit_factored_triton
-                commit_factored_triton(stacked, cache.gdn_state, self._slot_tensor(slots),
+                commit_factored_triton(stacked, cache.gdn_state, slots,
                                        index.to(self.device), lengths.to(self.device))
         else:                                           # copy the accepted node's snapshot
             last = index[:, -1].to(self.device)         # rows are padded with the accepted node
@@ -439,12 +446,15 @@ class HybridModel:
                 else:
                     from bole.ops.gdn.triton_serial import commit_from_snapshots_triton
                     commit_from_snapshots_triton(snaps, cache.gdn_state[gi],
-                                                 self._slot_tensor(slots), last)
+                                                 slots, last)
+        if out.conv_inputs:
+            rows = conv_commit_rows(f, accepted, self.config.linear_conv_kernel_dim,
+                                    out.conv_windows).to(self.device)
         for layer, mixed in out.conv_inputs.items():
             gi = self.gdn_index[layer]
             cache.conv_state[gi, slots] = conv_state_commit(
-                mixed[None], cache.conv_state[gi, slots], f, accepted, windows=out.conv_windows)
-        for r, slot in enumerate(slots):
+                mixed[None], cache.conv_state[gi, slots], f, accepted, rows_index=rows)
+        for r, slot in enumerate(out.slots):
             cache.lengths[slot] += int(lengths[r])
 
     # ---- decode and prefill as tree forwards ----

@@ -94,16 +94,31 @@ def tree_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
         out = out + bias.to(dt)
     if activation == "silu":
         out = F.silu(out)
-    out = torch.where(forest.valid.to(x.device)[:, None], out, 0.0)
+    if forest.num_valid_nodes != forest.num_nodes:   # padding rows out (a host-side test: the
+        out = torch.where(forest.valid.to(x.device)[:, None], out, 0.0)   # copy syncs the stream)
     return out.to(x.dtype).reshape(B, T, C)
 
 
+def conv_commit_rows(forest: PackedForest, accepted, K: int,
+                     windows: torch.Tensor | None = None) -> torch.Tensor:
+    """``[R, K-1]`` rows of ``cat([conv_state rows, x rows])`` that form each request's new conv
+    state (its accepted node's window, oldest first), on ``windows``' device; the same for every
+    layer of one commit."""
+    nodes, _ = forest.padded_paths(accepted)
+    last = nodes[:, -1]                                               # accepted global nodes
+    if windows is None:
+        windows = tree_conv_windows(forest, K)
+    return windows[last.to(windows.device)][:, 1:]
+
+
 def conv_state_commit(x: torch.Tensor, conv_state: torch.Tensor, forest: PackedForest, accepted,
-                      *, inplace: bool = False, windows: torch.Tensor | None = None) -> torch.Tensor:
+                      *, inplace: bool = False, windows: torch.Tensor | None = None,
+                      rows_index: torch.Tensor | None = None) -> torch.Tensor:
     """The conv state after each request's accepted node: the last K-1 inputs along its path.
 
     ``accepted``: ``[R]`` local node index per request. Returns ``[R, C, K-1]`` (written into
-    ``conv_state`` with ``inplace``).
+    ``conv_state`` with ``inplace``). ``rows_index``: :func:`conv_commit_rows` on x's device, when
+    the caller commits several layers at once.
     """
     B, T, C = x.shape
     K = conv_state.shape[-1] + 1
@@ -111,13 +126,10 @@ def conv_state_commit(x: torch.Tensor, conv_state: torch.Tensor, forest: PackedF
         raise ValueError(
             f"x {tuple(x.shape)} / conv_state {tuple(conv_state.shape)} do not match a forest of "
             f"{forest.num_nodes} nodes and {forest.num_requests} requests")
-    nodes, _ = forest.padded_paths(accepted)
-    last = nodes[:, -1]                                               # accepted global nodes
     rows = torch.cat([conv_state.transpose(1, 2).reshape(-1, C), x.reshape(B * T, C)])
-    if windows is None:
-        windows = tree_conv_windows(forest, K)
-    idx = windows[last.to(windows.device)][:, 1:].to(x.device)        # [R, K-1] newest last
-    new = rows[idx].transpose(1, 2)                                   # [R, C, K-1]
+    if rows_index is None:
+        rows_index = conv_commit_rows(forest, accepted, K, windows).to(x.device)
+    new = rows[rows_index].transpose(1, 2)                            # [R, C, K-1]
     if inplace:
         conv_state.copy_(new)
         return conv_state

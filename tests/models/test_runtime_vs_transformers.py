@@ -142,3 +142,32 @@ def test_chain_prefill_plumbing(pair):
         model.prefill_gdn = saved
     assert rel(logits, hf_logits(hf, prompt.tolist())) <= TOL
     assert rel(step[0], hf_logits(hf, prompt.tolist() + [3])[-1]) <= TOL
+
+
+def test_layers_make_no_device_sync(pair):
+    """On a GPU, no layer of a tree forward synchronises the device: the slots, positions and
+    kernel metadata reach it once per forward (a Python list as a cache index, or a host tensor
+    moved per layer, is a pageable host-to-device copy, which waits for the stream)."""
+    _, model = pair
+    if model.device.type != "cuda":
+        pytest.skip("CUDA's sync debug mode needs the model on a GPU")
+    gen = torch.Generator().manual_seed(6)
+    cache = model.new_cache(max_slots=2, max_len=64)
+    slots = [cache.allocate(32) for _ in range(2)]
+    for s in slots:
+        model.prefill(cache, s, torch.randint(0, 64, (5,), generator=gen))
+    forest = PackedForest.pack([DraftTree.full_kary(2, 2), DraftTree.chain(4)])
+    out = model.forward_tree(cache, slots, forest,
+                             torch.randint(0, 64, (forest.num_nodes,), generator=gen))
+    positions = forest.positions(cache.lengths[slots]).to(model.device)
+    x = out.hidden.to(model.dtype)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for layer in range(model.config.num_hidden_layers):
+            if model.config.is_full_attention(layer):
+                model._attention(layer, x, cache, out, positions)
+            else:
+                model._gdn(layer, x, cache, out)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

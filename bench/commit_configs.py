@@ -11,9 +11,11 @@ commits each request's deepest node (a path of 9 nodes) in every layer:
 * ``floor``: state bytes read once and written once over the measured copy bandwidth.
 
 Each bole configuration is checked against the fp64 torch commit (:func:`commit_factored`) on the
-first layer before it is timed. Writes ``commit-configs-<date>.json``.
+first layer before it is timed. Writes ``commit-configs-<date><tag>.json`` and a plot of each
+batch's best bole configuration, the copy baselines and the floor.
 
-    python bench/commit_configs.py [--batches 1 4 16 64] [--out DIR]
+    python bench/commit_configs.py [--batches 1 4 16 64] [--out DIR] [--tag=-x]
+    python bench/commit_configs.py --plot bench/results/commit-configs-DATE.json   # redraw
 """
 
 from __future__ import annotations
@@ -37,6 +39,41 @@ from bole.config import gdn_shape  # noqa: E402
 NODES = 64
 
 
+def plot(path: Path) -> Path:
+    """Per batch: the best bole configuration, the copy baselines and the byte floor (us, log)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(path.read_text())
+    recs = [r for r in data["records"] if r.get("median_us")]
+    batches = sorted({r["batch"] for r in recs})
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    series = {"bole (best config)": [min((r["median_us"] for r in recs if r["batch"] == b
+                                          and r["impl"] == "bole"), default=float("nan"))
+                                     for b in batches]}
+    for impl in ("copy-per-layer", "copy-one-launch", "torch-copy"):
+        series[impl] = [next((r["median_us"] for r in recs if r["batch"] == b and r["impl"] == impl),
+                             float("nan")) for b in batches]
+    series["byte floor"] = [next(r["floor_us"] for r in recs if r["batch"] == b) for b in batches]
+    for name, ys in series.items():
+        ax.plot(batches, ys, "k--" if name == "byte floor" else "o-", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (T = 64 trees, each committing a 9-node path)")
+    ax.set_ylabel("us per commit of all GDN layers")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    m = data["meta"]
+    ax.set_title(f"{m['model']} commit, {m['device']}, {m['date']} (torch {m['torch']}, "
+                 f"triton {m['triton']})", fontsize=8)
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="qwen3.5-9b")
@@ -47,7 +84,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--plot", default=None, help="only redraw the plot of this results file")
     args = ap.parse_args(argv)
+    if args.plot:
+        print(plot(Path(args.plot)))
+        return 0
     if not torch.cuda.is_available():
         print("commit_configs needs a CUDA device")
         return 0
@@ -108,7 +150,7 @@ def main(argv=None) -> int:
 
     meta = kb.run_meta(model=args.model, copy_bandwidth_TBps=bw / 1e12, nodes=NODES,
                        depth=kb.DEPTH, timing="CUDA graph replay, median")
-    path = kb.results_path(args.out, f"commit-configs-{meta['date']}.json")
+    path = kb.results_path(args.out, f"commit-configs-{meta['date']}{args.tag}.json")
     path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
     for batch in args.batches:
         rs = [r for r in records if r["batch"] == batch and r.get("median_us")]
@@ -118,7 +160,7 @@ def main(argv=None) -> int:
             print(f"batch {batch}: bole best {best['median_us']:.1f} us {best['config']} "
                   f"(err {best['rel_err']:.1e}), floor {best['floor_us']:.1f}; "
                   + ", ".join(f"{k} {v:.1f}" for k, v in base.items()))
-    print(path)
+    print(path, plot(path))
     return 0
 
 

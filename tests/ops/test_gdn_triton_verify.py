@@ -648,6 +648,10 @@ GPU_VARIANTS = (VerifyConfig(BV=32, BK=32), VerifyConfig(BV=64, BK=32),
                 VerifyConfig(BV=64, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
                              fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
                              transposed_sweeps=True, whole_head=True),
+                VerifyConfig(BV=64, BK=32, num_stages=3, bf16_state=True, cu_bf16x3=True,
+                             fused_norms=True, fp16_sweeps=True, prefetch_tiles=True,
+                             transposed_sweeps=True, early_decay=True, decay_in_loop=True,
+                             decay_last_step=True, fp32_log_decay=True),
                 VerifyConfig(BV=32, BK=32, num_stages=2, whole_head=True),
                 VerifyConfig(BV=32, BK=64, num_warps=8),
                 VerifyConfig(BV=64, BK=32, num_warps=8, maxnreg=128))
@@ -839,10 +843,13 @@ def test_pick_config():
     # decays are fused (BT >= 32, and batch 1 at BT = 16)
     picks = {(bt, b): pick_config(bt, 128, 128, 32 * b, interpret=False)
              for bt in (16, 32, 64) for b in (1, 4, 16)}
+    # at batch 2 (64 heads, 128 programs of BV 64: one per SM) the decays in the last step too
+    picks.update({(64, b): pick_config(64, 128, 128, 32 * b, interpret=False) for b in (2, 3)})
     assert {k: (c.BV, c.BK, c.early_decay, c.decay_in_loop, c.decay_last_step, c.fp32_log_decay)
             for k, c in picks.items()} == {
         (64, 1): (32, 64, True, True, True, True), (64, 4): (64, 32, True, False, False, True),
-        (64, 16): (64, 32, True, False, False, True),
+        (64, 16): (64, 32, True, False, False, True), (64, 2): (64, 32, True, True, True, True),
+        (64, 3): (64, 32, True, False, False, True),
         (32, 1): (32, 32, True, True, False, True), (32, 4): (128, 32, True, True, False, True),
         (32, 16): (128, 32, True, True, False, True),
         (16, 1): (32, 64, True, True, True, True), (16, 4): (128, 32, False, False, False, False),

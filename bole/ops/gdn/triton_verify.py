@@ -284,8 +284,16 @@ NARROW_TILE: dict[int, dict] = {
              decay_in_loop=True, decay_last_step=True, fp32_log_decay=True),
     32: dict(bf16_state=True, prefetch_tiles=True),
     64: dict(BK=64, early_decay=True, decay_in_loop=True, decay_last_step=True)}
+#: Changes for launches of BV >= 64 with at most one program per SM (ONE_WAVE_PROGRAMS), by block:
+#: like batch 1's, such a launch is one dependent chain per SM, and the decays in the d_k loop's
+#: last step pay there (eleventh session, kernel-probe-2026-11-30-session11-bv64-last-step-r1/-r2,
+#: T = 64, two calls: batch 2 (128 programs) 11.64 / 11.71 -> 11.18 / 11.29 us; batch 3 -1%, 4
+#: within 1%, 9 and 12 +2.3% / +1.4%).
+ONE_WAVE: dict[int, dict] = {64: dict(early_decay=True, decay_in_loop=True, decay_last_step=True)}
+#: The H200's SMs; a launch of at most this many programs runs as one wave, one program per SM
+ONE_WAVE_PROGRAMS = 132
 #: Programs resident at once on the H200 at BT = 64 (two 4-warp programs of ~255 registers per SM)
-WAVE_SLOTS = 2 * 132
+WAVE_SLOTS = 2 * ONE_WAVE_PROGRAMS
 #: Time of one whole-head program over that of the head's value-tile programs together (T = 64,
 #: batch 64, where both launches run many full waves: 197.9 / 206.8 us)
 WHOLE_HEAD_COST = 0.955
@@ -334,6 +342,9 @@ def pick_config(block_nodes: int, d_k: int, d_v: int, num_programs: int, *,
         narrow = dict(NARROW_TILE[key])
         narrow["BK"] = max(16, min(narrow.get("BK", bk), _next_pow2(d_k)))
         config = replace(config, **narrow)
+    elif (key in ONE_WAVE and bv >= 64 and not whole_head
+          and num_programs * triton.cdiv(d_v, bv) <= ONE_WAVE_PROGRAMS):
+        config = replace(config, **ONE_WAVE[key])
     return config
 
 

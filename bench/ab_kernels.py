@@ -69,13 +69,9 @@ def plot(path: Path) -> Path:
     ax.grid(True, axis="y", which="both", alpha=0.3)
     ax.legend(fontsize=7)
     m = data["meta"]
-    ax.set_title(f"{m['model']} T = {m['nodes']}: {m['device']}, {m['date']} (torch {m['torch']}, "
-                 f"triton {m['triton']}); base = {m.get('base')}", fontsize=7)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    ax.set_title(f"{m['model']} T = {m['nodes']}: {kb.run_label(m)}; base = {m.get('base')}",
+                 fontsize=7)
+    return kb.save_png(fig, path)
 
 
 def main(argv=None) -> int:
@@ -87,9 +83,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--nodes", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--plot", default=None, help="only redraw the plot of this results file")
+    kb.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.plot:
         print(plot(Path(args.plot)))

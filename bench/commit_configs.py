@@ -64,14 +64,8 @@ def plot(path: Path) -> Path:
     ax.set_ylabel("us per commit of all GDN layers")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    m = data["meta"]
-    ax.set_title(f"{m['model']} commit, {m['device']}, {m['date']} (torch {m['torch']}, "
-                 f"triton {m['triton']})", fontsize=8)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    ax.set_title(f"{data['meta']['model']} commit, {kb.run_label(data['meta'])}", fontsize=8)
+    return kb.save_png(fig, path)
 
 
 def main(argv=None) -> int:
@@ -83,9 +77,7 @@ def main(argv=None) -> int:
                     help="block_k x block_v")
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8])
     ap.add_argument("--stages", nargs="+", type=int, default=[2, 3])
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--tag", default="")
-    ap.add_argument("--plot", default=None, help="only redraw the plot of this results file")
+    kb.add_output_args(ap)
     args = ap.parse_args(argv)
     if args.plot:
         print(plot(Path(args.plot)))

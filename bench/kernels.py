@@ -523,6 +523,28 @@ def summary(records) -> str:
     return "\n".join(lines)
 
 
+def add_output_args(ap: argparse.ArgumentParser) -> None:
+    """``--out`` (results folder), ``--tag`` (file-name suffix) and ``--plot`` (only redraw)."""
+    ap.add_argument("--out", default=None, help="results folder (default bench/results, or $OUT)")
+    ap.add_argument("--tag", default="", help="suffix of the results file name")
+    ap.add_argument("--plot", default=None, help="only redraw the plot of this results JSON")
+
+
+def run_label(meta: dict) -> str:
+    """``device, date (torch .., triton ..)`` of a results file's meta, for plot titles."""
+    return f"{meta['device']}, {meta['date']} (torch {meta['torch']}, triton {meta['triton']})"
+
+
+def save_png(fig, path: Path) -> Path:
+    """``fig`` laid out and saved next to the results file ``path`` as PNG (then closed)."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def plot(path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
@@ -552,13 +574,8 @@ def plot(path: Path) -> Path:
         ax.set_title(f"{model} GDN layer")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    m = data["meta"]
-    fig.suptitle(f"GDN tree verification per layer, {m['device']}, {m['date']} "
-                 f"(torch {m['torch']}, triton {m['triton']})", fontsize=9)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=120)
-    return out
+    fig.suptitle(f"GDN tree verification per layer, {run_label(data['meta'])}", fontsize=9)
+    return save_png(fig, path)
 
 
 def precompile_model(model: str, batches, nodes, sweep: str, workers: int) -> None:
@@ -582,11 +599,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     ap.add_argument("--nodes", nargs="+", type=int, default=list(NODES))
-    ap.add_argument("--out", default=None, help="results folder (default bench/results, or $OUT)")
-    ap.add_argument("--plot", default=None, help="only redraw the plot of this results JSON")
+    add_output_args(ap)
     ap.add_argument("--sweep", choices=("full", "small", "picked"), default="small",
                     help="verification-kernel configs timed besides pick_config's (default small)")
-    ap.add_argument("--tag", default="", help="suffix of the results file name")
     ap.add_argument("--compile-workers", type=int, default=0,
                     help="compile every model's verification launches in this many processes "
                          "first (Triton's disk cache), then time them in this one")

@@ -111,6 +111,30 @@ def sass_lines(compiled) -> list[str]:
             if re.match(r"\s*/\*[0-9a-f]{4,}\*/", ln)]
 
 
+def sass_source_lines(compiled) -> list[tuple[str, int, str | None]]:
+    """``(opcode, line, file)`` of every SASS instruction in code order, the line being the
+    innermost inlined source line that nvdisasm's line table gives it (``(op, 0, None)`` where it
+    gives none)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        text = subprocess.run([str(tool), "-gi", "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+    out, where = [], (0, None)
+    for ln in text.splitlines():
+        m = re.search(r'//## File "([^"]+)", line (\d+)', ln)
+        if m:
+            where = (int(m.group(2)), Path(m.group(1)).name)
+            continue
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", ln)
+        if m:
+            out.append((m.group(1), *where))
+    return out
+
+
 def sass_loops(lines: list[str]) -> list[tuple[int, int]]:
     """(first instruction, body length) of every loop: every backward branch, in code order."""
     loops = []

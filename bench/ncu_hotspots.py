@@ -14,6 +14,14 @@ For each profiled launch it prints the total of warp-state samples, the stall re
 share of samples per bucket of consecutive SASS instructions (the loops of
 ``bench/kernel_registers.py --sass`` are instruction ranges in the same numbering) and the
 instructions with the most samples and their two largest reasons.
+
+``--config JSON`` (a ``VerifyConfig`` as keyword arguments, ``--block-nodes``, ``--model``) also
+compiles that launch here as bench/kernel_registers.py does, with the device's Triton (3.6 on the
+H200: ``PYTHONPATH=/tmp/triton36``), and shares the samples out by source line through nvdisasm's
+line table. It checks that every instruction's opcode matches the profiled one and refuses
+otherwise (another Triton, or another launch, gives other code):
+
+    PYTHONPATH=/tmp/triton36 python bench/ncu_hotspots.py src.csv.gz --config '{"BV": 64, ...}'
 """
 
 from __future__ import annotations
@@ -63,17 +71,64 @@ def report(rows: list[dict[str, str]], bucket: int, top: int) -> str:
     return "\n".join(out)
 
 
+def opcode(sass: str) -> str:
+    """The opcode (with its modifiers) of one SASS instruction as ncu prints it."""
+    words = sass.split()
+    return words[1] if words and words[0].startswith("@") else (words[0] if words else "")
+
+
+def by_source_line(rows: list[dict[str, str]], lines: list[tuple[str, int, str | None]],
+                   top: int) -> str:
+    """Shares of the samples per source line, ``lines`` from kernel_registers.sass_source_lines
+    of the same binary (opcodes checked one by one)."""
+    ops = [opcode(r["Source"].strip()) for r in rows]
+    if len(ops) != len(lines) or any(a != b[0] for a, b in zip(ops, lines)):
+        bad = next((i for i, (a, b) in enumerate(zip(ops, lines)) if a != b[0]), min(len(ops), len(lines)))
+        raise SystemExit(f"the local compile is not the profiled binary ({len(lines)} against "
+                         f"{len(ops)} instructions, first difference at {bad}): use the device's "
+                         "Triton and the launch's VerifyConfig")
+    total = sum(number(r[SAMPLES]) for r in rows) or 1.0
+    shares = Counter()
+    for r, (_, line, name) in zip(rows, lines):
+        shares[(name, line)] += number(r[SAMPLES])
+    src = (Path(__file__).resolve().parents[1] / "bole/ops/gdn/triton_verify.py").read_text().splitlines()
+    out = ["samples by source line:"]
+    for (name, line), v in shares.most_common(top):
+        text = src[line - 1].strip()[:80] if name == "triton_verify.py" and 0 < line <= len(src) else ""
+        out.append(f"  {v / total:6.1%}  {name}:{line}  {text}")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", help="ncu --page source --csv --print-source sass output (.csv or .csv.gz)")
     ap.add_argument("--bucket", type=int, default=100)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--config", default=None,
+                    help="the profiled launch's VerifyConfig as JSON: also share the samples "
+                         "out by source line (compiles it here; needs the device's Triton)")
+    ap.add_argument("--block-nodes", type=int, default=64)
+    ap.add_argument("--model", default="qwen3.5-9b")
     args = ap.parse_args(argv)
+    lines = None
+    if args.config:
+        import json
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import kernel_registers as kr
+        from bole.config import gdn_shape
+        from bole.ops.gdn.triton_verify import VerifyConfig
+        compiled = kr.compile_verify(gdn_shape(args.model), args.block_nodes,
+                                     VerifyConfig(**json.loads(args.config)))
+        lines = kr.sass_source_lines(compiled)
     path = Path(args.csv)
     raw = path.read_bytes()
     text = (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode()
     for n, rows in enumerate(launches(text)):
-        print(f"launch {n}: " + report(rows, args.bucket, args.top) + "\n")
+        print(f"launch {n}: " + report(rows, args.bucket, args.top))
+        if lines is not None:
+            print(by_source_line(rows, lines, args.top))
+        print()
     return 0
 
 

@@ -411,15 +411,15 @@ class HybridModel:
         """Make each slot's accepted path (root .. accepted node, local index) its new state."""
         f, slots = out.forest, out.slot_index
         index, lengths = f.padded_paths(accepted)
-        # every index reaches the device once per commit, not once per layer (each host-to-device
+        # the paths reach the device once per commit, not once per layer (each host-to-device
         # copy of a pageable tensor synchronises the stream)
-        paths = [index[r, :int(lengths[r])].to(self.device) for r in range(len(out.slots))]
+        index_d = index.to(self.device)
         for layer, (k, v) in out.kv.items():
             li = self.full_index[layer]
             for r, slot in enumerate(out.slots):
                 n0, n = int(cache.lengths[slot]), int(lengths[r])
-                cache.k[li, slot, n0:n0 + n] = k[paths[r]]
-                cache.v[li, slot, n0:n0 + n] = v[paths[r]]
+                cache.k[li, slot, n0:n0 + n] = k[index_d[r, :n]]
+                cache.v[li, slot, n0:n0 + n] = v[index_d[r, :n]]
         if out.chain_prefill:                       # the chain kernel's final state
             if [int(a) for a in accepted] != [n - 1 for n in f.sizes().tolist()]:
                 raise ValueError("a chain prefill commits the whole chunk")
@@ -435,10 +435,10 @@ class HybridModel:
                                                             f, accepted)
             else:                                       # one launch, in place
                 from bole.ops.gdn.triton_commit import commit_factored_triton
-                commit_factored_triton(stacked, cache.gdn_state, slots,
-                                       index.to(self.device), lengths.to(self.device))
+                commit_factored_triton(stacked, cache.gdn_state, slots, index_d,
+                                       lengths.to(self.device))
         else:                                           # copy the accepted node's snapshot
-            last = index[:, -1].to(self.device)         # rows are padded with the accepted node
+            last = index_d[:, -1].contiguous()          # rows are padded with the accepted node
             for layer, snaps in out.snapshots.items():
                 gi = self.gdn_index[layer]
                 if self.gdn_backend == "torch-serial":

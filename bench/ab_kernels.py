@@ -96,7 +96,6 @@ def main(argv=None) -> int:
     import triton.language as tl
 
     from bole.ops.gdn import triton_verify as tv
-    from bole.ops.gdn.triton_serial import tree_gdn_serial_triton
 
     @triton.jit
     def _empty(x_ptr):
@@ -117,36 +116,29 @@ def main(argv=None) -> int:
         forest, fmeta = kb.bench_forest(args.nodes, batch, batch * 1000 + args.nodes, dev)
         R = forest.num_requests
         sets = kb.rotating_sets(shape, forest, dev, seed=args.nodes * 7 + batch)
-        slots = [torch.arange(R, dtype=torch.int32, device=dev) for _ in sets]
         snaps = torch.empty(forest.num_nodes * Hv * dk * dv, device=dev, dtype=torch.float32)
         ref, _ = kb.reference_fp64(sets[0], forest)
         picked = tv.pick_config(fmeta.block_nodes, dk, dv, R * Hv)
 
         def verify(mod, x, idx):
-            return mod.tree_gdn_verify_triton(
-                x["q"], x["k"], x["v"], fmeta, initial_state=x["initial_state"], a=x["a"],
-                b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True,
-                state_indices=idx, config=mod.VerifyConfig(**vars(picked)))
+            return kb.verify_inputs(x, fmeta, impl=mod.tree_gdn_verify_triton, state_indices=idx,
+                                    config=mod.VerifyConfig(**vars(picked)))
 
         def serial(x, idx):
-            return tree_gdn_serial_triton(
-                x["q"], x["k"], x["v"], fmeta, initial_state=x["initial_state"],
-                state_indices=idx, snapshots=snaps, a=x["a"], b=x["b"], A_log=x["A_log"],
-                dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True, block_v=32, num_warps=4,
-                num_stages=2)
+            return kb.serial_inputs(x, fmeta, snaps, state_indices=idx, **kb.SERIAL_BEST)
 
         calls = {}
         for name, mod in mods.items():
-            o, _ = verify(mod, sets[0], slots[0])
+            o, _ = verify(mod, sets[0], sets[0]["slots"])
             err = kb.rel_err(o, ref)
             records.append(dict(batch=batch, what=f"rel_err-{name}", value=err))
             print(f"batch {batch} {name}: rel_err {err:.2e}", flush=True)
-            calls[f"verify-{name}"] = [lambda x=x, i=i, mod=mod: verify(mod, x, i)
-                                       for x, i in zip(sets, slots)]
+            calls[f"verify-{name}"] = [lambda x=x, mod=mod: verify(mod, x, x["slots"])
+                                       for x in sets]
         calls["verify-tree-default-indices"] = [lambda x=x: verify(tv, x, None) for x in sets]
         calls["arange"] = [lambda: torch.arange(R, dtype=torch.int32, device=dev)] * len(sets)
         calls["empty-kernel"] = [lambda: _empty[(128,)](dummy)] * len(sets)
-        calls["tree-serial"] = [lambda x=x, i=i: serial(x, i) for x, i in zip(sets, slots)]
+        calls["tree-serial"] = [lambda x=x: serial(x, x["slots"]) for x in sets]
         calls["tree-serial-default-indices"] = [lambda x=x: serial(x, None) for x in sets]
         names = list(calls)
         for rnd in range(args.rounds):

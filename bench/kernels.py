@@ -131,15 +131,30 @@ def fp32_inputs(x: dict) -> dict:
     return {n: (t.float() if n in ("q", "k", "v") else t) for n, t in x.items()}
 
 
-def verify_inputs(x: dict, meta, **kw):
-    """``tree_gdn_verify_triton`` on one input set of :func:`make_inputs` as Qwen3.5 runs it (raw
-    a/b gates, q/k l2-normalised in the kernel, the set's slots as ``state_indices``); ``kw`` as
-    the wrapper takes them (config, ...)."""
-    from bole.ops.gdn.triton_verify import tree_gdn_verify_triton
+#: tree-serial's launch: the best of its configurations on every Qwen3.5-9B shape
+SERIAL_BEST = dict(block_v=32, num_warps=4, num_stages=2)
+
+
+def verify_inputs(x: dict, meta, *, impl=None, **kw):
+    """``tree_gdn_verify_triton`` (or ``impl``, another version of it) on one input set of
+    :func:`make_inputs` as Qwen3.5 runs it (raw a/b gates, q/k l2-normalised in the kernel, the
+    set's slots as ``state_indices``); ``kw`` as the wrapper takes them (config, ...)."""
+    if impl is None:
+        from bole.ops.gdn.triton_verify import tree_gdn_verify_triton as impl
     kw.setdefault("state_indices", x["slots"])
-    return tree_gdn_verify_triton(x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"],
-                                  a=x["a"], b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                  use_qk_l2norm_in_kernel=True, **kw)
+    return impl(x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"], a=x["a"],
+                b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True,
+                **kw)
+
+
+def serial_inputs(x: dict, meta, snapshots: torch.Tensor, **kw):
+    """``tree_gdn_serial_triton`` on one input set as :func:`verify_inputs` runs the verification
+    (snapshots into ``snapshots``); ``kw``: its launch (``SERIAL_BEST``'s fields, ...)."""
+    from bole.ops.gdn.triton_serial import tree_gdn_serial_triton
+    kw.setdefault("state_indices", x["slots"])
+    return tree_gdn_serial_triton(x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"],
+                                  snapshots=snapshots, a=x["a"], b=x["b"], A_log=x["A_log"],
+                                  dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True, **kw)
 
 
 @dataclasses.dataclass
@@ -343,8 +358,7 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
               sweep: str = "small"):
     from bole.ops.gdn.closed_form import tree_gdn_closed_form
     from bole.ops.gdn.triton_commit import commit_factored_triton
-    from bole.ops.gdn.triton_serial import (commit_from_snapshots_triton, serial_default_config,
-                                            tree_gdn_serial_triton)
+    from bole.ops.gdn.triton_serial import commit_from_snapshots_triton, serial_default_config
     from bole.ops.gdn.triton_verify import pick_config
 
     shape = gdn_shape(model)
@@ -353,7 +367,7 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
     Hk, Hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
     sets = rotating_sets(shape, forest, dev, seed=nodes * 7 + batch)
     base = sets[0]
-    common = dict(use_qk_l2norm_in_kernel=True)      # the serial and fla baselines take these
+    common = dict(use_qk_l2norm_in_kernel=True)      # the fla reference and its closed form
     gate = lambda x: dict(a=x["a"], b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"])  # noqa
 
     ref64, ref_f = reference_fp64(base, forest)
@@ -427,21 +441,16 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
 
     # --- tree-serial: the engines' launch and a few others, best reported
     snaps = torch.empty(N * Hv * dk * dv, device=dev, dtype=torch.float32)
-    # the best of these on every Qwen3.5-9B shape was (32, 4 warps): with --sweep picked only it
-    serial_best = dict(block_v=32, num_warps=4, num_stages=2)
-    serial_cfgs = [serial_best] if sweep == "picked" else [serial_default_config(dv)] + [
+    # with --sweep picked only the best of these on every Qwen3.5-9B shape
+    serial_cfgs = [SERIAL_BEST] if sweep == "picked" else [serial_default_config(dv)] + [
         dict(block_v=bv, num_warps=nw, num_stages=2) for bv, nw in ((16, 2), (32, 4), (64, 4))]
     best = None
     for cfg in serial_cfgs:
         try:
-            o, _ = tree_gdn_serial_triton(base["q"], base["k"], base["v"], meta,
-                                          initial_state=base["initial_state"], snapshots=snaps,
-                                          state_indices=base["slots"], **gate(base), **common,
-                                          **cfg)
+            o, _ = serial_inputs(base, meta, snaps, **cfg)
             err, more = rel_err(o, ref64), errors(o)
-            us = time_calls([lambda x=x, cfg=cfg: tree_gdn_serial_triton(
-                x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"], snapshots=snaps,
-                state_indices=x["slots"], **gate(x), **common, **cfg) for x in sets])
+            us = time_calls([lambda x=x, cfg=cfg: serial_inputs(x, meta, snaps, **cfg)
+                             for x in sets])
             record("tree-serial-config", us, err, snap_bytes, config=cfg, **more)
             if best is None or us < best[0]:
                 best = (us, err, cfg, more)

@@ -29,25 +29,31 @@ sys.path.insert(0, str(ROOT))
 
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
 from bole.engine import Engine, GenerationParams, SpecConfig, default_drafter  # noqa: E402
+from bole.engine.runner import ModelRunner  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 
 
 def generate(model, prompts, mode: str, max_tokens: int, gdn_backend: str | None = None):
     drafter = default_drafter(model)
     engine = Engine(model, SpecConfig(mode=mode, drafter=drafter, depth=8, topk=4, budget=32),
-                    max_slots=len(prompts), max_len=max(map(len, prompts)) + max_tokens + 12)
-    if gdn_backend is not None:
-        model.gdn_backend = gdn_backend
+                    max_slots=len(prompts), max_len=max(map(len, prompts)) + max_tokens + 40,
+                    gdn_backend=gdn_backend)
     return [r.token_ids for r in engine.generate(prompts, GenerationParams(max_tokens=max_tokens))]
+
+
+@torch.no_grad()
+def teacher_forced_logits(model32, seq: list[int]) -> torch.Tensor:
+    """fp32 logits of every position of ``seq`` (one prefill on the exact torch path)."""
+    runner = ModelRunner(model32, model32.new_cache(1, len(seq) + 1), "torch")
+    slot = runner.cache.allocate(len(seq))
+    _, hidden = runner.prefill(slot, torch.tensor(seq))
+    return model32.lm_head(hidden).float()
 
 
 @torch.no_grad()
 def fp32_gaps(model32, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """Top-1 minus top-2 fp32 logit at each generated position, teacher-forced on ``tokens``."""
-    cache = model32.new_cache(1, len(prompt) + len(tokens) + 1)
-    slot = cache.allocate(len(prompt) + len(tokens))
-    seq = torch.tensor(prompt + tokens[:-1])
-    logits = model32.prefill(cache, slot, seq)[len(prompt) - 1:].float()
+    logits = teacher_forced_logits(model32, prompt + tokens[:-1])[len(prompt) - 1:]
     top = logits.topk(2, dim=-1).values
     return (top[:, 0] - top[:, 1]).cpu()
 
@@ -93,9 +99,7 @@ def main(argv=None) -> int:
             if i is None:
                 continue
             gaps = fp32_gaps(model32, p, a[:i + 1])
-            cache = model32.new_cache(1, len(p) + i + 2)
-            slot = cache.allocate(len(p) + i + 1)
-            logits = model32.prefill(cache, slot, torch.tensor(p + a[:i]))[-1].float()
+            logits = teacher_forced_logits(model32, p + a[:i])[-1]
             top2 = logits.topk(2).indices.tolist()
             divergences.append(dict(position=i, fp32_gap=float(gaps[i]),
                                     tokens_are_fp32_top2=sorted(top2) == sorted([a[i], b[i]])))

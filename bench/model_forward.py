@@ -1,14 +1,18 @@
-"""Whole-model forward latency with random weights: prefill, decode and tree verification (issue 4).
+"""Whole-model forwards and rounds at real shapes, eager and captured in CUDA graphs, against the
+weight-read and matmul floors.
 
-For a preset (default Qwen3.5-9B, bf16, random weights built on the device), one request:
-a prefill of --prefill tokens, then for each GDN backend (bole = Triton closed form + cross-layer
-commit; tree-serial = node-by-node snapshot kernel + copy commit) one decode step and tree
-verification of --nodes trees at depth --depth. Each forward is timed twice: end to end (no
-synchronisation inside), and split into full attention / GDN / MLP / rest with a synchronising
-section timer (which adds a little per section; the split's sum is reported next to the total).
+For a preset (default Qwen3.5-9B, bf16, random weights with a random one-layer MTP head) with
+every request at --context committed tokens:
+  decode        one token per request (batch 1)
+  verify-T      one T-node tree per request, depth 8 (batch 1, T from --nodes)
+  verify-BxT    batch 16 x 32 nodes (--batch-case)
+each eager and captured; the captured forward's GPU kernel time and kernel count come from the
+profiler, its wall time from device events over replays. Then a whole bole round at batch 1
+(the MTP head drafting a depth-8, top-4 tree of 64 nodes, verification, acceptance, commit), with
+its split. Floors: the weights a forward reads over the measured copy bandwidth, and its matrix
+products at 600 TFLOP/s.
 
-    python bench/model_forward.py                         # on a GPU -> bench/results/model-forward-<date>.json/.png
-    python bench/model_forward.py --preset tiny --device cpu --backends torch --prefill 16 --nodes 8
+    python bench/model_forward.py                         # on a GPU -> bench/results/model-forward-<date>-<preset>.{json,png}
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,213 +31,229 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.engine.runner import ModelRunner  # noqa: E402
+from bole.forest import DenseForest  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
-from bole.models.qwen3_hybrid import HybridModel, SectionTimer  # noqa: E402
+from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.tree import DraftTree, PackedForest  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "bench"))
-from kernels import bench_tree  # noqa: E402
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MATMUL_TFLOPS = 600.0
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    x = torch.empty(2 ** 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (start.elapsed_time(end) / 1e3)
 
 
-def timed(fn, device, reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs after one warm-up."""
-    fn()
-    sync(device)
+def weight_bytes(model: HybridModel, prefix: str = "") -> tuple[int, int]:
+    """(bytes, matrix parameters) of the weights a forward reads: every 2-D weight once
+    (the fused projections, not their views), the embedding only as the tied lm_head."""
+    total, params = 0, 0
+    embed = f"{model.config.weight_prefix}embed_tokens.weight"
+    for name, t in model.w.items():
+        # a fused projection's parts are views of it: count the fused weight once
+        if not name.startswith(prefix) or t.dim() != 2 or t._base is not None:
+            continue
+        if name == embed and not model.config.tie_word_embeddings:
+            continue
+        total += t.numel() * t.element_size()
+        params += t.numel()
+    return total, params
+
+
+def events_ms(fn, reps: int) -> float:
+    """Median device time of ``fn`` over ``reps`` calls (after warm-up)."""
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
         fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
     return statistics.median(times)
 
 
-def split(model: HybridModel, fn, device, reps: int) -> dict[str, float]:
-    """Median seconds per section (attention, gdn, mlp, rest) of ``fn``."""
-    model.timer = SectionTimer(device)
-    runs = []
-    fn()
-    for _ in range(reps):
-        model.timer.reset()
+def kernel_profile(fn) -> tuple[float, int]:
+    """(GPU kernel ms, kernel count) of one call of ``fn``."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
-        runs.append(dict(model.timer.totals))
-    model.timer = None
-    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    return sum(e.device_time for e in kernels) / 1e3, len(kernels)
+
+
+def forward_case(runner: ModelRunner, name: str, trees: list[DraftTree], slots: list[int],
+                 vocab: int, reps: int, floor: dict) -> list[dict]:
+    """Eager and captured timing of one forward over ``trees`` (one per slot)."""
+    dev = runner.device
+    dense = DenseForest.from_packed(PackedForest.pack(trees), device=dev)
+    tokens = torch.randint(0, vocab, (dense.num_nodes,), device=dev)
+    slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)
+
+    def fwd():
+        forest = DenseForest.from_parents(dense.parents, dense.valid, dense.max_depth)
+        return runner.forward(runner.make_batch(tokens, forest, slot_t))
+    for _ in range(2):
+        fwd()
+    torch.cuda.synchronize()
+    records = []
+    eager_ms = events_ms(fwd, reps)
+    k_ms, k_n = kernel_profile(fwd)
+    records.append(dict(case=name, captured=False, total_ms=eager_ms, kernel_ms=k_ms, kernels=k_n))
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fwd()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        fwd()
+    torch.cuda.synchronize()
+    cap_ms = events_ms(graph.replay, reps)
+    k_ms, k_n = kernel_profile(graph.replay)
+    records.append(dict(case=name, captured=True, total_ms=cap_ms, kernel_ms=k_ms, kernels=k_n))
+    nodes = dense.num_nodes
+    for r in records:
+        r.update(nodes=nodes, batch=len(slots), weight_floor_ms=floor["weights_ms"],
+                 matmul_floor_ms=2 * floor["params"] * nodes / (MATMUL_TFLOPS * 1e12) * 1e3)
+        r["floor_ms"] = max(r["weight_floor_ms"], r["matmul_floor_ms"])
+        print(json.dumps(r), flush=True)
+    del graph
+    return records
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3.5-9b")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    ap.add_argument("--prefill", type=int, default=2048)
-    ap.add_argument("--nodes", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--nodes", type=int, nargs="+", default=[64])
+    ap.add_argument("--batch-case", type=int, nargs=2, default=[16, 32], metavar=("BATCH", "NODES"))
     ap.add_argument("--depth", type=int, default=8)
-    ap.add_argument("--backends", nargs="+", default=["triton", "triton-serial"])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--plot", default=None, help="only redraw the plot of this results JSON")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--round-tokens", type=int, default=48)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
-    if args.plot:
-        print(plot(Path(args.plot)))
-        return 0
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: pass --device cpu (and --backends torch) for a smoke run", file=sys.stderr)
+    if not torch.cuda.is_available():
+        print("model_forward.py times CUDA graphs: it needs a GPU", file=sys.stderr)
         return 2
+    dev = torch.device("cuda")
     config = preset_config(args.preset)
-    t0 = time.perf_counter()
-    model = HybridModel.random(config, dtype=DTYPES[args.dtype], device=device,
-                               gdn_backend=args.backends[0])
-    build_s = time.perf_counter() - t0
-    cache = model.new_cache(max_slots=2, max_len=args.prefill + args.depth + 8)
+    model = HybridModel.random(config, dtype=torch.bfloat16, device=dev, mtp=True)
+    bw = copy_bandwidth(dev)
+    wbytes, params = weight_bytes(model)
+    wbytes -= weight_bytes(model, "mtp.")[0]
+    params -= weight_bytes(model, "mtp.")[1]
+    floor = dict(weights_ms=wbytes / bw * 1e3, params=params)
+    print(json.dumps(dict(copy_bandwidth_tb_s=bw / 1e12, weight_gb=wbytes / 1e9,
+                          weight_floor_ms=floor["weights_ms"])), flush=True)
+    B, Tb = args.batch_case
+    scratch = max(args.nodes + [Tb, args.depth + 1])
+    runner = ModelRunner(model, model.new_cache(B, args.context + scratch + 8), "triton")
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, config.vocab_size, (args.prefill,), generator=gen)
-    prefill_kernel = "fla chunk_gated_delta_rule" if model.prefill_gdn is not None else "bole tree path"
-    prefill_check = None
-    if model.prefill_gdn is not None:
-        try:
-            prefill_check = check_prefill(model, cache, prompt[:256])
-        except Exception as exc:  # reported, and the timings still run
-            prefill_check = dict(error=repr(exc))
-        print("prefill check:", json.dumps(prefill_check), flush=True)
-    slot = cache.allocate(args.prefill + args.depth + 8)
-    model.prefill(cache, slot, prompt[:256], chunk=128)          # warm-up (kernel compilation)
-    cache.free(slot)
-    slot = cache.allocate(args.prefill + args.depth + 8)
-    sync(device)
+    prompt = torch.randint(0, config.vocab_size, (args.context,), generator=gen)
+    slots = [runner.cache.allocate(args.context + scratch) for _ in range(B)]
     t0 = time.perf_counter()
-    model.prefill(cache, slot, prompt, chunk=128)
-    sync(device)
+    runner.prefill(slots[0], prompt)
+    torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
-    out_dir = Path(args.out or os.environ.get("OUT") or ROOT / "bench" / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    partial = out_dir / f"model-forward-partial-{args.preset}.json"
-    print(f"built in {build_s:.1f} s, prefill of {args.prefill} tokens in {prefill_s:.2f} s", flush=True)
+    c = runner.cache
+    for s in slots[1:]:                          # the same committed context in every slot
+        for pool in (c.k, c.v, c.gdn_state, c.conv_state):
+            pool[:, s] = pool[:, slots[0]]
+        c.lengths[s] = c.lengths[slots[0]]
+        c.host_lengths[s] = c.host_lengths[slots[0]]
     rng = np.random.default_rng(0)
-    trees = {t: bench_tree(t, args.depth, rng) for t in args.nodes}
-    records = []
-    for backend in args.backends:
-        model.gdn_backend = backend
-        cases = [("decode", PackedForest.pack([DraftTree.chain(1)]))] + [
-            (f"verify-{t}", PackedForest.pack([trees[t]])) for t in args.nodes]
-        for name, forest in cases:
-            tokens = torch.randint(0, config.vocab_size, (forest.num_nodes,), generator=gen)
-            fwd = lambda f=forest, tk=tokens: model.forward_tree(cache, [slot], f, tk)  # noqa: E731
-            total = timed(fwd, device, args.reps)
-            parts = split(model, fwd, device, args.reps)
-            out = fwd()
-            deepest = int(forest.tree(0).depth.argmax())
-
-            def commit(o=out, a=deepest):
-                # the state moves on (timing only); the context length is put back
-                saved = cache.lengths.clone()
-                model.commit(cache, o, [a])
-                cache.lengths.copy_(saved)
-            commit_s = timed(commit, device, args.reps)
-            rec = dict(backend=backend, case=name, nodes=forest.num_nodes,
-                       depth=forest.max_depth, total_ms=total * 1e3, commit_ms=commit_s * 1e3,
-                       **{f"{k}_ms": v * 1e3 for k, v in parts.items()},
-                       split_sum_ms=sum(parts.values()) * 1e3)
-            rec["gdn_share"] = parts.get("gdn", 0.0) / max(sum(parts.values()), 1e-12)
-            records.append(rec)
-            print(json.dumps(rec), flush=True)
-            partial.write_text(json.dumps(dict(records=records), indent=1))
-    meta = dict(preset=args.preset, device=(torch.cuda.get_device_name(device)
-                                            if device.type == "cuda" else "cpu"),
-                torch=torch.__version__, dtype=args.dtype, date=_dt.date.today().isoformat(),
-                prefill_tokens=args.prefill, prefill_s=prefill_s, build_s=build_s,
-                prefill_kernel=prefill_kernel, prefill_check=prefill_check,
-                context=int(cache.lengths[slot]), batch=1)
-    try:
-        import triton
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
-    path = out_dir / f"model-forward-{meta['date']}-{args.preset}.json"
-    path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
-    partial.unlink(missing_ok=True)
-    print(json.dumps(meta))
-    print(f"{'backend':<14} {'case':<11} {'total ms':>9} {'attn':>7} {'gdn':>7} {'mlp':>7} "
-          f"{'rest':>7} {'gdn %':>6} {'commit':>7}")
+    records = forward_case(runner, "decode", [DraftTree.chain(1)], slots[:1], config.vocab_size,
+                           args.reps, floor)
+    for T in args.nodes:
+        tree = DraftTree.random(T, args.depth, rng)
+        records += forward_case(runner, f"verify-{T}", [tree], slots[:1], config.vocab_size,
+                                args.reps, floor)
+    trees = [DraftTree.random(Tb, args.depth, rng) for _ in range(B)]
+    records += forward_case(runner, f"verify-{B}x{Tb}", trees, slots, config.vocab_size,
+                            args.reps, floor)
+    del runner
+    torch.cuda.empty_cache()
+    # a whole bole round at batch 1: MTP drafting, verification, acceptance, commit
+    mtp_bytes = weight_bytes(model, "mtp.")[0] + model.lm_head_weight.numel() * 2
+    for mode in ("ar", "bole"):
+        spec = SpecConfig(mode, "mtp", args.depth, 4, 64)
+        engine = Engine(model, spec, max_slots=1, max_len=args.context + args.round_tokens + 80)
+        engine.generate([prompt.tolist()], GenerationParams(max_tokens=8), seed=0)
+        engine.timings = type(engine.timings)()
+        engine.generate([prompt.tolist()], GenerationParams(max_tokens=args.round_tokens), seed=0)
+        summary = engine.timings.summary()
+        rec = dict(case=f"round-{mode}", captured=engine.rounds.graphs.enabled, batch=1,
+                   nodes=spec.nodes_per_request, total_ms=summary["round_ms"], **summary,
+                   eager_fallbacks=engine.rounds.graphs.stats["eager_fallbacks"],
+                   weight_floor_ms=floor["weights_ms"] + (args.depth * mtp_bytes / bw * 1e3
+                                                          if mode == "bole" else 0.0))
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        del engine
+    import triton
+    meta = dict(preset=args.preset, device=torch.cuda.get_device_name(dev), torch=torch.__version__,
+                triton=triton.__version__, dtype="bfloat16", date=_dt.date.today().isoformat(),
+                context=args.context, prefill_s=prefill_s,
+                prefill_kernel="fla" if model.prefill_gdn is not None else "bole tree path",
+                copy_bandwidth_tb_s=bw / 1e12, weight_gb=wbytes / 1e9,
+                matmul_tflops_assumed=MATMUL_TFLOPS)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"model-forward-{meta['date']}-{args.preset}{args.tag}"
+    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+    plot(out / f"{stem}.json")
+    print(f"{'case':<16} {'captured':>8} {'total ms':>9} {'kernel ms':>9} {'kernels':>7} {'floor ms':>8}")
     for r in records:
-        print(f"{r['backend']:<14} {r['case']:<11} {r['total_ms']:>9.2f} "
-              f"{r.get('attention_ms', 0):>7.2f} {r.get('gdn_ms', 0):>7.2f} {r.get('mlp_ms', 0):>7.2f} "
-              f"{r.get('rest_ms', 0):>7.2f} {100 * r['gdn_share']:>5.1f}% {r['commit_ms']:>7.2f}")
-    try:
-        print(plot(path))
-    except Exception as exc:  # the numbers are saved either way
-        print(f"plot failed: {exc!r}")
+        print(f"{r['case']:<16} {str(r['captured']):>8} {r['total_ms']:>9.2f} "
+              f"{r.get('kernel_ms', float('nan')):>9.2f} {r.get('kernels', 0):>7} "
+              f"{r.get('floor_ms', r.get('weight_floor_ms', 0)):>8.2f}")
     return 0
-
-
-def check_prefill(model: HybridModel, cache, prompt: torch.Tensor) -> dict:
-    """Prefill logits and committed GDN states with fla's chunk kernel against Bole's own tree path
-    (fla switched off) on the same prompt, next to a control: the tree path against itself with
-    another chunking (equal in exact arithmetic), i.e. how far rounding alone moves this model."""
-    results = {}
-    fla = model.prefill_gdn
-    for name, kernel, chunk in (("fla", fla, 128), ("bole", None, 128), ("bole64", None, 64)):
-        model.prefill_gdn = kernel
-        slot = cache.allocate(prompt.numel() + 1)
-        logits = model.prefill(cache, slot, prompt, chunk=chunk).float()
-        results[name] = (logits, cache.gdn_state[:, slot].float().clone())
-        cache.free(slot)
-    model.prefill_gdn = fla
-    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-    agree = lambda a, b: float((a.argmax(-1) == b.argmax(-1)).float().mean())  # noqa: E731
-    fl, bo, b64 = results["fla"], results["bole"], results["bole64"]
-    return dict(tokens=prompt.numel(), logits_rel_diff=rel(fl[0], bo[0]),
-                gdn_state_rel_diff=rel(fl[1], bo[1]), argmax_agreement=agree(fl[0], bo[0]),
-                control_chunk64_vs_128=dict(logits_rel_diff=rel(b64[0], bo[0]),
-                                            gdn_state_rel_diff=rel(b64[1], bo[1]),
-                                            argmax_agreement=agree(b64[0], bo[0])))
 
 
 def plot(path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     data = json.loads(path.read_text())
-    recs, meta = data["records"], data["meta"]
-    backends = list(dict.fromkeys(r["backend"] for r in recs))
-    fig, axes = plt.subplots(1, len(backends) + 1, figsize=(5 * (len(backends) + 1), 4), squeeze=False)
-    parts = ("attention", "gdn", "mlp", "rest")
-    for ax, backend in zip(axes[0], backends):
-        rs = [r for r in recs if r["backend"] == backend]
-        x = np.arange(len(rs))
-        bottom = np.zeros(len(rs))
-        for part in parts:
-            vals = np.array([r.get(f"{part}_ms", 0.0) for r in rs])
-            ax.bar(x, vals, bottom=bottom, label=part)
-            bottom += vals
-        ax.set_xticks(x, [r["case"] for r in rs], rotation=45, fontsize=7)
-        ax.set_ylabel("ms per forward (sections, synchronised)")
-        ax.set_title(f"{backend}")
-        ax.legend(fontsize=7)
-    ax = axes[0][-1]
-    for backend in backends:
-        rs = [r for r in recs if r["backend"] == backend and r["case"].startswith("verify")]
-        ax.plot([r["nodes"] for r in rs], [100 * r["gdn_share"] for r in rs], "o-", label=backend)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tree nodes")
-    ax.set_ylabel("GDN share of the forward (%)")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    fig.suptitle(f"{meta['preset']} random weights, {meta['dtype']}, context {meta['context']}, "
-                 f"{meta['device']}, {meta['date']}", fontsize=9)
+    recs = [r for r in data["records"] if not r["case"].startswith("round")]
+    cases = list(dict.fromkeys(r["case"] for r in recs))
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for j, (label, pick) in enumerate((("eager", False), ("captured", True))):
+        ys = [next(r["total_ms"] for r in recs if r["case"] == c and r["captured"] == pick)
+              for c in cases]
+        bars = ax.bar([i + 0.28 * j for i in range(len(cases))], ys, 0.28, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    floors = [next(r["floor_ms"] for r in recs if r["case"] == c) for c in cases]
+    bars = ax.bar([i + 0.56 for i in range(len(cases))], floors, 0.28, label="floor", color="grey")
+    ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks([i + 0.28 for i in range(len(cases))], cases)
+    ax.set_ylabel("ms per forward")
+    m = data["meta"]
+    ax.set_title(f"{m['preset']} (random weights, bf16), context {m['context']}: {m['device']}, "
+                 f"torch {m['torch']}, triton {m['triton']}, {m['date']}", fontsize=8)
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
-    return out
+    png = path.with_suffix(".png") if not path.name.endswith(".json") else \
+        path.parent / (path.name[:-5] + ".png")
+    fig.savefig(png, dpi=110)
+    return png
 
 
 if __name__ == "__main__":

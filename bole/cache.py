@@ -1,11 +1,15 @@
 """Per-request caches addressed by slots: KV for full-attention layers, GDN and conv state pools.
 
-Layouts (one slot per running request):
-    k, v        [L_full, S, max_len, H_kv, head_dim]   model dtype
-    gdn_state   [L_gdn, S, H_v, d_k, d_v]             fp32 (the pool the commit kernels update)
-    conv_state  [L_gdn, S, conv_dim, K - 1]           model dtype, oldest input first
-    lengths     [S]                                   committed tokens per slot
-A slot is zeroed when allocated, so a new request never sees an old one's state.
+Layouts (one slot per running request, plus one dummy slot that padding rows of a fixed-shape
+batch read and write, so that they never touch a request's state):
+    k, v        [L_full, S + 1, max_len, H_kv, head_dim]   model dtype
+    gdn_state   [L_gdn, S + 1, H_v, d_k, d_v]             fp32 (the pool the commit kernels update)
+    conv_state  [L_gdn, S + 1, conv_dim, K - 1]           model dtype, oldest input first
+    lengths     [S + 1] int64 on the device                committed tokens per slot
+A request's KV rows past its committed length are scratch: a forward writes its nodes' keys and
+values there and the commit moves the accepted ones into place. ``host_lengths`` mirrors
+``lengths`` on the host (the engine learns the accepted counts once per round anyway), so that
+nothing has to read the device copy back. A slot is zeroed when allocated.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class CacheShape:
                    c.linear_value_head_dim, c.conv_dim, c.linear_conv_kernel_dim)
 
     def bytes_per_slot(self, max_len: int, dtype: torch.dtype) -> int:
+        """Bytes one slot takes in every pool: what admission control budgets per request."""
         e = torch.empty(0, dtype=dtype).element_size()
         kv = 2 * self.num_full_layers * max_len * self.num_kv_heads * self.head_dim * e
         ssm = self.num_gdn_layers * self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
@@ -54,24 +59,39 @@ class HybridCache:
             raise ValueError(f"max_slots and max_len must be >= 1, got {max_slots}, {max_len}")
         self.shape, self.max_slots, self.max_len = shape, max_slots, max_len
         self.dtype, self.device = dtype, torch.device(device)
-        s = shape
-        self.k = torch.zeros(s.num_full_layers, max_slots, max_len, s.num_kv_heads, s.head_dim,
+        s, n = shape, max_slots + 1
+        self.k = torch.zeros(s.num_full_layers, n, max_len, s.num_kv_heads, s.head_dim,
                              dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.gdn_state = torch.zeros(s.num_gdn_layers, max_slots, s.num_v_heads, s.head_k_dim,
+        self.gdn_state = torch.zeros(s.num_gdn_layers, n, s.num_v_heads, s.head_k_dim,
                                      s.head_v_dim, dtype=torch.float32, device=device)
-        self.conv_state = torch.zeros(s.num_gdn_layers, max_slots, s.conv_dim, s.conv_kernel - 1,
+        self.conv_state = torch.zeros(s.num_gdn_layers, n, s.conv_dim, s.conv_kernel - 1,
                                       dtype=dtype, device=device)
-        self.lengths = torch.zeros(max_slots, dtype=torch.int64)
+        self.lengths = torch.zeros(n, dtype=torch.int64, device=device)
+        self.host_lengths = [0] * n
+        # the dummy slot holds one (meaningless) token, so that drafters' "committed length - 1"
+        # rows and scratch positions of padding rows stay inside the pools
+        self.lengths[max_slots] = 1
+        self.host_lengths[max_slots] = 1
         self._free = list(range(max_slots - 1, -1, -1))
         self._used: set[int] = set()
+
+    @property
+    def dummy_slot(self) -> int:
+        """The slot padding rows of a batch point at; never allocated."""
+        return self.max_slots
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def used_slots(self) -> set[int]:
+        return set(self._used)
+
     def allocate(self, tokens_needed: int) -> int:
-        """A zeroed slot for a request that will hold at most ``tokens_needed`` tokens."""
+        """A zeroed slot for a request that will hold at most ``tokens_needed`` tokens (scratch
+        for its largest tree included)."""
         if tokens_needed > self.max_len:
             raise CacheFull(
                 f"a request needing {tokens_needed} tokens does not fit: each slot holds "
@@ -86,6 +106,7 @@ class HybridCache:
         self.gdn_state[:, slot].zero_()
         self.conv_state[:, slot].zero_()
         self.lengths[slot] = 0
+        self.host_lengths[slot] = 0
         return slot
 
     def free(self, slot: int) -> None:
@@ -102,3 +123,8 @@ class HybridCache:
         if len(set(slots)) != len(slots):
             raise ValueError(f"slots {slots} repeat a slot; each request owns one")
         return slots
+
+    def advance(self, slots: list[int], counts: list[int]) -> None:
+        """Host mirror of a commit that added ``counts[i]`` tokens to ``slots[i]``."""
+        for s, n in zip(slots, counts):
+            self.host_lengths[s] += int(n)

@@ -1,208 +1,320 @@
-"""The ``bole`` command line."""
+"""The ``bole`` command line: demo, generate and bench.
+
+Arguments are checked before anything is loaded; every failure a user can cause ends with exit
+code 2 and one line naming the problem and what to do (never a traceback).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from bole.assets import BUNDLED_MODEL
 from bole.config import GDN_SHAPES
+from bole.engine.engine import DRAFTERS, MAX_BUDGET, MAX_DEPTH, MAX_TOPK, MODES
+
+
+class UsageError(Exception):
+    """A problem with the command's arguments or inputs: printed as one line, exit code 2."""
+
+
+def _tree_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--depth", type=int, default=8, help=f"draft tree depth (1-{MAX_DEPTH})")
+    p.add_argument("--topk", type=int, default=4, help=f"children per expanded node (1-{MAX_TOPK})")
+    p.add_argument("--budget", type=int, default=32,
+                   help=f"draft-tree nodes per request, root included (2-{MAX_BUDGET})")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="bole", description="Exact tree speculative decoding "
-                                     "for hybrid-attention (Gated DeltaNet) LLMs.")
+                                     "for hybrid-attention (Gated DeltaNet) LLMs.",
+                                     formatter_class=fmt)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="the bundled model writes code with tree speculation "
-                          "(statistics against plain decoding), then random draft trees are "
-                          "verified exactly on one GDN layer of a real model's shape")
+    demo = sub.add_parser("demo", formatter_class=fmt,
+                          help="the bundled model writes code with tree speculation (statistics "
+                          "against plain decoding), then random draft trees are verified exactly "
+                          "on one GDN layer of a real model's shape")
     demo.add_argument("--shape", default="qwen3.5-9b", choices=sorted(GDN_SHAPES),
-                      help="model whose GDN layer shape to use (default: qwen3.5-9b)")
-    demo.add_argument("--nodes", type=int, nargs="+", default=[64, 128],
-                      help="tree sizes to verify (default: 64 128)")
-    demo.add_argument("--depth", type=int, default=8, help="maximum tree depth (default: 8)")
-    demo.add_argument("--seed", type=int, default=0)
+                      help="model whose GDN layer shape to use")
+    demo.add_argument("--nodes", type=int, nargs="+", default=[64, 128], help="tree sizes to verify")
+    demo.add_argument("--depth", type=int, default=8, help="maximum tree depth")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random trees")
     demo.add_argument("--model", default=str(BUNDLED_MODEL),
-                      help="checkpoint folder for the generation part (default: the bundled model)")
+                      help="checkpoint folder for the generation part")
     demo.add_argument("--prompt", default=None, help="default: a bundled Python prompt")
-    demo.add_argument("--max-tokens", type=int, default=96)
+    demo.add_argument("--max-tokens", type=int, default=96, help="tokens to generate")
     demo.add_argument("--no-generate", action="store_true", help="only the GDN-layer part")
-    gen = sub.add_parser("generate", help="generate text from a checkpoint folder; the text goes "
-                         "to stdout, statistics to stderr")
+    gen = sub.add_parser("generate", formatter_class=fmt,
+                         help="generate text from a checkpoint folder; the text goes to stdout, "
+                         "statistics to stderr")
     gen.add_argument("--model", default=str(BUNDLED_MODEL),
-                     help="checkpoint folder (config.json, safetensors, tokenizer.json); "
-                          "default: the bundled model")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--mode", default="bole", choices=["ar", "bole", "tree-serial", "chain"])
-    gen.add_argument("--drafter", default=None, choices=["ngram", "mtp", "draft"],
+                     help="checkpoint folder (config.json, safetensors, tokenizer.json)")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--mode", default="bole", choices=list(MODES), help="verification mode")
+    gen.add_argument("--drafter", default=None, choices=list(DRAFTERS),
                      help="draft source (default: the checkpoint's MTP head when it has one, "
                           "else n-gram lookup; 'draft' needs --draft-model)")
     gen.add_argument("--draft-model", default=None,
                      help="checkpoint folder of a separate draft model (same tokenizer)")
-    gen.add_argument("--depth", type=int, default=8)
-    gen.add_argument("--topk", type=int, default=4)
-    gen.add_argument("--budget", type=int, default=32, help="draft-tree nodes per request")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    _tree_options(gen)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0 = off)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--truncate-prompt", action="store_true",
+                     help="keep the prompt's last tokens when it is longer than the model's "
+                          "context, instead of refusing it")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object (text, token_ids, rounds, mean_accepted_tokens, "
-                          "tokens_per_s) instead of the text")
-    bench = sub.add_parser("bench", help="the same prompts through every mode side by side; "
-                           "JSON and a plot under bench/results/")
+                     help="print one JSON object (text, token ids, statistics) instead of the text")
+    bench = sub.add_parser("bench", formatter_class=fmt,
+                           help="the same prompts through every mode side by side; JSON and a "
+                                "plot under --out")
     src = bench.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint folder (default: the bundled model)")
     src.add_argument("--preset", help="random weights of a preset (e.g. qwen3.5-9b, tiny)")
-    bench.add_argument("--modes", nargs="+", default=["ar", "bole", "tree-serial", "chain"])
+    bench.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
+                       help="modes to run")
     bench.add_argument("--drafter", default=None, choices=["ngram", "mtp"],
                        help="default: the checkpoint's MTP head when it has one, else n-gram lookup")
     bench.add_argument("--prompt-set", default=None, choices=["code", "repetitive"],
                        help="code: the bundled Python prompts (needs the checkpoint's tokenizer; "
                             "default then); repetitive: repeated random phrases (default for presets)")
     bench.add_argument("--prompts", type=int, default=4, help="number of prompts")
+    bench.add_argument("--batches", type=int, nargs="+", default=None,
+                       help="batch sizes to run (prompts cycled to fill a batch; default: one "
+                            "batch of all prompts)")
     bench.add_argument("--prompt-len", type=int, default=64, help="length of repetitive prompts")
     bench.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                        help="default: bf16 on a GPU, fp32 on the CPU")
-    bench.add_argument("--max-tokens", type=int, default=64)
-    bench.add_argument("--depth", type=int, default=8)
-    bench.add_argument("--topk", type=int, default=4)
-    bench.add_argument("--budget", type=int, default=32)
-    bench.add_argument("--device", default=None)
-    bench.add_argument("--out", default="bench/results")
+    bench.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    _tree_options(bench)
+    bench.add_argument("--no-graphs", action="store_true", help="run rounds eagerly on the GPU")
+    bench.add_argument("--out", default="bench/results",
+                       help="folder for the JSON and the plot, relative to where bole runs")
+    bench.add_argument("--tag", default="", help="suffix of the result files' names "
+                                                  "(default: the time of day)")
     return parser
 
 
-def _bench(args) -> int:
-    from pathlib import Path
+# ---- checks that need nothing loaded ----
+def _device(name: str | None) -> str:
+    import torch
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device {name!r}; use cpu or cuda") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"device {name!r} is not supported; use cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for a GPU, but this PyTorch sees none (no CUDA "
+                         "build or no device); use --device cpu")
+    return name
 
+
+def _checkpoint(folder: str, need_tokenizer: bool) -> Path:
+    path = Path(folder)
+    if not path.exists():
+        raise UsageError(f"the model folder {folder} does not exist; give a checkpoint folder "
+                         "or leave --model out for the bundled model")
+    if not path.is_dir():
+        raise UsageError(f"--model {folder} is a file; give the checkpoint's folder")
+    missing = [n for n in ("config.json",) + (("tokenizer.json",) if need_tokenizer else ())
+               if not (path / n).is_file()]
+    if missing:
+        raise UsageError(f"{folder} is not a checkpoint folder: {', '.join(missing)} missing "
+                         "(a Qwen3.5 / Qwen3-Next folder has config.json, *.safetensors and "
+                         "tokenizer.json)")
+    return path
+
+
+def _tokenizer(folder: Path):
+    from tokenizers import Tokenizer
+    file = folder / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:                     # tokenizers raises a bare Exception
+        raise UsageError(f"{file} is not a readable tokenizer ({exc}); replace it with the "
+                         "checkpoint's tokenizer.json") from None
+
+
+def _spec(args, drafter: str):
+    from bole.engine import SpecConfig
+    spec = SpecConfig(args.mode if hasattr(args, "mode") else "bole", drafter, args.depth,
+                      args.topk, args.budget)
+    try:
+        spec.validate()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return spec
+
+
+def _positive(**values) -> None:
+    for name, v in values.items():
+        if v is not None and v < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+
+
+# ---- commands ----
+def _bench(args) -> int:
     import torch
 
     from bole.assets import code_prompts
     from bole.benchmark import repetitive_prompts, run_modes, write_results
     from bole.engine import default_drafter
-    from bole.models.presets import preset_config
+    from bole.models.presets import PRESETS, preset_config
     from bole.models.qwen3_hybrid import HybridModel
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    _positive(prompts=args.prompts, max_tokens=args.max_tokens, prompt_len=args.prompt_len)
+    for b in args.batches or ():
+        _positive(batches=b)
+    device = _device(args.device)
+    args.mode = "bole"
+    _spec(args, args.drafter or "ngram")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tokenizer = None
     if args.preset:
+        if args.preset.lower() not in PRESETS:
+            raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
         model = HybridModel.random(preset_config(args.preset), dtype=dtype, device=device)
         name = f"{args.preset}-random"
     else:
-        folder = Path(args.model or BUNDLED_MODEL)
+        folder = _checkpoint(args.model or str(BUNDLED_MODEL), need_tokenizer=False)
         model = HybridModel.from_pretrained(folder, dtype=dtype, device=device)
         name = "bundled" if folder.resolve() == BUNDLED_MODEL.resolve() else folder.name
         if (folder / "tokenizer.json").is_file():
-            from tokenizers import Tokenizer
-            tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            tokenizer = _tokenizer(folder)
     prompt_set = args.prompt_set or ("code" if tokenizer is not None else "repetitive")
     if prompt_set == "code":
         if tokenizer is None:
-            raise ValueError("--prompt-set code needs a checkpoint folder with tokenizer.json")
+            raise UsageError("--prompt-set code needs a checkpoint folder with tokenizer.json")
         texts = code_prompts()
         prompts = [tokenizer.encode(texts[i % len(texts)]).ids for i in range(args.prompts)]
     else:
         prompts = repetitive_prompts(model.config.vocab_size, args.prompts, args.prompt_len)
     drafter = args.drafter or default_drafter(model)
     results = run_modes(model, prompts, args.modes, max_tokens=args.max_tokens, depth=args.depth,
-                        topk=args.topk, budget=args.budget, drafter=drafter)
+                        topk=args.topk, budget=args.budget, drafter=drafter,
+                        batches=tuple(args.batches) if args.batches else None,
+                        cuda_graphs=False if args.no_graphs else None, progress=True)
+    import triton
     meta = dict(model_name=name, device=torch.cuda.get_device_name() if device.startswith("cuda")
-                else "cpu", torch=torch.__version__, dtype=str(dtype).replace("torch.", ""),
-                prompts=args.prompts, prompt_set=prompt_set,
+                else "cpu", torch=torch.__version__, triton=triton.__version__,
+                dtype=str(dtype).replace("torch.", ""), prompts=args.prompts,
+                prompt_set=prompt_set,
                 prompt_len=args.prompt_len if prompt_set == "repetitive" else None,
                 max_tokens=args.max_tokens, depth=args.depth, topk=args.topk, budget=args.budget,
-                drafter=drafter)
-    path, png = write_results(results, meta, Path(args.out))
+                drafter=drafter, cuda_graphs=not args.no_graphs and device.startswith("cuda"))
+    path, png = write_results(results, meta, Path(args.out), args.tag)
     print(f"{name}, {meta['dtype']} on {meta['device']}, drafter {drafter}, {prompt_set} prompts")
-    print(f"{'mode':<12} {'tokens/s':>9} {'tok/round':>9} {'fwd ms/round':>12} {'agree w/ ar':>11}")
+    print(f"{'mode':<12} {'batch':>5} {'tok/s':>8} {'tok/rnd':>7} {'rnd ms':>7} {'draft':>6} "
+          f"{'verify':>6} {'acc+cm':>6} {'host':>6} {'syncs':>5} {'eager':>5} {'agree':>5}")
     for r in results:
         agree = "-" if r.agreement_with_ar is None else f"{100 * r.agreement_with_ar:.0f}%"
-        print(f"{r.mode:<12} {r.tokens_per_s:>9.1f} {r.mean_accepted_tokens:>9.2f} "
-              f"{r.verify_ms_per_round:>12.2f} {agree:>11}")
-    print(path)
-    print(png)
+        print(f"{r.mode:<12} {r.batch:>5} {r.tokens_per_s:>8.1f} {r.mean_accepted_tokens:>7.2f} "
+              f"{r.round_ms:>7.2f} {r.draft_ms:>6.2f} {r.verify_ms:>6.2f} "
+              f"{r.accept_commit_ms:>6.2f} {r.host_ms:>6.2f} {r.syncs_per_round:>5.1f} "
+              f"{r.eager_fallbacks:>5} {agree:>5}")
+    print(f"wrote {path.resolve()}")
+    print(f"wrote {png.resolve()}")
     return 0
 
 
 def _generate(args) -> int:
     import json
     import time
-    from pathlib import Path
 
     import torch
-    from tokenizers import Tokenizer
 
-    from bole.engine import Engine, GenerationParams, SpecConfig, default_drafter
+    from bole.engine import Engine, GenerationParams, default_drafter
     from bole.models.qwen3_hybrid import HybridModel
-    from bole.spec.sampling import SamplingParams
+    from bole.speculative.sampling import SamplingParams
 
-    folder = Path(args.model)
-    tok_file = folder / "tokenizer.json"
-    if not tok_file.is_file():
-        raise ValueError(f"{tok_file} not found: bole generate needs the checkpoint's tokenizer")
-    tokenizer = Tokenizer.from_file(str(tok_file))
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = HybridModel.from_pretrained(folder, dtype=dtype, device=device)
+    _positive(max_tokens=args.max_tokens)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    try:
+        sampling.validate()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    device = _device(args.device)
+    folder = _checkpoint(args.model, need_tokenizer=True)
+    if args.draft_model:
+        _checkpoint(args.draft_model, need_tokenizer=False)
+    _spec(args, args.drafter or "ngram")
+    tokenizer = _tokenizer(folder)
     ids = tokenizer.encode(args.prompt).ids
     if not ids:
-        raise ValueError("the prompt encodes to no tokens; give a non-empty prompt")
-    params = GenerationParams(
-        max_tokens=args.max_tokens, stop_token_ids=model.config.eos_token_id,
-        stop_strings=tuple(args.stop),
-        sampling=SamplingParams(args.temperature, args.top_k, args.top_p))
+        raise UsageError("the prompt encodes to no tokens; give a non-empty prompt")
+    from bole.models.config import HybridConfig
+    context = HybridConfig.from_pretrained(folder).max_position_embeddings
+    room = context - args.max_tokens - args.depth - 2
+    if len(ids) > room:
+        if not args.truncate_prompt:
+            raise UsageError(f"the prompt has {len(ids)} tokens, but the model's context of "
+                             f"{context} leaves {max(room, 0)} for it with --max-tokens "
+                             f"{args.max_tokens}; shorten it or pass --truncate-prompt")
+        if room < 1:
+            raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
+                             f"the model's context of {context}")
+        ids = ids[-room:]
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = HybridModel.from_pretrained(folder, dtype=dtype, device=device)
     draft_model = (HybridModel.from_pretrained(args.draft_model, dtype=dtype, device=device)
                    if args.draft_model else None)
     drafter = args.drafter or ("draft" if draft_model is not None else default_drafter(model))
-    spec = SpecConfig(args.mode, drafter, args.depth, args.topk, args.budget)
-    engine = Engine(model, spec, max_slots=1,
-                    max_len=len(ids) + max(args.max_tokens, 1) + args.depth + 2, tokenizer=tokenizer,
-                    draft_model=draft_model)
+    spec = _spec(args, drafter)
+    params = GenerationParams(max_tokens=args.max_tokens, stop_token_ids=model.config.eos_token_id,
+                              stop_strings=tuple(args.stop), sampling=sampling)
+    engine = Engine(model, spec, max_slots=1, tokenizer=tokenizer, draft_model=draft_model,
+                    max_len=len(ids) + args.max_tokens + max(spec.nodes_per_request,
+                                                             args.depth + 1) + 1)
     t0 = time.perf_counter()
     result = engine.generate([ids], params, seed=args.seed)[0]
     elapsed = time.perf_counter() - t0
     text = engine.text(result, params)
+    decode_tps = (len(result.token_ids) - 1) / max(result.decode_s, 1e-9)
     stats = dict(rounds=result.rounds, mean_accepted_tokens=result.mean_accepted_tokens,
-                 tokens_per_s=len(result.token_ids) / elapsed)
+                 tokens_per_s=decode_tps, finish_reason=result.finish_reason, mode=args.mode,
+                 drafter=drafter, prefill_s=result.prefill_s, decode_s=result.decode_s,
+                 elapsed_s=elapsed)
     if args.json:
         print(json.dumps(dict(text=text, token_ids=result.token_ids, **stats)))
     else:
         print(text)
-        print(f"[bole] {len(result.token_ids)} tokens in {elapsed:.2f} s ({stats['tokens_per_s']:.1f} "
-              f"tokens/s), {result.rounds} rounds, {result.mean_accepted_tokens:.2f} tokens/round, "
-              f"mode {args.mode}, finish: {result.finish_reason}", file=sys.stderr)
+    print(f"[bole] {len(result.token_ids)} tokens: first after {1e3 * result.prefill_s:.0f} ms "
+          f"(prefill of {len(ids)}), then {decode_tps:.1f} tokens/s; {result.rounds} rounds, "
+          f"{result.mean_accepted_tokens:.2f} tokens/round, mode {args.mode}, drafter "
+          f"{drafter}, finish: {result.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def _demo(args) -> int:
+    from bole import demo, generation_demo
+    if any(n < 1 for n in args.nodes) or args.depth < 0 or args.max_tokens < 1:
+        raise UsageError("--nodes and --max-tokens must be >= 1 and --depth >= 0")
+    if not args.no_generate:
+        folder = _checkpoint(args.model, need_tokenizer=True)
+        _tokenizer(folder)
+        generation_demo.run(folder, args.prompt, args.max_tokens)
+    demo.main(args.shape, tuple(args.nodes), args.depth, args.seed)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    if args.command == "demo":
-        from bole import demo, generation_demo
-        if any(n < 1 for n in args.nodes) or args.depth < 0 or args.max_tokens < 1:
-            print("bole demo: --nodes and --max-tokens must be >= 1 and --depth >= 0", file=sys.stderr)
-            return 2
-        if not args.no_generate:
-            generation_demo.run(args.model, args.prompt, args.max_tokens)
-        demo.main(args.shape, tuple(args.nodes), args.depth, args.seed)
-    elif args.command == "bench":
-        try:
-            return _bench(args)
-        except ValueError as exc:
-            print(f"bole bench: {exc}", file=sys.stderr)
-            return 2
-    elif args.command == "generate":
-        try:
-            return _generate(args)
-        except (ValueError, FileNotFoundError) as exc:
-            print(f"bole generate: {exc}", file=sys.stderr)
-            return 2
-    return 0
+    command = {"demo": _demo, "generate": _generate, "bench": _bench}[args.command]
+    try:
+        return command(args)
+    except (UsageError, ValueError, FileNotFoundError) as exc:
+        print(f"bole {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ def run(model_dir: str | Path = BUNDLED_MODEL, prompt: str | None = None, max_to
                               stop_strings=("\ndef ", "\nclass ", "\nif __name__"))
     runs = {}
     for mode in ("bole", "ar"):
-        engine = Engine(model, SpecConfig(mode, drafter, depth, topk, budget), max_slots=1,
-                        max_len=len(ids) + max_tokens + depth + 2, tokenizer=tok)
+        spec = SpecConfig(mode, drafter, depth, topk, budget)
+        engine = Engine(model, spec, max_slots=1, tokenizer=tok,
+                        max_len=len(ids) + max_tokens + max(spec.nodes_per_request, depth + 1) + 1)
         engine.generate([ids], GenerationParams(max_tokens=4))          # warm-up
         t0 = time.perf_counter()
         result = engine.generate([ids], params)[0]

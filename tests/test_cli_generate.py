@@ -55,7 +55,10 @@ def test_json_output_and_modes_agree(checkpoint, capsys):
         rc, out, _ = run(capsys, *base, "--mode", mode, "--depth", "4", "--topk", "2", "--budget", "8")
         assert rc == 0
         obj = json.loads(out)
-        assert set(obj) == {"text", "token_ids", "rounds", "mean_accepted_tokens", "tokens_per_s"}
+        assert set(obj) == {"text", "token_ids", "rounds", "mean_accepted_tokens", "tokens_per_s",
+                            "finish_reason", "mode", "drafter", "prefill_s", "decode_s",
+                            "elapsed_s"}
+        assert obj["mode"] == mode and obj["finish_reason"] in ("length", "stop")
         results[mode] = obj
     assert len({r["text"] for r in results.values()}) == 1          # greedy: identical text
     assert results["ar"]["mean_accepted_tokens"] == 1.0
@@ -72,7 +75,7 @@ def test_errors_are_clear(checkpoint, capsys, tmp_path):
     assert rc == 2 and "tokenizer.json" in err
     rc, _, err = run(capsys, "--model", str(checkpoint), "--prompt", "x", "--max-tokens", "0",
                      "--device", "cpu")
-    assert rc == 2 and "max_tokens" in err
+    assert rc == 2 and "max-tokens" in err
     rc, _, err = run(capsys, "--model", str(checkpoint), "--prompt", "", "--device", "cpu")
     assert rc == 2 and "prompt" in err
     rc, _, err = run(capsys, "--model", str(checkpoint), "--prompt", "x", "--top-p", "0",

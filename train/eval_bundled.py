@@ -51,7 +51,7 @@ def humaneval_prompts(tokenizer, limit: int | None = None) -> list[list[int]]:
 
 def measure(model, prompts, mode: str, drafter: str, depth: int, topk: int, budget: int,
             max_tokens: int) -> dict:
-    max_len = max(len(p) for p in prompts) + max_tokens + depth + 2
+    max_len = max(len(p) for p in prompts) + max_tokens + max(budget, depth + 1) + 2
     engine = Engine(model, SpecConfig(mode=mode, drafter=drafter, depth=depth, topk=topk,
                                       budget=budget), max_slots=8, max_len=max_len)
     t0 = time.perf_counter()

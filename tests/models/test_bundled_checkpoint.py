@@ -39,16 +39,18 @@ def test_transformers_and_bole_logits_agree(models):
     assert "mtp.fc.weight" in ours.w
     with torch.no_grad():
         hf_logits = hf(input_ids=torch.tensor([ids])).logits[0]
-        cache = ours.new_cache(1, 128)
-        slot = cache.allocate(len(ids) + 16)
-        logits = ours.prefill(cache, slot, torch.tensor(ids))
+        from bole.engine.runner import ModelRunner
+        runner = ModelRunner(ours, ours.new_cache(1, 128), "torch")
+        slot = runner.cache.allocate(len(ids) + 16)
+        _, hidden = runner.prefill(slot, torch.tensor(ids))
+        logits = ours.lm_head(hidden)
         assert torch.allclose(logits, hf_logits, atol=1e-4, rtol=1e-4)
         # greedy decode steps agree with transformers on the growing sequence
         seq = list(ids)
         nxt = int(logits[-1].argmax())
         for _ in range(8):
             seq.append(nxt)
-            step = ours.decode(cache, [slot], torch.tensor([nxt]))[0]
+            step = runner.decode([slot], torch.tensor([nxt]))[0]
             ref = hf(input_ids=torch.tensor([seq])).logits[0, -1]
             assert torch.allclose(step, ref, atol=1e-4, rtol=1e-4)
             nxt = int(step.argmax())

@@ -59,12 +59,14 @@ def test_model_prefill_with_fla_matches_tree_path():
                                gdn_backend="triton")
     assert model.prefill_gdn is not None
     prompt = torch.randint(0, model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(1))
-    cache = model.new_cache(max_slots=2, max_len=256)
+    from bole.engine.runner import ModelRunner
+    runner = ModelRunner(model, model.new_cache(max_slots=2, max_len=256), "triton")
+    cache = runner.cache
     results = []
     for kernel in (model.prefill_gdn, None):
         model.prefill_gdn = kernel
         slot = cache.allocate(201)
-        logits = model.prefill(cache, slot, prompt, chunk=64)
+        logits = model.lm_head(runner.prefill(slot, prompt, chunk=64)[1])
         results.append((logits.float().cpu(), cache.gdn_state[:, slot].float().cpu().clone()))
         cache.free(slot)
     e_logits, e_state = rel(results[0][0], results[1][0]), rel(results[0][1], results[1][1])

@@ -1,7 +1,7 @@
 """Our runtime against transformers as the oracle (fla blocked), for every supported model type.
 
 Prefill logits, 16 decode steps, tree verification (each node equals decoding its path), and the
-decode step after committing an accepted path, all to 1e-4 in fp32.
+decode step after committing an accepted path, all to 1e-4 in fp32, through the model runner.
 """
 
 import numpy as np
@@ -15,6 +15,8 @@ block_fast_kernels()  # transformers on its torch paths (tests/oracle_imports.py
 pytest.importorskip("transformers")
 
 from bole.cache import CacheFull  # noqa: E402
+from bole.engine.runner import ModelRunner  # noqa: E402
+from bole.forest import DenseForest  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.tree import DraftTree, PackedForest  # noqa: E402
 from tests.models.test_config_and_loader import KINDS, build  # noqa: E402
@@ -43,7 +45,11 @@ def pair(request, tmp_path_factory):
     # interpreter is off and its kernels take CUDA tensors only)
     device = "cuda" if backend.startswith("triton") and torch.cuda.is_available() else "cpu"
     model = HybridModel.from_pretrained(path, dtype=torch.float32, gdn_backend=backend, device=device)
-    return hf, model
+    return hf, model, backend
+
+
+def runner_for(model, backend, max_slots, max_len):
+    return ModelRunner(model, model.new_cache(max_slots, max_len), backend)
 
 
 def hf_logits(hf, ids):
@@ -52,45 +58,50 @@ def hf_logits(hf, ids):
 
 
 def test_prefill_and_decode(pair):
-    hf, model = pair
+    hf, model, backend = pair
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 64, (11,), generator=gen)
-    cache = model.new_cache(max_slots=2, max_len=64)
+    runner = runner_for(model, backend, 2, 64)
+    cache = runner.cache
     slot = cache.allocate(40)
-    logits = model.prefill(cache, slot, prompt, chunk=4)          # 3 chunks: exercises chunking
-    assert rel(logits, hf_logits(hf, prompt.tolist())) <= TOL
+    last, hidden = runner.prefill(slot, prompt, chunk=4)          # 3 chunks: exercises chunking
+    want = hf_logits(hf, prompt.tolist())
+    assert rel(model.lm_head(hidden), want) <= TOL
+    assert rel(last, want[-1]) <= TOL
     ids = prompt.tolist()
     for _ in range(16):
         nxt = int(torch.randint(0, 64, (1,), generator=gen))
         ids.append(nxt)
-        step = model.decode(cache, [slot], torch.tensor([nxt]))
+        step = runner.decode([slot], torch.tensor([nxt]))
         assert rel(step[0], hf_logits(hf, ids)[-1]) <= TOL
-    assert int(cache.lengths[slot]) == len(ids)
+    assert int(cache.lengths[slot]) == len(ids) == cache.host_lengths[slot]
 
 
 def test_tree_verify_and_commit(pair):
-    hf, model = pair
+    hf, model, backend = pair
     gen = torch.Generator().manual_seed(2)
-    cache = model.new_cache(max_slots=3, max_len=64)
+    runner = runner_for(model, backend, 3, 64)
+    cache = runner.cache
     prompts = [torch.randint(0, 64, (n,), generator=gen) for n in (7, 5)]
     slots = [cache.allocate(40) for _ in prompts]
     for s, p in zip(slots, prompts):
-        model.prefill(cache, s, p)
+        runner.prefill(s, p)
     rng = np.random.default_rng(3)
     trees = [DraftTree.random(9, 3, rng), DraftTree.full_kary(2, 2)]
     forest = PackedForest.pack(trees)
     tokens = torch.randint(0, 64, (forest.num_nodes,), generator=gen)
-    out = model.forward_tree(cache, slots, forest, tokens)
+    batch, out = runner.verify(slots, forest, tokens)
+    T = batch.nodes_per_request
     for r, tree in enumerate(trees):
         lo = int(forest.cu_nodes[r])
         for node in range(tree.num_nodes):
             path = tokens[tree.path(node) + lo].tolist()
             expect = hf_logits(hf, prompts[r].tolist() + path)[-1]
-            assert rel(out.logits[lo + node], expect) <= TOL, (r, node)
+            assert rel(out.logits[r * T + node], expect) <= TOL, (r, node)
     accepted = [int(trees[0].depth.argmax()), 4]
-    model.commit(cache, out, accepted)
+    runner.commit_accepted(batch, out, accepted)
     nxt = torch.randint(0, 64, (2,), generator=gen)
-    step = model.decode(cache, slots, nxt)
+    step = runner.decode(slots, nxt)
     for r, tree in enumerate(trees):
         lo = int(forest.cu_nodes[r])
         ids = prompts[r].tolist() + tokens[tree.path(accepted[r]) + lo].tolist() + [int(nxt[r])]
@@ -99,22 +110,23 @@ def test_tree_verify_and_commit(pair):
 
 
 def test_cache_errors(pair):
-    _, model = pair
-    cache = model.new_cache(max_slots=1, max_len=8)
+    _, model, backend = pair
+    runner = runner_for(model, backend, 1, 8)
+    cache = runner.cache
     with pytest.raises(CacheFull, match="does not fit"):
         cache.allocate(9)
     slot = cache.allocate(8)
     with pytest.raises(CacheFull, match="all 1 cache slots are in use"):
         cache.allocate(1)
     with pytest.raises(ValueError, match="past the cache"):
-        model.prefill(cache, slot, torch.arange(9))
+        runner.prefill(slot, torch.arange(9))
     with pytest.raises(ValueError, match="token ids"):
-        model.decode(cache, [slot], torch.tensor([999]))
+        runner.decode([slot], torch.tensor([999]))
     cache.free(slot)
     with pytest.raises(ValueError, match="not allocated"):
         cache.free(slot)
     with pytest.raises(ValueError, match="not allocated"):
-        model.decode(cache, [slot], torch.tensor([1]))
+        runner.decode([slot], torch.tensor([1]))
     again = cache.allocate(4)                       # freed slots come back zeroed
     assert int(cache.lengths[again]) == 0 and not cache.gdn_state[:, again].any()
 
@@ -122,7 +134,7 @@ def test_cache_errors(pair):
 def test_chain_prefill_plumbing(pair):
     """The fla prefill path (used on GPUs with fla) wired to a stand-in with fla's signature."""
     from bole.ops.gdn.reference import chain_gdn_recurrent
-    hf, model = pair
+    hf, model, backend = pair
 
     def fake_fla(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
         assert output_final_state and use_qk_l2norm_in_kernel
@@ -134,40 +146,41 @@ def test_chain_prefill_plumbing(pair):
     saved = model.prefill_gdn
     model.prefill_gdn = fake_fla
     try:
-        cache = model.new_cache(1, 64)
-        slot = cache.allocate(32)
-        logits = model.prefill(cache, slot, prompt, chunk=5)
-        step = model.decode(cache, [slot], torch.tensor([3]))
+        runner = runner_for(model, backend, 1, 64)
+        slot = runner.cache.allocate(32)
+        _, hidden = runner.prefill(slot, prompt, chunk=5)
+        step = runner.decode([slot], torch.tensor([3]))
     finally:
         model.prefill_gdn = saved
-    assert rel(logits, hf_logits(hf, prompt.tolist())) <= TOL
+    assert rel(model.lm_head(hidden), hf_logits(hf, prompt.tolist())) <= TOL
     assert rel(step[0], hf_logits(hf, prompt.tolist() + [3])[-1]) <= TOL
 
 
-def test_layers_make_no_device_sync(pair):
-    """On a GPU, no layer of a tree forward synchronises the device: the slots, positions and
-    kernel metadata reach it once per forward (a Python list as a cache index, or a host tensor
-    moved per layer, is a pageable host-to-device copy, which waits for the stream)."""
-    _, model = pair
+def test_forward_and_commit_make_no_device_sync(pair):
+    """On a GPU, a forward and its commit built from device tensors never synchronise the
+    device (what a captured round relies on)."""
+    _, model, backend = pair
     if model.device.type != "cuda":
         pytest.skip("CUDA's sync debug mode needs the model on a GPU")
+    if not model.graph_safe:
+        pytest.skip("MoE routing syncs the host by design")
     gen = torch.Generator().manual_seed(6)
-    cache = model.new_cache(max_slots=2, max_len=64)
-    slots = [cache.allocate(32) for _ in range(2)]
+    runner = runner_for(model, backend, 2, 64)
+    slots = [runner.cache.allocate(32) for _ in range(2)]
     for s in slots:
-        model.prefill(cache, s, torch.randint(0, 64, (5,), generator=gen))
-    forest = PackedForest.pack([DraftTree.full_kary(2, 2), DraftTree.chain(4)])
-    out = model.forward_tree(cache, slots, forest,
-                             torch.randint(0, 64, (forest.num_nodes,), generator=gen))
-    positions = forest.positions(cache.lengths[slots]).to(model.device)
-    x = out.hidden.to(model.dtype)
+        runner.prefill(s, torch.randint(0, 64, (5,), generator=gen))
+    dense = DenseForest.from_packed(
+        PackedForest.pack([DraftTree.full_kary(2, 2), DraftTree.chain(4)]), device="cuda")
+    tokens = torch.randint(0, 64, (dense.num_nodes,), device="cuda")
+    slot_t = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    accepted = torch.tensor([3, 2], device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for layer in range(model.config.num_hidden_layers):
-            if model.config.is_full_attention(layer):
-                model._attention(layer, x, cache, out, positions)
-            else:
-                model._gdn(layer, x, cache, out)
+        forest = DenseForest.from_parents(dense.parents, dense.valid, dense.max_depth)
+        batch = runner.make_batch(tokens, forest, slot_t)
+        out = runner.forward(batch)
+        path, path_len = forest.paths(accepted)
+        runner.commit(batch, out, path, path_len)
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -858,3 +858,14 @@ def test_pick_config():
     # tiny heads: tiles never exceed the (power-of-two padded) head dims
     c = pick_config(16, 16, 16, 4096, interpret=False)
     assert c.BV == 16 and c.BK == 16
+
+def test_narrow_tile_decays_in_loop_need_two_d_k_steps():
+    """The narrow-tile launches that form the decays inside the d_k loop keep the loop at two
+    steps or more: at head size 64 the single-step launch (BT 64, BK 64) read out of bounds on
+    the H200 (chains of 33+ nodes, the bundled model's prefill without fla)."""
+    for block in (16, 64):
+        for d in (32, 64, 128):
+            cfg = pick_config(block, d, d, 4, interpret=False)
+            if cfg.BV == 32 and cfg.decay_in_loop:
+                assert cfg.BK < d, (block, d, cfg)
+    assert pick_config(64, 128, 128, 32, interpret=False).BK == 64     # 9B batch 1 unchanged

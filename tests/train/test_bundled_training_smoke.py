@@ -40,7 +40,7 @@ def test_transformers_and_bole_agree_and_mtp_means_the_same(trained):
     from transformers import Qwen3_5ForCausalLM
 
     from bole.models.qwen3_hybrid import HybridModel
-    from bole.spec.mtp import MTPDrafter
+    from bole.speculative.mtp import MTPDrafter
     mod, out = trained
     hf = Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ours = HybridModel.from_pretrained(out, dtype=torch.float32)
@@ -49,10 +49,11 @@ def test_transformers_and_bole_agree_and_mtp_means_the_same(trained):
     with torch.no_grad():
         hf_out = hf.model(input_ids=ids[None])
         hf_logits = hf.lm_head(hf_out.last_hidden_state)[0]
-    cache = ours.new_cache(1, 64)
-    slot = cache.allocate(32)
-    logits, hidden = ours.prefill(cache, slot, ids[:-1], return_hidden=True)
-    assert torch.allclose(logits, hf_logits[:-1], atol=1e-4, rtol=1e-4)
+    from bole.engine.runner import ModelRunner
+    runner = ModelRunner(ours, ours.new_cache(1, 64), "torch")
+    slot = runner.cache.allocate(32)
+    _, hidden = runner.prefill(slot, ids[:-1])
+    assert torch.allclose(ours.lm_head(hidden), hf_logits[:-1], atol=1e-4, rtol=1e-4)
     # the training MTP head on the whole window ...
     mtp = mod.MTPHead(hf.config)
     from safetensors.torch import load_file
@@ -66,10 +67,14 @@ def test_transformers_and_bole_agree_and_mtp_means_the_same(trained):
         m = mtp(emb, hf_out.last_hidden_state[:, :-1], hf.model.rotary_emb(emb, pos), mask)
         train_logits = hf.lm_head(m)[0]                      # row p-1: position p, predicts x_{p+1}
     # ... equals Bole's drafter: prompt x_0..x_10 observed, root x_11 drafted at position 11
-    drafter = MTPDrafter(ours, 1, 64)
-    drafter.observe(slot, ids[:-1].tolist(), hidden, 0)
-    draft_logits = drafter.expander(slot).node((int(ids[-1]),))[3]
-    assert torch.allclose(draft_logits, train_logits[-1], atol=1e-4, rtol=1e-4)
+    from bole.speculative.tree_growth import NodeTable
+    drafter = MTPDrafter(ours, 1, 64, 8)
+    drafter.observe_prompt(slot, ids[:-1], hidden)
+    step = drafter.step_fn(torch.tensor([slot], dtype=torch.int32), torch.tensor([11]), topk=4)
+    tokens, probs = step(0, torch.tensor([[0]]), NodeTable.empty(ids[-1:], 5))
+    want = torch.topk(torch.softmax(train_logits[-1], -1), 4)
+    assert torch.equal(tokens[0, 0], want.indices)
+    assert torch.allclose(probs[0, 0], want.values, atol=1e-4, rtol=1e-4)
 
 
 def test_eval_script_runs_every_mode_and_checks_greedy_equality(trained, capsys):

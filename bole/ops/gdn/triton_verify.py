@@ -341,6 +341,10 @@ def pick_config(block_nodes: int, d_k: int, d_v: int, num_programs: int, *,
     if bv == 32 and key in NARROW_TILE:
         narrow = dict(NARROW_TILE[key])
         narrow["BK"] = max(16, min(narrow.get("BK", bk), _next_pow2(d_k)))
+        if narrow.get("decay_in_loop") and narrow["BK"] >= d_k:
+            # the decays formed inside the d_k loop need a loop of two steps or more: with a
+            # single step the compiled launch read out of bounds (head size 64, BT 64, BK 64)
+            narrow["BK"] = max(16, _next_pow2(d_k) // 2)
         config = replace(config, **narrow)
     elif (key in ONE_WAVE and bv >= 64 and not whole_head
           and num_programs * triton.cdiv(d_v, bv) <= ONE_WAVE_PROGRAMS):

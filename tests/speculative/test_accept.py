@@ -11,8 +11,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from bole.spec.accept import accept_forest, children_table
-from bole.spec.sampling import SamplingParams, target_probs
+from bole.speculative.accept import accept_forest, children_table
+from bole.speculative.sampling import SamplingParams, target_probs
 from bole.tree import DraftTree, PackedForest
 
 V = 5

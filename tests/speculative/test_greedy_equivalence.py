@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from bole.engine.runner import ModelRunner
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
-from bole.spec.accept import accept_forest
-from bole.spec.sampling import SamplingParams, target_probs
+from bole.speculative.accept import accept_forest
+from bole.speculative.sampling import SamplingParams, target_probs
 from bole.tree import DraftTree, PackedForest
 
 GREEDY = SamplingParams(temperature=0)
@@ -26,14 +27,15 @@ def model():
 
 
 def ar_greedy(model, prompt, n):
-    cache = model.new_cache(1, 128)
-    slot = cache.allocate(len(prompt) + n)
-    logits = model.prefill(cache, slot, prompt)[-1]
+    """Plain decoding on the serial reference recurrence (an independent GDN path)."""
+    runner = ModelRunner(model, model.new_cache(1, 128), "torch-serial")
+    slot = runner.cache.allocate(len(prompt) + n)
+    logits, _ = runner.prefill(slot, prompt)
     out = []
     for _ in range(n):
         tok = int(logits.argmax())
         out.append(tok)
-        logits = model.decode(cache, [slot], torch.tensor([tok]))[0]
+        logits = runner.decode([slot], torch.tensor([tok]))[0]
     return out
 
 
@@ -44,9 +46,9 @@ def test_speculative_greedy_equals_autoregressive(model, seed):
     prompt = torch.randint(0, 128, (9,), generator=gen)
     n = 30
     truth = ar_greedy(model, prompt, n + 10)
-    cache = model.new_cache(1, 128)
-    slot = cache.allocate(len(prompt) + n + 20)
-    emitted = [int(model.prefill(cache, slot, prompt)[-1].argmax())]
+    runner = ModelRunner(model, model.new_cache(1, 128), "torch")
+    slot = runner.cache.allocate(len(prompt) + n + 20)
+    emitted = [int(runner.prefill(slot, prompt)[0].argmax())]
     rounds = 0
     while len(emitted) < n:
         tree = DraftTree.random(int(rng.integers(1, 12)), int(rng.integers(1, 5)), rng)
@@ -61,9 +63,9 @@ def test_speculative_greedy_equals_autoregressive(model, seed):
             if rng.random() < 0.8:
                 tokens[node] = truth[len(emitted) - 1 + d]
         forest = PackedForest.pack([tree])
-        out = model.forward_tree(cache, [slot], forest, tokens)
+        batch, out = runner.verify([slot], forest, tokens)
         acc = accept_forest(target_probs(out.logits, GREEDY), tokens, forest)
-        model.commit(cache, out, acc.accepted)
+        runner.commit_accepted(batch, out, acc.accepted)
         emitted += acc.new_tokens[0]
         rounds += 1
     assert emitted[:n] == truth[:n]

@@ -51,7 +51,7 @@ def test_draft_model_errors():
 
 
 def test_batched_draft_model_expansion_equals_each_request_alone():
-    from bole.spec.drafters import DraftModelDrafter
+    from bole.engine.draft_model import DraftModelDrafter
     draft = tiny(2)
     drafter = DraftModelDrafter(draft, draft.config.vocab_size, max_slots=3, max_len=64)
     for target_slot, prompt in zip((0, 2), PROMPTS):

@@ -5,8 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from bole.spec.draft_tree import build_draft_tree
-from bole.spec.drafters import NgramDrafter
+from bole.speculative.draft_tree import build_draft_tree
+from bole.speculative.drafters import NgramDrafter
 
 
 def synthetic(seed: int, vocab: int = 7):

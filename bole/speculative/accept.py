@@ -58,7 +58,7 @@ def accept_forest(probs: torch.Tensor, tokens: torch.Tensor, forest: PackedFores
                   generator: torch.Generator | None = None) -> Acceptance:
     """Walk every request's tree from its root with the lossless rule.
 
-    probs: ``[N, V]`` target distribution at each node (:func:`bole.spec.sampling.target_probs`),
+    probs: ``[N, V]`` target distribution at each node (:func:`bole.speculative.sampling.target_probs`),
     tokens: ``[N]`` node tokens (root = the previous bonus token, never tested).
     """
     N, V = probs.shape

@@ -1,51 +1,14 @@
-"""Drafters: what proposes a node's continuations. Each gives an :data:`Expander` for one request.
-
-Implemented here: n-gram prompt lookup (no model). The MTP head and the separate draft model need
-the model runtime's drafting forward and come with the engine.
-"""
+"""A separate (smaller) draft model as a tree drafter, driving a model runner of its own."""
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Sequence
 
-from bole.spec.draft_tree import BatchExpander, Expander, top_k_per_request
+import torch
 
-
-class NgramDrafter:
-    """Prompt lookup: continue the longest recent n-gram (``max_n`` down to ``min_n`` tokens)
-    that already occurred in the request's context; candidates are the tokens that followed it,
-    scored by their share of those occurrences (the most recent wins ties)."""
-
-    def __init__(self, max_n: int = 4, min_n: int = 1):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        self.max_n, self.min_n = max_n, min_n
-
-    def lookup(self, context: Sequence[int], k: int) -> list[tuple[int, float]]:
-        ctx = list(context)
-        for n in range(min(self.max_n, len(ctx) - 1), self.min_n - 1, -1):
-            suffix = ctx[-n:]
-            follow: Counter[int] = Counter()
-            last_seen: dict[int, int] = {}
-            for j in range(len(ctx) - n):
-                if ctx[j:j + n] == suffix:
-                    tok = ctx[j + n]
-                    follow[tok] += 1
-                    last_seen[tok] = j
-            if follow:
-                total = sum(follow.values())
-                best = sorted(follow, key=lambda t: (-follow[t], -last_seen[t]))[:k]
-                return [(t, follow[t] / total) for t in best]
-        return []
-
-    def expander(self, history: Sequence[int]) -> Expander:
-        """``history`` ends with the root token (the last emitted one)."""
-        before = list(history[:-1])
-
-        def expand(paths, k):
-            return [self.lookup(before + list(path), k) for path in paths]
-        return expand
+from bole.engine.runner import ModelRunner
+from bole.speculative.draft_tree import BatchExpander, Expander, top_k_per_request
+from bole.tree import DraftTree, PackedForest
 
 
 class DraftModelDrafter:
@@ -54,25 +17,29 @@ class DraftModelDrafter:
     Its committed state follows the target's: the prompt at prefill, the accepted path after every
     round (:meth:`observe`). Expanding frontier nodes runs one tree forward over the trie of their
     paths on top of the committed state, so every node gets the GDN state after its own ancestors
-    (the draft model's own per-node states, exactly).
+    (the draft model's own per-node states, exactly). It drafts from the host: its forwards run
+    eagerly, outside the round's CUDA graphs.
     """
 
-    def __init__(self, draft_model, target_vocab: int, max_slots: int, max_len: int):
+    def __init__(self, draft_model, target_vocab: int, max_slots: int, max_len: int,
+                 scratch: int = 0):
         if draft_model.config.vocab_size != target_vocab:
             raise ValueError(
                 f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the "
                 f"target's ({target_vocab}); drafter and target must share a tokenizer")
         self.model = draft_model
-        self.cache = draft_model.new_cache(max_slots, max_len)
+        # a trie of frontier paths holds at most the whole drafted tree
+        self.scratch = max(scratch, 64)
+        self.cache = draft_model.new_cache(max_slots, max_len + self.scratch)
+        self.runner = ModelRunner(draft_model, self.cache, draft_model.gdn_backend)
         self.slots: dict[int, int] = {}
 
     def start(self, target_slot: int, prompt: Sequence[int]) -> None:
-        import torch
         if target_slot in self.slots:
             self.cache.free(self.slots.pop(target_slot))
         slot = self.cache.allocate(self.cache.max_len)
         self.slots[target_slot] = slot
-        self.model.prefill(self.cache, slot, torch.tensor(list(prompt)))
+        self.runner.prefill(slot, torch.tensor(list(prompt)))
 
     def finish(self, target_slot: int) -> None:
         if target_slot in self.slots:
@@ -80,18 +47,14 @@ class DraftModelDrafter:
 
     def observe(self, target_slot: int, tokens: Sequence[int]) -> None:
         """The target committed ``tokens`` (root .. accepted): commit them here too."""
-        import torch
-        from bole.tree import DraftTree, PackedForest
         slot = self.slots[target_slot]
-        out = self.model.forward_tree(self.cache, [slot], PackedForest.pack(
-            [DraftTree.chain(len(tokens))]), torch.tensor(list(tokens)))
-        self.model.commit(self.cache, out, [len(tokens) - 1])
+        batch, out = self.runner.verify([slot], PackedForest.pack([DraftTree.chain(len(tokens))]),
+                                        torch.tensor(list(tokens)))
+        self.runner.commit_accepted(batch, out, [len(tokens) - 1])
 
     def batch_expander(self, target_slots: Sequence[int]) -> BatchExpander:
         """One tree forward of the draft model per call, over the tries of every request's paths
         (each request on its own slot, so each node gets the state after its own ancestors)."""
-        import torch
-        from bole.tree import DraftTree, PackedForest
         slots = [self.slots[t] for t in target_slots]
 
         def expand_batch(paths_per_request, k):
@@ -113,9 +76,9 @@ class DraftModelDrafter:
                 index.append(trie)
                 tokens.extend(toks)
             forest = PackedForest.pack(trees)
-            out = self.model.forward_tree(self.cache, [slots[i] for i in live], forest,
-                                          torch.tensor(tokens))
-            rows = [int(forest.cu_nodes[j]) + index[j][tuple(int(t) for t in path)]
+            batch, out = self.runner.verify([slots[i] for i in live], forest, torch.tensor(tokens))
+            T = batch.nodes_per_request
+            rows = [j * T + index[j][tuple(int(t) for t in path)]
                     for j, i in enumerate(live) for path in paths_per_request[i]]
             return top_k_per_request(out.logits[rows], paths_per_request, k)
         return expand_batch

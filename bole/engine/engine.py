@@ -1,0 +1,286 @@
+"""The speculative round for a batch of requests: draft -> verify -> accept -> commit.
+
+Modes, all with the same drafter and the same trees so that they differ only in verification and
+state handling:
+
+    ar           no speculation: one token per request per forward, no drafter work at all
+    bole         draft trees; closed-form GDN verification, factors, one factored commit
+    tree-serial  the same trees; node-by-node GDN with a state snapshot per node, copy commit
+    chain        a single path of ``depth`` drafts (top-1), snapshot per position, copy commit
+
+A round runs on the device in fixed shapes (a batch bucket of R rows x T node slots): the MTP
+head grows every request's tree, the target verifies the forest, acceptance and the commit follow,
+and the host learns each request's new tokens in one copy, the round's one synchronisation
+(:mod:`bole.engine.round`). Requests run in slots of one cache; a request that stops (max tokens,
+a stop token or string) leaves the batch and frees its slot at the end of that round while the
+others go on. The node budget is per request; the calibrated batch-shared budget is separate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from bole.engine.round import RoundRunner, RoundTimings
+from bole.engine.runner import ModelRunner
+from bole.models.qwen3_hybrid import HybridModel
+from bole.speculative.accept_device import sample_rows
+from bole.speculative.sampling import SamplingParams, target_probs
+from bole.speculative.tree_growth import node_capacity
+
+MODES = ("ar", "bole", "tree-serial", "chain")
+DRAFTERS = ("ngram", "mtp", "draft")
+#: documented limits of the tree shape (a wider tree costs more than it can gain)
+MAX_TOPK = 16
+MAX_DEPTH = 15
+MAX_BUDGET = 256
+
+
+def default_drafter(model: HybridModel) -> str:
+    """The checkpoint's MTP head when it has one, else n-gram lookup."""
+    return "mtp" if model.has_mtp_head else "ngram"
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    mode: str = "bole"
+    drafter: str = "ngram"
+    depth: int = 8
+    topk: int = 4
+    budget: int = 32
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if not (1 <= self.depth <= MAX_DEPTH and 1 <= self.topk <= MAX_TOPK
+                and 2 <= self.budget <= MAX_BUDGET):
+            raise ValueError(f"need 1 <= depth <= {MAX_DEPTH}, 1 <= topk <= {MAX_TOPK} and "
+                             f"2 <= budget <= {MAX_BUDGET}; got depth={self.depth}, "
+                             f"topk={self.topk}, budget={self.budget}")
+
+    @property
+    def nodes_per_request(self) -> int:
+        """Node slots of a request's tree in a verify forward (no more than a tree of this
+        depth and width can hold)."""
+        if self.mode == "ar":
+            return 1
+        if self.mode == "chain":
+            return self.depth + 1
+        return min(self.budget, node_capacity(self.topk, self.depth))
+
+    @property
+    def gdn(self) -> str:
+        """The GDN backend family: closed form for ar / bole, serial snapshots otherwise."""
+        return "serial" if self.mode in ("tree-serial", "chain") else "closed"
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 64
+    sampling: SamplingParams = SamplingParams(temperature=0)
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()      # need the engine's tokenizer
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if any(not isinstance(t, str) or not t for t in self.stop_strings):
+            raise ValueError("stop strings must be non-empty strings")
+        self.sampling.validate()
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    finish_reason: str                    # "length" or "stop"
+    rounds: int = 0
+    accepted: list[int] = field(default_factory=list)   # tokens emitted per round
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        return sum(self.accepted) / max(1, len(self.accepted))
+
+
+@dataclass
+class Request:
+    """A request's host-side state while it runs."""
+
+    index: int
+    prompt: list[int]
+    params: GenerationParams
+    slot: int
+    out: list[int] = field(default_factory=list)
+    rounds: int = 0
+    accepted: list[int] = field(default_factory=list)
+    result: GenerationResult | None = None
+    prefill_s: float = 0.0
+    started: float = 0.0
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_tokens - len(self.out)
+
+
+class Engine:
+    """Generates for token-id prompts with one of the four modes."""
+
+    def __init__(self, model: HybridModel, spec: SpecConfig = SpecConfig(), *,
+                 max_slots: int = 8, max_len: int = 4096, tokenizer=None,
+                 draft_model: HybridModel | None = None, cuda_graphs: bool | None = None,
+                 progress: bool = False, gdn_backend: str | None = None):
+        """``gdn_backend`` overrides the mode's GDN backend (an oracle: ar on the serial
+        reference recurrence checks the closed form end to end)."""
+        spec.validate()
+        self.model, self.spec, self.tokenizer = model, spec, tokenizer
+        on_gpu = model.device.type == "cuda"
+        gdn = {"closed": ("torch", "triton"), "serial": ("torch-serial", "triton-serial")}
+        self.cache = model.new_cache(max_slots, max_len)
+        self.runner = ModelRunner(model, self.cache, gdn_backend or gdn[spec.gdn][on_gpu])
+        if spec.drafter == "draft" and draft_model is None and spec.mode != "ar":
+            raise ValueError("the draft drafter needs a draft_model (--draft-model)")
+        self.rounds = RoundRunner(self.runner, spec, max_slots=max_slots,
+                                  draft_model=draft_model if spec.mode != "ar" else None,
+                                  cuda_graphs=on_gpu if cuda_graphs is None else cuda_graphs,
+                                  progress=progress)
+        self.stats = dict(rounds=0, forward_s=0.0)
+        self.timings = RoundTimings()
+
+    @property
+    def scratch(self) -> int:
+        """Cache rows past a request's tokens that a round writes into."""
+        return self.rounds.scratch
+
+    # ---- requests ----
+    def _check(self, prompts, params) -> list[GenerationParams]:
+        if isinstance(params, GenerationParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} parameter sets for {len(prompts)} prompts")
+        vocab = self.model.config.vocab_size
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            p.validate()
+            if p.stop_strings and self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer: build the Engine with one")
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty; give at least one token")
+            if any(not 0 <= int(t) < vocab for t in prompt):
+                raise ValueError(f"prompt {i} holds token ids outside [0, {vocab})")
+            need = len(prompt) + p.max_tokens + self.scratch
+            if need > self.cache.max_len:
+                raise ValueError(
+                    f"prompt {i} ({len(prompt)} tokens) plus max_tokens={p.max_tokens} needs "
+                    f"{need} cache positions (with {self.scratch} for a round's tree), more than "
+                    f"the context of {self.cache.max_len}")
+        if len(prompts) > self.cache.num_free:
+            raise ValueError(f"{len(prompts)} prompts but only {self.cache.num_free} free slots")
+        return list(params)
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: GenerationParams | Sequence[GenerationParams] = GenerationParams(),
+                 seed: int | None = None) -> list[GenerationResult]:
+        """Generate for every prompt; finished requests leave the batch as they finish."""
+        params = self._check(prompts, params)
+        gen = torch.Generator(device=self.model.device)
+        if seed is None:
+            gen.seed()                        # non-deterministic, without touching the global RNG
+        else:
+            gen.manual_seed(seed)
+        reqs: list[Request] = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                slot = self.cache.allocate(len(prompt) + p.max_tokens + self.scratch)
+                reqs.append(Request(i, [int(t) for t in prompt], p, slot))
+            for r in reqs:
+                self.admit(r, gen)
+            running = [r for r in reqs if r.result is None]
+            while running:
+                self.step(running, gen)
+                for r in running:
+                    if r.result is not None:
+                        self.release(r)
+                running = [r for r in running if r.result is None]
+        finally:
+            for r in reqs:
+                if r.slot in self.cache.used_slots:
+                    self.release(r)
+        return [r.result for r in reqs]
+
+    def admit(self, r: Request, gen: torch.Generator) -> None:
+        """Prefill a request's prompt into its slot and emit its first token."""
+        t0 = time.perf_counter()
+        r.started = t0
+        logits, hidden = self.runner.prefill(r.slot, torch.tensor(r.prompt))
+        self.rounds.on_prefill(r.slot, torch.tensor(r.prompt), hidden)
+        first = self._sample_one(logits, r.params.sampling, gen)
+        r.prefill_s = time.perf_counter() - t0
+        self._emit(r, [first], rounds=0)
+
+    def release(self, r: Request) -> None:
+        self.rounds.on_release(r.slot)
+        self.cache.free(r.slot)
+
+    def step(self, running: list[Request], gen: torch.Generator) -> None:
+        """One speculative round over ``running``; their new tokens are appended."""
+        t0 = time.perf_counter()
+        new_tokens, timing = self.rounds.run(running, gen)
+        self.stats["rounds"] += 1
+        self.stats["forward_s"] += time.perf_counter() - t0
+        self.timings.add(timing)
+        for r, new in zip(running, new_tokens):
+            self._emit(r, new, rounds=1)
+
+    def _sample_one(self, logits: torch.Tensor, sampling: SamplingParams,
+                    gen: torch.Generator) -> int:
+        if sampling.greedy:
+            return int(logits.argmax())
+        probs = target_probs(logits[None], sampling)
+        u = torch.rand(1, generator=gen, device=logits.device)
+        return int(sample_rows(probs, u)[0])
+
+    def _emit(self, r: Request, new: list[int], rounds: int) -> None:
+        """Append a round's tokens up to a stop token or max_tokens; finish the request there."""
+        stop = set(r.params.stop_token_ids)
+        before, reason = len(r.out), None
+        for t in new:
+            r.out.append(t)
+            if t in stop:
+                reason = "stop"
+                break
+            if len(r.out) >= r.params.max_tokens:
+                reason = "length"
+                break
+        if r.params.stop_strings:
+            cut = self._stop_string_cut(r)
+            if cut is not None:
+                del r.out[cut:]
+                reason = "stop"
+        if rounds:
+            r.rounds += 1
+            r.accepted.append(len(r.out) - before)
+        if reason is not None:
+            elapsed = time.perf_counter() - r.started
+            r.result = GenerationResult(list(r.out), reason, r.rounds, list(r.accepted),
+                                        r.prefill_s, elapsed - r.prefill_s)
+
+    def _stop_string_cut(self, r: Request) -> int | None:
+        """Fewest output tokens whose text contains a stop string, or None."""
+        text = self.tokenizer.decode(r.out)
+        if not any(stop in text for stop in r.params.stop_strings):
+            return None
+        for m in range(1, len(r.out) + 1):
+            if any(stop in self.tokenizer.decode(r.out[:m]) for stop in r.params.stop_strings):
+                return m
+        return len(r.out)
+
+    def text(self, result: GenerationResult, params: GenerationParams) -> str:
+        """Decoded output, cut before the first stop string (the stop string is not returned)."""
+        text = self.tokenizer.decode(result.token_ids)
+        hits = [text.find(s) for s in params.stop_strings if s in text]
+        return text[: min(hits)] if hits else text

@@ -1,0 +1,363 @@
+"""One speculative round on the device, in static buffers per batch bucket, captured in graphs.
+
+A round over a bucket of R rows (the running requests, then padding rows on the cache's dummy
+slot) runs three fixed-shape phases, each a CUDA graph on the GPU:
+
+    draft          the MTP head grows every row's tree (device-side EAGLE-2 growth); host
+                   drafters (n-gram, a separate draft model) upload their trees instead
+    verify         forest structure, then the target's forward over all R x T node slots
+    accept+commit  lossless acceptance, the commit (KV rows, GDN state, conv state, lengths),
+                   the MTP head's rows of the accepted path, the next roots
+
+and then one non-blocking copy of the emitted tokens into pinned memory, followed by the
+round's single synchronisation. Between rounds the host touches the static buffers only when the
+batch changes (a request joined or left): then it rewrites the per-row inputs in one upload.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from bole.engine.draft_model import DraftModelDrafter
+from bole.engine.graphs import GraphRunner
+from bole.engine.runner import ModelRunner
+from bole.forest import DenseForest
+from bole.speculative.accept_device import SamplingBatch, accept, draw_uniforms
+from bole.speculative.draft_tree import build_draft_trees, per_request
+from bole.speculative.drafters import NgramDrafter
+from bole.speculative.mtp import MTPDrafter
+from bole.speculative.sampling import SamplingParams
+from bole.speculative.tree_growth import TreeGrowth
+
+log = logging.getLogger("bole.round")
+
+#: batch buckets: a round pads its rows to the next one
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def bucket_for(n: int) -> int | None:
+    return next((b for b in BUCKETS if b >= n), None)
+
+
+@dataclass
+class RoundTimings:
+    """Per-phase time summed over rounds (ms): device time between events on a GPU, wall time
+    on the CPU; ``host`` is the rest of a round's wall time (the GPU idles meanwhile)."""
+
+    rounds: int = 0
+    draft: float = 0.0
+    verify: float = 0.0
+    accept_commit: float = 0.0
+    host: float = 0.0
+    total: float = 0.0
+    syncs: int = 0
+    per_round: list = field(default_factory=list, repr=False)
+
+    def add(self, t: dict) -> None:
+        self.rounds += 1
+        for k in ("draft", "verify", "accept_commit", "host", "total", "syncs"):
+            setattr(self, k, getattr(self, k) + t[k])
+
+    def summary(self) -> dict:
+        n = max(1, self.rounds)
+        return dict(round_ms=self.total / n, draft_ms=self.draft / n, verify_ms=self.verify / n,
+                    accept_commit_ms=self.accept_commit / n, host_ms=self.host / n,
+                    syncs_per_round=self.syncs / n,
+                    gpu_idle_share=self.host / max(self.total, 1e-9))
+
+
+class StaticSampling:
+    """Per-row sampling parameters in static device tensors, and the host flags that choose the
+    acceptance variant (a graph per variant): padding rows are greedy."""
+
+    GREEDY = SamplingParams(temperature=0)
+
+    def __init__(self, R: int, device):
+        self.R = R
+        template = SamplingBatch.from_params([self.GREEDY] * R, device)
+        self.tensors = {f.name: getattr(template, f.name) for f in fields(template)
+                        if isinstance(getattr(template, f.name), torch.Tensor)}
+        self.flags = self.flags_for([])
+
+    @staticmethod
+    def flags_for(params) -> tuple:
+        """The acceptance variant of a batch: one for every mix of greedy and sampled rows;
+        top-k widths by powers of two."""
+        sampled = [p for p in params if not p.greedy]
+        k = max([p.top_k for p in sampled], default=0)
+        return (not sampled, True, any(p.top_k > 0 for p in sampled),
+                any(p.top_p < 1 for p in sampled), 1 << (k - 1).bit_length() if k else 0)
+
+    def write(self, params) -> None:
+        host = SamplingBatch.from_params(list(params) + [self.GREEDY] * (self.R - len(params)))
+        for name, dev in self.tensors.items():
+            src = getattr(host, name)
+            dev.copy_(src.pin_memory() if dev.is_cuda else src, non_blocking=True)
+        self.flags = self.flags_for(params)
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.flags[0]
+
+    def batch(self) -> SamplingBatch:
+        all_greedy, any_greedy, any_top_k, any_top_p, max_top_k = self.flags
+        return SamplingBatch(**self.tensors, all_greedy=all_greedy, any_greedy=any_greedy,
+                             any_top_k=any_top_k, any_top_p=any_top_p, max_top_k=max_top_k)
+
+
+class RoundBuffers:
+    """Static inputs and outputs of a round for a bucket of R rows x T node slots."""
+
+    def __init__(self, R: int, T: int, D: int, K: int, device, dummy_slot: int):
+        i64, dev = torch.int64, device
+        self.R, self.T = R, T
+        self.slots = torch.full((R,), dummy_slot, dtype=torch.int32, device=dev)
+        self.active = torch.zeros(R, dtype=torch.bool, device=dev)
+        self.roots = torch.zeros(R, dtype=i64, device=dev)
+        self.remaining = torch.zeros(R, dtype=i64, device=dev)
+        self.sampling = StaticSampling(R, dev)
+        self.uniforms = torch.zeros(R, D + 1, K + 1, device=dev)
+        self.tree_tokens = torch.zeros(R, T, dtype=i64, device=dev)
+        self.tree_parents = torch.full((R, T), -1, dtype=i64, device=dev)
+        self.tree_valid = torch.zeros(R, T, dtype=torch.bool, device=dev)
+        self.tree_valid[:, 0] = True
+        self.emitted = torch.zeros(R, D + 1, dtype=i64, device=dev)
+        self.num_emitted = torch.zeros(R, dtype=i64, device=dev)
+        pin = dev.type == "cuda"
+        self.emitted_host = torch.zeros(R, D + 1, dtype=i64, pin_memory=pin)
+        self.num_host = torch.zeros(R, dtype=i64, pin_memory=pin)
+        self.rows: tuple = ()                      # (request index, slot) of the rows last written
+
+
+class RoundRunner:
+    """Runs rounds of one mode over a model runner: buffers, drafters, graphs."""
+
+    def __init__(self, runner: ModelRunner, spec, *, max_slots: int, draft_model=None,
+                 cuda_graphs: bool = True, progress: bool = False):
+        self.runner, self.spec = runner, spec
+        self.model, self.cache = runner.model, runner.cache
+        self.device = self.model.device
+        self.ar = spec.mode == "ar"
+        self.T = spec.nodes_per_request
+        self.D = 0 if self.ar else spec.depth
+        self.topk = 1 if spec.mode == "chain" else spec.topk
+        self.K = 1 if self.ar else self.topk
+        self.growth_capacity = 0
+        self.mtp = self.draft = None
+        self.ngram = NgramDrafter()
+        if not self.ar and spec.drafter == "mtp":
+            from bole.speculative.tree_growth import node_capacity
+            self.growth_capacity = node_capacity(self.topk, self.D)
+            self.mtp = MTPDrafter(self.model, max_slots, self.cache.max_len,
+                                  self.growth_capacity)
+        if not self.ar and spec.drafter == "draft":
+            self.draft = DraftModelDrafter(draft_model, self.model.config.vocab_size, max_slots,
+                                           self.cache.max_len, scratch=self.scratch)
+        self.buffers: dict[int, RoundBuffers] = {}
+        self.growth: dict[int, TreeGrowth] = {}
+        self.graphs = GraphRunner(self.device, cuda_graphs and self.model.graph_safe)
+        if cuda_graphs and not self.model.graph_safe and self.device.type == "cuda":
+            log.warning("MoE routing syncs the host: rounds of this model run eagerly")
+        if self.graphs.enabled:
+            self.capture_all(max_slots, progress)
+
+    @property
+    def scratch(self) -> int:
+        """Rows past a request's committed tokens that a round writes (its tree, its path)."""
+        return max(self.T, self.D + 1)
+
+    # ---- buffers and graphs ----
+    def _buffers(self, R: int) -> RoundBuffers:
+        if R not in self.buffers:
+            self.buffers[R] = RoundBuffers(R, self.T, self.D, self.K, self.device,
+                                           self.cache.dummy_slot)
+            if self.mtp is not None:
+                self.growth[R] = TreeGrowth(R, self.topk, self.D, self.T, self.device)
+        return self.buffers[R]
+
+    def capture_all(self, max_slots: int, progress: bool) -> None:
+        """Capture every bucket's greedy round up to ``max_slots`` rows, largest first."""
+        buckets = [b for b in BUCKETS if b < max_slots] + [bucket_for(max_slots)]
+        t0 = time.perf_counter()
+        for i, R in enumerate(sorted(set(buckets), reverse=True)):
+            if progress:
+                print(f"\r[bole] capturing CUDA graphs: batch {R} ({i + 1}/{len(buckets)})",
+                      end="", file=sys.stderr, flush=True)
+            self._capture(R)
+        if progress:
+            print(f"\r[bole] captured {len(self.graphs.graphs)} CUDA graphs for batches up to "
+                  f"{max(buckets)} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+    def _capture(self, R: int, flags: tuple = StaticSampling.flags_for([])) -> None:
+        """Capture bucket R's phases, the acceptance for sampling variant ``flags``. The warm-up
+        runs execute, so every row first points at the dummy slot."""
+        b = self._buffers(R)
+        b.rows = ()
+        b.slots.fill_(self.cache.dummy_slot)
+        b.active.zero_()
+        b.roots.zero_()
+        b.remaining.zero_()
+        b.sampling.flags = flags
+        if not self.graphs.has(("verify", R)):
+            if self.mtp is not None:
+                self.graphs.capture(("draft", R), lambda: self._draft(b))
+            self.graphs.capture(("verify", R), lambda: self._verify(b))
+        # a capture runs nothing: replay the forward once so that its outputs hold real values
+        # (of the dummy rows) before the acceptance's warm-up reads them
+        self.graphs.graphs[("verify", R)].replay()
+        batch_out = self.graphs.results[("verify", R)]
+        self.graphs.capture(("accept", R, b.sampling.flags),
+                            lambda: self._accept_commit(b, *batch_out))
+
+    # ---- the phases (device code only) ----
+    def _draft(self, b: RoundBuffers) -> None:
+        ctx = self.cache.lengths[b.slots.long()]
+        limit = torch.where(b.active, (b.remaining - 1).clamp(0, self.D), 0)
+        step = self.mtp.step_fn(b.slots, ctx, self.topk)
+        trees = self.growth[b.R].grow(b.roots, limit, step)
+        b.tree_tokens.copy_(trees.tokens)
+        b.tree_parents.copy_(trees.parents)
+        b.tree_valid.copy_(trees.valid)
+
+    def _verify(self, b: RoundBuffers):
+        if self.ar:
+            b.tree_tokens.copy_(b.roots[:, None])
+            forest = DenseForest.chain(b.R, 1, self.device)
+        else:
+            forest = DenseForest.from_parents(b.tree_parents, b.tree_valid, self.D)
+        batch = self.runner.make_batch(b.tree_tokens.reshape(-1), forest, b.slots)
+        return batch, self.runner.forward(batch)
+
+    def _accept_commit(self, b: RoundBuffers, batch, out) -> None:
+        R, T = b.R, self.T
+        logits = out.logits.view(R, T, -1)
+        acc = accept(logits, b.tree_tokens, batch.forest, b.sampling.batch(), b.uniforms,
+                     max_children=self.K)
+        path_len = torch.where(b.active, acc.path_len, 0)
+        ctx = batch.ctx_lens
+        self.runner.commit(batch, out, acc.path, path_len, kv_in_place=self.ar)
+        if self.mtp is not None:
+            P = acc.path.shape[1]
+            path_global = batch.forest.global_index(acc.path)
+            tokens = torch.gather(b.tree_tokens, 1, acc.path)
+            hidden = out.hidden[path_global.reshape(-1)].view(R, P, -1)
+            self.mtp.observe(b.slots, tokens, hidden, ctx, path_len)
+        b.emitted.copy_(acc.emitted)
+        b.num_emitted.copy_(path_len)
+        b.roots.copy_(acc.bonus)
+        b.remaining.sub_(path_len)
+
+    # ---- the host side of a round ----
+    def on_prefill(self, slot: int, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
+        if self.mtp is not None:
+            self.mtp.observe_prompt(slot, prompt, hidden)
+        if self.draft is not None:
+            self.draft.start(slot, prompt.tolist())
+
+    def on_release(self, slot: int) -> None:
+        for b in self.buffers.values():         # a later request may reuse the slot: rewrite rows
+            b.rows = ()
+        if self.mtp is not None:
+            self.mtp.reset(slot)
+        if self.draft is not None:
+            self.draft.finish(slot)
+
+    def _write_rows(self, b: RoundBuffers, requests) -> None:
+        """Per-row inputs after the batch changed: one upload of slots, roots, budgets, params."""
+        rows = tuple((r.index, r.slot) for r in requests)
+        if rows == b.rows:
+            return
+        n, dummy = len(requests), self.cache.dummy_slot
+        slots = [r.slot for r in requests] + [dummy] * (b.R - n)
+        host = torch.tensor([slots, [1] * n + [0] * (b.R - n),
+                             [r.out[-1] for r in requests] + [0] * (b.R - n),
+                             [r.remaining for r in requests] + [0] * (b.R - n)], dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        b.slots.copy_(dev[0])
+        b.active.copy_(dev[1].bool())
+        b.roots.copy_(dev[2])
+        b.remaining.copy_(dev[3])
+        b.sampling.write([r.params.sampling for r in requests])
+        b.rows = rows
+
+    def _host_trees(self, b: RoundBuffers, requests) -> None:
+        """Trees from a host drafter (n-gram lookup, a separate draft model), uploaded."""
+        roots = [r.out[-1] for r in requests]
+        depths = [max(0, min(self.D, r.remaining - 1)) for r in requests]
+        if self.draft is not None:
+            expand = self.draft.batch_expander([r.slot for r in requests])
+        else:
+            expand = per_request([self.ngram.expander(r.prompt + r.out) for r in requests])
+        results = build_draft_trees(roots, expand, depths=depths, topk=self.topk, budget=self.T)
+        tokens = torch.zeros(b.R, self.T, dtype=torch.int64)
+        parents = torch.full((b.R, self.T), -1, dtype=torch.int64)
+        valid = torch.zeros(b.R, self.T, dtype=torch.bool)
+        valid[:, 0] = True
+        for i, res in enumerate(results):
+            n = res.tree.num_nodes
+            tokens[i, :n], parents[i, :n], valid[i, :n] = res.tokens, res.tree.parents, True
+        for host, dev in ((tokens, b.tree_tokens), (parents, b.tree_parents), (valid, b.tree_valid)):
+            dev.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+
+    def run(self, requests, gen: torch.Generator) -> tuple[list[list[int]], dict]:
+        """One round over the running ``requests``: each one's new tokens, and the timings."""
+        t_start = time.perf_counter()
+        R = bucket_for(len(requests))
+        if R is None:
+            raise ValueError(f"{len(requests)} requests exceed the largest batch bucket "
+                             f"{BUCKETS[-1]}")
+        b = self._buffers(R)
+        flags = StaticSampling.flags_for([r.params.sampling for r in requests])
+        if self.graphs.enabled and not self.graphs.has(("accept", R, flags)):
+            log.info("capturing the round for batch %d, sampling variant %s", R, flags)
+            self._capture(R, flags)
+        self._write_rows(b, requests)
+        if not b.sampling.all_greedy:
+            b.uniforms.copy_(draw_uniforms(R, self.D, self.K, gen, self.device))
+        cuda = self.device.type == "cuda"
+        marks = []
+
+        def mark():
+            if cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                marks.append(ev)
+            else:
+                marks.append(time.perf_counter())
+        mark()
+        if self.mtp is not None:
+            self.graphs.run(("draft", R), lambda: self._draft(b))
+        elif not self.ar:
+            self._host_trees(b, requests)
+        mark()
+        batch_out = self.graphs.run(("verify", R), lambda: self._verify(b))
+        mark()
+        self.graphs.run(("accept", R, flags), lambda: self._accept_commit(b, *batch_out))
+        mark()
+        b.emitted_host.copy_(b.emitted, non_blocking=True)
+        b.num_host.copy_(b.num_emitted, non_blocking=True)
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()                   # the round's one synchronisation
+            ms = [marks[i].elapsed_time(marks[i + 1]) for i in range(3)]
+        else:
+            ms = [1e3 * (marks[i + 1] - marks[i]) for i in range(3)]
+        counts = b.num_host[:len(requests)].tolist()
+        emitted = b.emitted_host[:len(requests)].tolist()
+        new = [row[:n] for row, n in zip(emitted, counts)]
+        self.cache.advance([r.slot for r in requests], counts)
+        if self.draft is not None:
+            for r, toks in zip(requests, new):
+                self.draft.observe(r.slot, [r.out[-1]] + toks[:-1])
+        total = 1e3 * (time.perf_counter() - t_start)
+        timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
+                      host=max(0.0, total - sum(ms)), total=total, syncs=1)
+        return new, timing

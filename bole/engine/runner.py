@@ -1,0 +1,210 @@
+"""The model runner: fixed-shape forward batches over the cache, the commit, and prefill.
+
+The model (:class:`bole.models.qwen3_hybrid.HybridModel`) is layers only; the runner owns what
+surrounds a forward: building its :class:`ForwardBatch` from device tensors (forest structure,
+positions, conv windows, the kernels' forest view), committing the accepted paths into the cache
+(KV rows moved into place, GDN states by the factored or the copy commit, conv windows, lengths),
+and chunked prefill. Everything on the round's path is tensor code without host synchronisation,
+so that :mod:`bole.engine.graphs` can capture it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bole.cache import HybridCache
+from bole.forest import DenseForest
+from bole.models.batch import GDN_BACKENDS, ForwardBatch, ForwardOutput
+from bole.models.qwen3_hybrid import HybridModel
+from bole.ops.fused import conv_windows_from_parents
+from bole.ops.gdn.closed_form import TreeFactors
+from bole.ops.gdn.dense import commit_factored_paths, commit_snapshots
+
+#: prefill chunk: long chunks where fla's chunk kernel runs GDN (the GPU), short ones where the
+#: tree path does (its cost grows with the chunk squared)
+PREFILL_CHUNK_FLA = 1024
+PREFILL_CHUNK_TREE = 64
+
+
+class ModelRunner:
+    """Forward batches and commits of one model over one cache, with one GDN backend."""
+
+    def __init__(self, model: HybridModel, cache: HybridCache, gdn: str):
+        if gdn not in GDN_BACKENDS:
+            raise ValueError(f"gdn must be one of {GDN_BACKENDS}, got {gdn!r}")
+        if gdn.startswith("triton") and model.device.type != "cuda":
+            from bole.ops.triton_utils import check_kernel_device
+            check_kernel_device(model.device, f"gdn={gdn!r}")
+        self.model, self.cache, self.gdn = model, cache, gdn
+        self.device = model.device
+        self.K = model.config.linear_conv_kernel_dim
+
+    # ---- batches ----
+    def make_batch(self, tokens: torch.Tensor, forest: DenseForest, slots: torch.Tensor,
+                   gdn: str | None = None, prefill: tuple[int, int] | None = None) -> ForwardBatch:
+        """A forward batch over ``forest`` (R x T node slots) from device tensors only:
+        ``tokens [R * T]`` int64, ``slots [R]`` int32 (padding rows: the cache's dummy slot)."""
+        gdn = gdn or self.gdn
+        slots = slots.to(torch.int32)
+        ctx = self.cache.lengths[slots.long()]
+        windows = conv_windows_from_parents(forest.parents, forest.depth, self.K)
+        meta = forest.kernel_meta() if gdn.startswith("triton") else None
+        return ForwardBatch(tokens=tokens, positions=forest.positions(ctx), slots=slots,
+                            ctx_lens=ctx, forest=forest, conv_windows=windows, gdn=gdn,
+                            meta=meta, prefill=prefill)
+
+    def forward(self, batch: ForwardBatch, *, logits: bool = True) -> ForwardOutput:
+        return self.model.forward(self.cache, batch, logits=logits)
+
+    # ---- the commit ----
+    def commit(self, batch: ForwardBatch, out: ForwardOutput, path: torch.Tensor,
+               path_len: torch.Tensor, *, kv_in_place: bool = False) -> None:
+        """Make each request's accepted path its new committed state.
+
+        ``path [R, P]`` local node indices root first (padded past ``path_len``), ``path_len
+        [R]``: 0 for padding rows, which change nothing. ``kv_in_place``: the accepted nodes'
+        KV already sit at their final rows (chains: decode and prefill)."""
+        cache, forest = self.cache, batch.forest
+        slots = batch.slots.long()
+        path_len = path_len.to(torch.int64)
+        if not kv_in_place and cache.k.shape[0]:
+            self._move_kv(slots, batch.ctx_lens, path)
+        path_global = forest.global_index(path)
+        last = torch.gather(path_global, 1, (path_len - 1).clamp(min=0)[:, None])[:, 0]
+        if out.final_states:                                      # fla's chunked prefill
+            for gi, final in enumerate(out.final_states):
+                cache.gdn_state[gi, slots] = final
+        elif out.factors:
+            stacked = TreeFactors.stack(out.factors)
+            if batch.gdn == "triton":
+                from bole.ops.gdn.triton_commit import commit_factored_triton
+                commit_factored_triton(stacked, cache.gdn_state, batch.slots, path_global,
+                                       path_len)
+            else:
+                commit_factored_paths(stacked, cache.gdn_state, slots, path_global, path_len)
+        elif out.snapshots:
+            keep = path_len > 0                                   # padding rows: dummy slot
+            target = torch.where(keep, slots, cache.dummy_slot)
+            if batch.gdn == "triton-serial":
+                from bole.ops.gdn.triton_serial import commit_from_snapshots_triton
+                for gi, snaps in enumerate(out.snapshots):
+                    commit_from_snapshots_triton(snaps, cache.gdn_state[gi],
+                                                 target.to(torch.int32), last)
+            else:
+                commit_snapshots(out.snapshots, cache.gdn_state, target, last)
+        if out.conv_inputs:
+            self._commit_conv(batch, torch.stack(out.conv_inputs), slots, last, path_len)
+        cache.lengths.index_add_(0, slots, path_len)
+
+    def _move_kv(self, slots: torch.Tensor, ctx: torch.Tensor, path: torch.Tensor) -> None:
+        """KV of each path node from its scratch row ``ctx + node`` to ``ctx + depth`` (every
+        full-attention layer at once; all rows are read before any is written)."""
+        P = path.shape[1]
+        src = ctx[:, None] + path
+        dst = ctx[:, None] + torch.arange(P, device=path.device)[None, :]
+        for pool in (self.cache.k, self.cache.v):
+            pool[:, slots[:, None], dst] = pool[:, slots[:, None], src]
+
+    def _commit_conv(self, batch: ForwardBatch, inputs: torch.Tensor, slots: torch.Tensor,
+                     last: torch.Tensor, path_len: torch.Tensor) -> None:
+        """Each request's conv state becomes its accepted node's window minus the oldest entry:
+        rows of ``inputs [L_gdn, N, C]`` or columns of its committed state."""
+        pool = self.cache.conv_state                                  # [L, S, C, K-1]
+        code = batch.conv_windows[last][:, 1:]                        # [R, K-1]
+        x = inputs[:, code.clamp(min=0)].transpose(-1, -2)            # [L, R, C, K-1]
+        col = ((-code - 1) % (self.K - 1)).clamp(min=0)
+        old = pool[:, slots]
+        s = torch.gather(old, 3, col[None, :, None, :].expand_as(old))
+        new = torch.where(code[None, :, None, :] >= 0, x.to(pool.dtype), s)
+        pool[:, slots] = torch.where((path_len > 0)[None, :, None, None], new, old)
+
+    # ---- prefill ----
+    def prefill(self, slot: int, prompt: torch.Tensor, chunk: int | None = None,
+                on_chunk=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit ``prompt [P]`` into ``slot`` chunk by chunk; returns the last token's logits
+        ``[V]`` and every token's final-norm hidden state ``[P, H]``.
+
+        GDN runs fla's chunk kernel where installed (GPU), else the closed form over each chunk
+        (whatever the runner's backend: a prefill's state is the same in every mode).
+        ``on_chunk(done, total)`` reports progress."""
+        if prompt.dim() != 1 or prompt.numel() == 0:
+            raise ValueError("prompt must be a non-empty 1-D tensor of token ids")
+        self._check_tokens(prompt)
+        end = self.cache.host_lengths[slot] + prompt.numel()
+        if end > self.cache.max_len:
+            raise ValueError(f"the prompt would reach position {end - 1}, past the cache's "
+                             f"{self.cache.max_len} tokens per slot")
+        fla = self.model.prefill_gdn is not None
+        chunk = chunk or (PREFILL_CHUNK_FLA if fla else PREFILL_CHUNK_TREE)
+        gdn = "triton" if self.device.type == "cuda" else "torch"
+        tokens = prompt.to(self.device)
+        hidden, logits = [], None
+        slot_t = torch.tensor([slot], dtype=torch.int32, device=self.device)
+        P = prompt.numel()
+        for lo in range(0, P, chunk):
+            part = tokens[lo:lo + chunk]
+            T = part.numel()
+            forest = DenseForest.chain(1, T, self.device)
+            batch = self.make_batch(part, forest, slot_t, gdn,
+                                    prefill=(slot, self.cache.host_lengths[slot]))
+            last_chunk = lo + chunk >= P
+            out = self.model.forward(self.cache, batch, logits=False)
+            path = torch.arange(T, device=self.device)[None]
+            self.commit(batch, out, path, torch.tensor([T], device=self.device), kv_in_place=True)
+            self.cache.advance([slot], [T])
+            hidden.append(out.hidden)
+            if last_chunk:
+                logits = self.model.lm_head(out.hidden[-1:])[0]
+            if on_chunk is not None:
+                on_chunk(min(lo + chunk, P), P)
+        return logits, torch.cat(hidden)
+
+    # ---- one-off forwards (tests, the draft-model drafter) ----
+    def verify(self, slots: list[int], trees, tokens: torch.Tensor,
+               nodes_per_request: int | None = None) -> tuple[ForwardBatch, ForwardOutput]:
+        """Eager forward of host-built trees (a :class:`bole.tree.PackedForest`) with
+        ``tokens`` in packed order; returns the batch and its output (dense row order)."""
+        slots = self.cache.check_slots(slots)
+        forest = DenseForest.from_packed(trees, nodes_per_request, device=self.device)
+        R, T = forest.parents.shape
+        need = max(self.cache.host_lengths[s] for s in slots) + max(T, forest.max_depth + 1)
+        if need > self.cache.max_len:
+            raise ValueError(f"the trees would reach position {need - 1}, past the cache's "
+                             f"{self.cache.max_len} tokens per slot")
+        self._check_tokens(tokens)
+        dense = torch.zeros(R * T, dtype=torch.int64)
+        sizes = trees.sizes().tolist()
+        for r, n in enumerate(sizes):
+            lo = int(trees.cu_nodes[r])
+            dense[r * T: r * T + n] = tokens[lo:lo + n].cpu()
+        slot_t = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        batch = self.make_batch(dense.to(self.device), forest, slot_t)
+        return batch, self.forward(batch)
+
+    def commit_accepted(self, batch: ForwardBatch, out: ForwardOutput, accepted) -> list[int]:
+        """Commit host-chosen accepted nodes (local indices); returns the path lengths."""
+        acc = torch.as_tensor(list(accepted), dtype=torch.int64, device=self.device)
+        path, path_len = batch.forest.paths(acc)
+        self.commit(batch, out, path, path_len)
+        lengths = path_len.tolist()
+        self.cache.advance(batch.slots.tolist(), lengths)
+        return lengths
+
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        vocab = self.model.config.vocab_size
+        if bool(((tokens < 0) | (tokens >= vocab)).any()):
+            raise ValueError(f"token ids must lie in [0, {vocab})")
+
+    def decode(self, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """One token per slot, committed; returns the logits ``[R, V]``."""
+        slots = self.cache.check_slots(slots)
+        self._check_tokens(tokens)
+        forest = DenseForest.chain(len(slots), 1, self.device)
+        slot_t = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        batch = self.make_batch(tokens.to(self.device), forest, slot_t)
+        out = self.forward(batch)
+        ones = torch.ones(len(slots), dtype=torch.int64, device=self.device)
+        self.commit(batch, out, torch.zeros(len(slots), 1, dtype=torch.int64,
+                                            device=self.device), ones, kv_in_place=True)
+        self.cache.advance(slots, [1] * len(slots))
+        return out.logits

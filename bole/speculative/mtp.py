@@ -1,0 +1,163 @@
+"""The checkpoint's MTP head as an EAGLE-style tree drafter, on the device.
+
+MTP step at position p (vLLM's Qwen3-Next / Qwen3.5 convention):
+    x = fc([ norm_e(embed(token_p)) | norm_h(h_{p-1}) ]);  m_p = norm(decoder_layer(x))
+    logits_p = lm_head(m_p)  (predicts token p + 1)
+where h_{p-1} is the target's final-norm hidden state at p - 1 for committed positions, and the
+MTP's own output m of the parent for deeper draft nodes. The layer's attention sees the MTP KV of
+committed positions 1..n-1 plus the draft node's own ancestors.
+
+The MTP KV pool keeps position p's entry at row p - 1 (position 0 has none), so a slot whose
+target has n committed tokens has n - 1 committed rows; a round's draft nodes write theirs into
+the scratch rows after them (created node c at row n - 1 + c), and after the commit
+:meth:`MTPDrafter.observe` rewrites the accepted path's rows with the *target*'s hidden states, so
+that drafting always starts from exactly the KV a full re-computation would give (tested).
+Everything is fixed-shape tensor code without host synchronisation (captured in CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from bole.models.qwen3_hybrid import HybridModel
+from bole.ops import fused
+from bole.ops.attention import tree_attention
+
+MTP_LAYER = "mtp.layers.0."
+
+
+def write_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``k, v [R, P, H, D]`` into pool rows ``rows [R, P]`` of slots ``slots [R]``."""
+    index = slots.long()[:, None]
+    k_pool[index, rows] = k.to(k_pool.dtype)
+    v_pool[index, rows] = v.to(v_pool.dtype)
+
+
+class MTPDrafter:
+    """MTP KV pool and last target hidden state per slot; the drafting step and the observe."""
+
+    def __init__(self, model: HybridModel, max_slots: int, max_len: int, scratch: int):
+        missing = [n for n in ("mtp.fc.weight", MTP_LAYER + "self_attn.qkv_proj.weight")
+                   if n not in model.w]
+        if missing:
+            raise ValueError("this checkpoint has no MTP head (no mtp.* tensors); "
+                             "use the ngram drafter")
+        c = model.config
+        self.model = model
+        #: rows per slot: committed entries (max_len - 1) plus a round's draft nodes and one junk
+        #: row that padding frontier entries write to
+        self.rows = max_len + scratch + 1
+        self.junk_row = self.rows - 1
+        shape = (max_slots + 1, self.rows, c.num_key_value_heads, c.head_dim)
+        self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.v = torch.zeros_like(self.k)
+        self.last_hidden = torch.zeros(max_slots + 1, c.hidden_size, dtype=model.dtype,
+                                       device=model.device)
+
+    def reset(self, slot: int) -> None:
+        self.last_hidden[slot].zero_()
+
+    # ---- the MTP layer ----
+    def _input(self, tokens: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """fc over the normalised embedding and hidden state: ``[n, H]``."""
+        m, w, eps = self.model, self.model.w, self.model.config.rms_norm_eps
+        e = fused.add_rms_norm(m.embed(tokens), w["mtp.pre_fc_norm_embedding.weight"], eps)[0]
+        h = fused.add_rms_norm(prev_hidden.to(e.dtype), w["mtp.pre_fc_norm_hidden.weight"], eps)[0]
+        return F.linear(torch.cat([e, h], dim=-1), w["mtp.fc.weight"])
+
+    def _kv(self, x: torch.Tensor, positions: torch.Tensor):
+        m, eps = self.model, self.model.config.rms_norm_eps
+        a = fused.add_rms_norm(x, m.w[MTP_LAYER + "input_layernorm.weight"], eps)[0]
+        return m.attention_qkv(MTP_LAYER + "self_attn.", a, positions)
+
+    def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Attention output ``o [n, H_q * hd]`` (gated) -> the layer's normalised output m."""
+        m, w, eps = self.model, self.model.w, self.model.config.rms_norm_eps
+        x = x + F.linear(o, w[MTP_LAYER + "self_attn.o_proj.weight"],
+                         w.get(MTP_LAYER + "self_attn.o_proj.bias"))
+        a, x = fused.add_rms_norm(x, w[MTP_LAYER + "post_attention_layernorm.weight"], eps)
+        return fused.add_rms_norm(m.mlp(0, a, prefix=MTP_LAYER), w["mtp.norm.weight"], eps, x)[0]
+
+    # ---- keeping the MTP pool in step with the target ----
+    @torch.no_grad()
+    def observe(self, slots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+                start: torch.Tensor, count: torch.Tensor) -> None:
+        """The target committed ``tokens [R, P]`` (the first ``count[r]`` of each row) at
+        positions ``start[r] ..`` with final-norm ``hidden [R, P, H]``: write their MTP rows and
+        remember each row's last hidden state. A row of ``count == 0`` changes nothing but
+        scratch rows. Position 0 has no MTP entry (the caller passes ``start >= 1``)."""
+        R, P = tokens.shape
+        slots_l = slots.long()
+        prev = torch.cat([self.last_hidden[slots_l][:, None], hidden[:, :-1]], dim=1)
+        j = torch.arange(P, device=tokens.device)
+        positions = start[:, None] + j
+        x = self._input(tokens.reshape(-1), prev.reshape(R * P, -1))
+        _, k, v, _ = self._kv(x, positions.reshape(-1))
+        rows = torch.where(j[None] < count[:, None], positions - 1, self.junk_row)
+        write_rows(self.k, self.v, k.view(R, P, *k.shape[1:]), v.view(R, P, *v.shape[1:]),
+                   slots, rows)
+        last = torch.gather(hidden, 1, (count - 1).clamp(min=0)[:, None, None]
+                            .expand(R, 1, hidden.shape[-1]))[:, 0]
+        keep = (count > 0)[:, None]
+        self.last_hidden[slots_l] = torch.where(keep, last.to(self.last_hidden.dtype),
+                                                self.last_hidden[slots_l])
+
+    @torch.no_grad()
+    def observe_prompt(self, slot: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
+        """After a prefill of ``tokens [P]`` (hidden ``[P, H]``) into a fresh slot."""
+        P = tokens.numel()
+        dev = self.k.device
+        slot_t = torch.tensor([slot], dtype=torch.int32, device=dev)
+        self.last_hidden[slot] = hidden[0]
+        if P > 1:
+            self.observe(slot_t, tokens[1:].to(dev)[None], hidden[1:][None],
+                         torch.ones(1, dtype=torch.int64, device=dev),
+                         torch.tensor([P - 1], device=dev))
+
+    # ---- drafting ----
+    def step_fn(self, slots: torch.Tensor, ctx: torch.Tensor, topk: int):
+        """The tree growth's drafter step for one round over ``slots [R]`` whose targets hold
+        ``ctx [R]`` committed tokens (each root is its request's next token, at position ctx).
+
+        Each call computes the frontier's MTP outputs in one batched layer call: a node attends to
+        its slot's committed MTP rows and its own created ancestors (scratch rows)."""
+        m = self.model
+        dev = self.k.device
+        slots_l = slots.long()
+        hidden_size = m.config.hidden_size
+        state: dict[str, torch.Tensor] = {}
+
+        def step(step_index: int, frontier: torch.Tensor, table) -> tuple[torch.Tensor, torch.Tensor]:
+            R, K = frontier.shape
+            C = table.tokens.shape[1]
+            if "m" not in state:
+                state["m"] = torch.zeros(R, C + 1, hidden_size, dtype=m.dtype, device=dev)
+            m_table = state["m"]
+            live = frontier >= 0
+            f = frontier.clamp(min=0)
+            tok = torch.gather(table.tokens, 1, f)
+            parent = torch.gather(table.parents, 1, f)
+            depth = torch.gather(table.depth, 1, f)
+            parent_m = torch.gather(m_table, 1, parent.clamp(min=0)[..., None]
+                                    .expand(R, K, hidden_size))
+            prev = torch.where((parent >= 0)[..., None], parent_m,
+                               self.last_hidden[slots_l][:, None])
+            x = self._input(tok.reshape(-1), prev.reshape(R * K, -1))
+            q, k, v, gate = self._kv(x, (ctx[:, None] + depth).reshape(-1))
+            base = ctx - 1                                        # committed MTP rows
+            rows = torch.where(live, base[:, None] + f, self.junk_row)
+            write_rows(self.k, self.v, k.view(R, K, *k.shape[1:]), v.view(R, K, *v.shape[1:]),
+                       slots, rows)
+            mask = torch.gather(table.ancestors, 1, f[..., None].expand(R, K, C))
+            mask = mask & live[..., None]
+            o = tree_attention(q, self.k, self.v, slots, base, mask.reshape(R * K, C),
+                               scale=m.config.head_dim ** -0.5, gate=gate)
+            out = self._finish(x, o.reshape(R * K, -1))
+            m_table.scatter_(1, torch.where(live, f, C)[..., None].expand(R, K, hidden_size),
+                             out.view(R, K, -1))
+            probs = torch.softmax(m.lm_head(out), dim=-1)
+            top = torch.topk(probs, topk, dim=-1)
+            return top.indices.view(R, K, topk), top.values.view(R, K, topk)
+        return step

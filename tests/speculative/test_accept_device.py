@@ -1,0 +1,502 @@
+"""Device acceptance (bole.speculative.accept_device): the rule of accept_forest in fixed shapes.
+
+* greedy: equal to accept_forest on one-hot greedy probabilities, over random padded forests;
+* sampled: equal to a per-request pure-Python walk consuming the same uniforms;
+* lossless: first token, first two tokens and whole emitted sequences follow the target
+  (chi-square, many requests in one batch), for likely, unlikely, zero-probability and duplicate
+  draft tokens;
+* target_probs_rows equals target_probs row by row; sample_rows never draws a zero-probability
+  token and is unbiased; nothing synchronises with the host (and, on CUDA, the round captures
+  into a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from scipy.stats import chisquare
+
+from bole.forest import DenseForest
+from bole.speculative.accept import accept_forest
+from bole.speculative.accept_device import (
+    EMITTED_PAD, SamplingBatch, accept, accept_greedy, accept_sampled, children_slots,
+    draw_uniforms, sample_rows, target_probs_rows)
+from bole.speculative.sampling import SamplingParams, target_probs
+from bole.tree import DraftTree, PackedForest
+from tests.strategies import forests
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+# ---------------------------------------------------------------- helpers
+
+def with_single_node_request(forest: PackedForest) -> PackedForest:
+    """The same forest plus a one-node request (padding of the packed form kept)."""
+    trees = [forest.tree(r) for r in range(forest.num_requests)] + [DraftTree.chain(1)]
+    packed = PackedForest.pack(trees)
+    extra = forest.num_nodes - forest.num_valid_nodes
+    return packed.pad_to(packed.num_nodes + extra) if extra else packed
+
+
+def children_lists(dense: DenseForest, r: int) -> dict[int, list[int]]:
+    """Host children lists of request r in draft (index) order."""
+    parents, valid = dense.parents[r].tolist(), dense.valid[r].tolist()
+    kids: dict[int, list[int]] = {i: [] for i in range(len(parents))}
+    for i, (p, v) in enumerate(zip(parents, valid)):
+        if v and p >= 0:
+            kids[p].append(i)
+    return kids
+
+
+def to_packed_rows(dense_rows: torch.Tensor, forest: PackedForest) -> torch.Tensor:
+    """``[R, T, ...]`` dense per-node values -> ``[N, ...]`` in the packed forest's order."""
+    sizes = forest.sizes().tolist()
+    rows = torch.cat([dense_rows[r, :n] for r, n in enumerate(sizes)])
+    pad = forest.num_nodes - rows.shape[0]
+    return torch.cat([rows, rows[:1].expand(pad, *rows.shape[1:])]) if pad else rows
+
+
+def check_layout(acc, dense: DenseForest, r: int, path: list[int], new_tokens: list[int]):
+    """One request's DeviceAcceptance row against its expected path and emitted tokens."""
+    n = len(path)
+    D = dense.max_depth + 1
+    assert int(acc.accepted[r]) == path[-1]
+    assert int(acc.path_len[r]) == n and int(acc.num_emitted[r]) == n
+    assert acc.path[r].tolist() == path + [path[-1]] * (D - n)
+    assert acc.emitted[r].tolist() == new_tokens + [EMITTED_PAD] * (D - n)
+    assert int(acc.bonus[r]) == new_tokens[-1]
+
+
+def chi2_pvalue(observed: dict, expected: dict, n: int) -> float:
+    """Chi-square p-value of outcome counts against exact probabilities; 0 when an impossible
+    outcome occurs. Outcomes expected fewer than 5 times are pooled."""
+    if any(expected.get(k, 0.0) == 0.0 for k in observed):
+        return 0.0
+    keys = [k for k in expected if expected[k] > 0]
+    obs = np.array([observed.get(k, 0) for k in keys], dtype=float)
+    exp = np.array([expected[k] * n for k in keys])
+    small = exp < 5
+    if small.any():
+        obs = np.append(obs[~small], obs[small].sum())
+        exp = np.append(exp[~small], exp[small].sum())
+    exp *= obs.sum() / exp.sum()                 # remove float drift of the exact probabilities
+    return float(chisquare(obs, exp).pvalue)
+
+
+# ---------------------------------------------------------------- (a) greedy
+
+@settings(max_examples=60, derandomize=True)
+@given(forest=forests(max_requests=4, max_nodes=20), extra=st.integers(0, 3),
+       seed=st.integers(0, 2**31 - 1))
+def test_greedy_matches_accept_forest(forest, extra, seed):
+    forest = with_single_node_request(forest)
+    dense = DenseForest.from_packed(forest, int(forest.sizes().max()) + extra)
+    R, T = dense.parents.shape
+    V = 6                                       # small: siblings sometimes repeat a token
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(R, T, V, generator=gen)
+    argmax = logits.argmax(-1)
+    tokens = torch.randint(0, V, (R, T), generator=gen)
+    rng = np.random.default_rng(seed)
+    for r in range(R):                          # put the argmax on a random child of most nodes
+        for node, kids in children_lists(dense, r).items():
+            if kids and rng.random() < 0.8:
+                tokens[r, kids[rng.integers(len(kids))]] = argmax[r, node]
+    ref = accept_forest(target_probs(to_packed_rows(logits, forest), SamplingParams(temperature=0)),
+                        to_packed_rows(tokens, forest), forest, generator=gen)
+    acc = accept_greedy(argmax, tokens, dense)
+    for r in range(R):
+        check_layout(acc, dense, r, ref.path[r], ref.new_tokens[r])
+    # the same through accept() with an all-greedy batch
+    batch = SamplingBatch.from_params([SamplingParams(temperature=0)] * R)
+    mixed = accept(logits, tokens, dense, batch)
+    assert torch.equal(mixed.emitted, acc.emitted) and torch.equal(mixed.path, acc.path)
+
+
+def test_greedy_accepts_every_path_length():
+    """A chain whose argmax runs out at each possible depth."""
+    T, V = 6, 7
+    dense = DenseForest.from_parents(
+        torch.tensor([[-1, 0, 1, 2, 3, 4]] * T), torch.ones(T, T, dtype=torch.bool), T - 1)
+    argmax = torch.arange(1, T + 1).expand(T, T).clone()      # node i's argmax is token i + 1
+    tokens = torch.arange(T).expand(T, T).clone()             # node i carries token i: a full match
+    for r in range(T):
+        tokens[r, r + 1:] = 0                                  # request r stops matching below r
+    acc = accept_greedy(argmax, tokens, dense)
+    for r in range(T):
+        check_layout(acc, dense, r, list(range(r + 1)), list(range(1, r + 1)) + [r + 1])
+
+
+# ---------------------------------------------------------------- (b) sampled, exact
+
+def reference_sample(p: torch.Tensor, u: torch.Tensor) -> int:
+    """Inverse CDF on one row: first positive token whose cumulative mass exceeds u * total."""
+    cdf = torch.cumsum(p, 0)
+    target = u * cdf[-1]
+    positive = [i for i in range(p.shape[0]) if p[i] > 0]
+    for i in positive:
+        if cdf[i] > target:
+            return i
+    return positive[-1] if positive else 0
+
+
+def reference_walk(probs: torch.Tensor, tokens: list[int], kids: dict[int, list[int]],
+                   u: torch.Tensor, K: int) -> tuple[list[int], list[int]]:
+    """One request: ``(path, emitted tokens)`` of the lossless rule, uniforms ``u [D+1, K+1]``."""
+    node, path, emitted = 0, [0], []
+    while True:
+        d = len(path) - 1
+        p = probs[node].clone()
+        nxt = None
+        for j, c in enumerate(kids[node][:K]):
+            x = tokens[c]
+            if u[d, j] < p[x] / p.sum().clamp_min(1e-30):
+                nxt = c
+                break
+            p[x] = 0.0
+        if nxt is None:
+            return path, emitted + [reference_sample(p, u[d, K])]
+        node = nxt
+        path.append(node)
+        emitted.append(tokens[node])
+
+
+def random_batch(R: int, rng: np.random.Generator,
+                 greedy_share: float = 0.0) -> list[SamplingParams]:
+    params = []
+    for _ in range(R):
+        if rng.random() < greedy_share:
+            params.append(SamplingParams(temperature=0))
+            continue
+        params.append(SamplingParams(temperature=float(rng.choice([0.5, 1.0, 1.7])),
+                                     top_k=int(rng.choice([0, 0, 1, 3, 20])),
+                                     top_p=float(rng.choice([1.0, 1.0, 0.5, 0.9]))))
+    return params
+
+
+@settings(max_examples=60, derandomize=True)
+@given(forest=forests(max_requests=4, max_nodes=20), extra=st.integers(0, 3),
+       slack=st.integers(-1, 2), seed=st.integers(0, 2**31 - 1))
+def test_sampled_matches_reference_walk(forest, extra, slack, seed):
+    forest = with_single_node_request(forest)
+    dense = DenseForest.from_packed(forest, int(forest.sizes().max()) + extra)
+    R, T = dense.parents.shape
+    V = 8
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    batch = SamplingBatch.from_params(random_batch(R, rng))
+    probs = target_probs_rows(torch.randn(R, T, V, generator=gen) * 2, batch)
+    # some unnormalised rows with extra zeros
+    holes = (torch.rand(R, T, V, generator=gen) < 0.3) & (probs < probs.amax(-1, keepdim=True))
+    probs = torch.where(holes & (torch.rand(R, T, 1, generator=gen) < 0.5), 0.0, probs * 1.5)
+    all_kids = [children_lists(dense, r) for r in range(R)]
+    tokens = torch.randint(0, V, (R, T), generator=gen)
+    for r in range(R):                          # mostly likely drafts, so paths go deep
+        for node, kids in all_kids[r].items():
+            for c in kids:
+                if rng.random() < 0.7:
+                    tokens[r, c] = int(torch.multinomial(probs[r, node], 1, generator=gen))
+    K = max(0, max(len(k) for ks in all_kids for k in ks.values()) + slack)
+    uniforms = draw_uniforms(R, dense.max_depth, K, gen)
+    acc = accept_sampled(probs, tokens, dense, uniforms, max_children=K)
+    for r in range(R):
+        path, emitted = reference_walk(probs[r], tokens[r].tolist(), all_kids[r], uniforms[r], K)
+        check_layout(acc, dense, r, path, emitted)
+
+
+def test_children_slots():
+    parents = torch.tensor([[-1, 0, 0, 1, 0, 1, -1], [-1, 0, 1, -1, -1, -1, -1]])
+    valid = torch.tensor([[True] * 6 + [False], [True] * 3 + [False] * 4])
+    table = children_slots(DenseForest.from_parents(parents, valid, 3), 2)
+    assert table[0, 0].tolist() == [1, 2] and table[0, 1].tolist() == [3, 5]
+    assert table[1, 0].tolist() == [1, -1] and table[1, 1].tolist() == [2, -1]
+    assert (table[0, 2:] == -1).all() and (table[1, 2:] == -1).all()
+
+
+# ---------------------------------------------------------------- (c) lossless
+
+DIST_PARENTS = [-1, 0, 0, 0, 1, 1, 2]
+DIST_V = 6
+DIST_R = 30_000
+
+
+def dist_probs() -> torch.Tensor:
+    """Fixed target per node with zeros: token 5 is impossible everywhere, one more per odd node."""
+    rng = np.random.default_rng(7)
+    p = rng.dirichlet(np.ones(DIST_V), size=len(DIST_PARENTS))
+    p[:, 5] = 0
+    for node in range(1, len(DIST_PARENTS), 2):
+        p[node, (node + 1) % 5] = 0
+    return torch.tensor(p / p.sum(1, keepdims=True), dtype=torch.float32)
+
+
+def dist_tokens(probs: torch.Tensor, kind: str) -> list[int]:
+    """Draft tokens of every node, chosen against its parent's target."""
+    kids = {i: [j for j, p in enumerate(DIST_PARENTS) if p == i] for i in range(len(DIST_PARENTS))}
+    tokens = [0] * len(DIST_PARENTS)
+    for node, cs in kids.items():
+        by_mass = torch.argsort(probs[node], descending=True, stable=True).tolist()
+        positive = [t for t in by_mass if probs[node, t] > 0]
+        zero = [t for t in by_mass if probs[node, t] == 0]
+        order = {"likely": positive, "unlikely": positive[::-1],
+                 "zero": zero + positive, "duplicate": [positive[0]] * 2 + positive[1:]}[kind]
+        for c, t in zip(cs, order):
+            tokens[c] = t
+    return tokens
+
+
+def exact_sequences(probs: torch.Tensor, tokens: list[int]) -> dict[tuple, float]:
+    """P(emitted sequence): accepted child tokens then a bonus (first child with a token wins)."""
+    kids = {i: [j for j, p in enumerate(DIST_PARENTS) if p == i] for i in range(len(DIST_PARENTS))}
+    out: dict[tuple, float] = {}
+
+    def walk(node, prefix, mass):
+        first = {}
+        for c in kids[node]:
+            first.setdefault(tokens[c], c)
+        for t in range(DIST_V):
+            m = mass * float(probs[node, t])
+            if t in first:
+                walk(first[t], prefix + (t,), m)
+            else:
+                out[prefix + (t,)] = out.get(prefix + (t,), 0.0) + m
+    walk(0, (), 1.0)
+    return out
+
+
+def marginal(exact: dict[tuple, float], n: int) -> dict[tuple, float]:
+    """Probabilities of the first n emitted tokens (shorter sequences kept whole)."""
+    out: dict[tuple, float] = {}
+    for seq, m in exact.items():
+        out[seq[:n]] = out.get(seq[:n], 0.0) + m
+    return out
+
+
+def count(seqs: list[tuple], n: int) -> dict[tuple, int]:
+    out: dict[tuple, int] = {}
+    for s in seqs:
+        out[s[:n]] = out.get(s[:n], 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("kind", ["likely", "unlikely", "zero", "duplicate"])
+def test_emitted_tokens_follow_the_target(kind):
+    probs = dist_probs()
+    tokens = dist_tokens(probs, kind)
+    T = len(DIST_PARENTS)
+    dense = DenseForest.from_parents(torch.tensor([DIST_PARENTS] * DIST_R),
+                                     torch.ones(DIST_R, T, dtype=torch.bool), 2)
+    gen = torch.Generator().manual_seed(11)
+    uniforms = draw_uniforms(DIST_R, 2, 3, gen)
+    acc = accept_sampled(probs.expand(DIST_R, T, DIST_V), torch.tensor([tokens] * DIST_R),
+                         dense, uniforms)
+    n = acc.num_emitted.tolist()
+    seqs = [tuple(row[:k]) for row, k in zip(acc.emitted.tolist(), n)]
+    exact = exact_sequences(probs, tokens)
+    assert abs(sum(exact.values()) - 1) < 1e-5
+    first = chi2_pvalue(count(seqs, 1), marginal(exact, 1), DIST_R)
+    pair = chi2_pvalue(count(seqs, 2), marginal(exact, 2), DIST_R)
+    whole = chi2_pvalue(count(seqs, 3), exact, DIST_R)
+    assert min(first, pair, whole) > 1e-3, (first, pair, whole)
+    # the first token alone is the root's target, whatever was drafted
+    freq = np.bincount([s[0] for s in seqs], minlength=DIST_V) / DIST_R
+    assert np.abs(freq - probs[0].numpy()).max() < 0.015
+
+
+def test_a_biased_rule_fails_the_same_test():
+    """Sanity of the test: never removing rejected tokens from the residual is detected."""
+    probs = dist_probs()
+    tokens = dist_tokens(probs, "likely")
+    rng = np.random.default_rng(3)
+    kids = {i: [j for j, p in enumerate(DIST_PARENTS) if p == i] for i in range(len(DIST_PARENTS))}
+    seqs = []
+    for _ in range(DIST_R // 3):
+        node, seq = 0, []
+        while True:
+            p = probs[node].double().numpy()
+            p = p / p.sum()
+            nxt = next((c for c in kids[node] if rng.random() < p[tokens[c]]), None)
+            if nxt is None:
+                seq.append(int(rng.choice(DIST_V, p=p)))
+                break
+            node = nxt
+            seq.append(tokens[nxt])
+        seqs.append(tuple(seq))
+    assert chi2_pvalue(count(seqs, 3), exact_sequences(probs, tokens), len(seqs)) < 1e-6
+
+
+# ---------------------------------------------------------------- (d) target distribution
+
+def tricky_logits(R: int, T: int, V: int, gen: torch.Generator) -> torch.Tensor:
+    """Gaussian logits, integer logits (top-k ties) and a power-of-two ladder (top-p boundaries)."""
+    logits = torch.randn(R, T, V, generator=gen) * 3
+    logits[1::3] = torch.randint(-2, 3, (len(range(1, R, 3)), T, V), generator=gen).float()
+    ladder = torch.log(torch.tensor([2.0 ** -min(i, 8) for i in range(V)]))
+    logits[2::3] = ladder[torch.randperm(V, generator=gen)]
+    return logits
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_target_probs_rows_equals_target_probs(device):
+    gen = torch.Generator().manual_seed(5)
+    rng = np.random.default_rng(5)
+    R, T, V = 30, 4, 40
+    params = random_batch(R, rng, greedy_share=0.2)
+    params[2] = SamplingParams(top_p=0.75)                    # 0.5 + 0.25: exactly on the boundary
+    params[5] = SamplingParams(top_k=V)
+    params[8] = SamplingParams(temperature=0.3, top_k=7, top_p=0.5)
+    batch = SamplingBatch.from_params(params, device)
+    logits = tricky_logits(R, T, V, gen).to(device)
+    out3 = target_probs_rows(logits, batch)
+    out2 = target_probs_rows(logits.reshape(R * T, V), batch, T)
+    assert out3.dtype == torch.float32 and torch.equal(out2.reshape(R, T, V), out3)
+    for r, p in enumerate(params):
+        if p.greedy:
+            continue
+        # the reference on the same [R, T, V] tensor: the same kernels and reduction orders
+        assert torch.equal(out3[r], target_probs(logits, p)[r]), (r, p)
+        if device == "cpu":
+            # CPU reductions do not depend on the number of rows: per request and per row too
+            # (CUDA picks reduction splits from the shape, so there target_probs itself differs by
+            # an ulp between a slice and the whole batch)
+            assert torch.equal(out3[r], target_probs(logits[r], p)), (r, p)
+            for t in range(T):
+                assert torch.equal(out3[r, t], target_probs(logits[r, t], p)), (r, t, p)
+    assert torch.isfinite(out3).all()                         # greedy rows too
+
+
+def test_sampling_batch_flags():
+    b = SamplingBatch.from_params([SamplingParams(temperature=0, top_k=5, top_p=0.5),
+                                   SamplingParams(top_k=3)])
+    assert (b.all_greedy, b.any_greedy, b.any_top_k, b.any_top_p, b.max_top_k) == \
+        (False, True, True, False, 3)
+    assert b.greedy.tolist() == [True, False] and b.top_k.dtype == torch.int64
+    assert SamplingBatch.from_params([SamplingParams(temperature=0)]).all_greedy
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingBatch.from_params([SamplingParams(top_p=0)])
+
+
+# ---------------------------------------------------------------- (e) sample_rows
+
+def test_sample_rows_never_draws_a_zero_probability_token():
+    gen = torch.Generator().manual_seed(2)
+    N, V = 4000, 64
+    magnitude = torch.exp(torch.randn(N, V, generator=gen) * 8)          # widely spread masses
+    probs = torch.where(torch.rand(N, V, generator=gen) < 0.8, 0.0, magnitude)
+    probs[:, 0] = 0.0
+    probs[:, -1] = 0.0
+    probs[0] = 0.0
+    probs[0, 5] = 1e-30                                                   # one tiny positive token
+    below_one = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))
+    us = [torch.zeros(N), torch.full((N,), float(below_one)), torch.ones(N),
+          torch.rand(N, generator=gen)]
+    positive = probs > 0
+    first = positive.float().argmax(-1)
+    last = V - 1 - positive.flip(-1).float().argmax(-1)
+    has = positive.any(-1)
+    for i, u in enumerate(us):
+        tok = sample_rows(probs, u)
+        assert (positive.gather(1, tok[:, None])[:, 0] | ~has).all()
+        if i == 0:
+            assert torch.equal(tok[has], first[has])
+        if i == 2:
+            assert torch.equal(tok[has], last[has])
+    assert int(sample_rows(torch.zeros(1, V), torch.zeros(1))[0]) == 0    # documented fallback
+
+
+def test_sample_rows_survives_a_non_monotone_cumsum(monkeypatch):
+    """A parallel scan (CUDA) may round a zero-probability token's running sum above its
+    predecessor's; such a token must still never be drawn."""
+    p = torch.tensor([[0.0, 0.2, 0.0, 0.3, 0.0, 0.0, 0.5, 0.0]]).expand(20_000, -1)
+    real = torch.cumsum
+
+    def rounding_up_at_zeros(x, dim):
+        return real(x, dim) * torch.where(x == 0, 1.01, 1.0)
+    monkeypatch.setattr(torch, "cumsum", rounding_up_at_zeros)
+    tok = sample_rows(p, torch.rand(p.shape[0], generator=torch.Generator().manual_seed(8)))
+    monkeypatch.undo()
+    assert (p[0][tok] > 0).all()
+
+
+def test_sample_rows_is_unbiased():
+    p = torch.tensor([0.0, 0.1, 0.25, 0.0, 0.05, 0.3, 0.3, 0.0])
+    N = 50_000
+    gen = torch.Generator().manual_seed(4)
+    tok = sample_rows(p.expand(N, -1) * 3.0, torch.rand(N, generator=gen))
+    counts = torch.bincount(tok, minlength=p.numel())
+    assert (counts[p == 0] == 0).all()
+    keep = p > 0
+    expected = p[keep].double().numpy()
+    assert chisquare(counts[keep].numpy(), expected / expected.sum() * N).pvalue > 1e-3
+
+
+# ---------------------------------------------------------------- (f) no host synchronisation
+
+def mixed_round(device: str, R: int = 6, V: int = 12, seed: int = 0):
+    """A mixed greedy / sampled round on a padded random forest."""
+    rng = np.random.default_rng(seed)
+    trees = [DraftTree.random(int(rng.integers(1, 9)), 3, rng) for _ in range(R)]
+    dense = DenseForest.from_packed(PackedForest.pack(trees), 10, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(R, 10, V, generator=gen).to(device)
+    tokens = torch.randint(0, V, (R, 10), generator=gen).to(device)
+    batch = SamplingBatch.from_params(random_batch(R, rng, greedy_share=0.4), device)
+    uniforms = draw_uniforms(R, dense.max_depth, 3, gen).to(device)
+    return logits, tokens, dense, batch, uniforms
+
+
+def run_all(logits, tokens, dense, batch, uniforms):
+    probs = target_probs_rows(logits, batch)
+    return (accept(logits, tokens, dense, batch, uniforms),
+            accept_sampled(probs, tokens, dense, uniforms),
+            accept_greedy(logits.argmax(-1), tokens, dense),
+            sample_rows(probs[:, 0], uniforms[:, 0, 0]))
+
+
+def test_no_host_sync(monkeypatch):
+    inputs = mixed_round("cpu")
+
+    def boom(*args, **kwargs):
+        raise AssertionError("host synchronisation")
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+                     "unique", "numpy", "cpu"):
+            m.setattr(torch.Tensor, name, boom)
+        for name in ("nonzero", "unique", "multinomial"):
+            m.setattr(torch, name, boom)
+        mixed, sampled, greedy, _ = run_all(*inputs)
+    # the mixed round is the greedy or the sampled one, request by request
+    g = inputs[3].greedy
+    for field in ("accepted", "bonus", "emitted", "path"):
+        want = torch.where(g.view(-1, *[1] * (getattr(mixed, field).dim() - 1)),
+                           getattr(greedy, field), getattr(sampled, field))
+        assert torch.equal(getattr(mixed, field), want), field
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_capture_without_sync():
+    logits, tokens, dense, batch, uniforms = mixed_round("cuda", R=16, V=300, seed=1)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = run_all(logits, tokens, dense, batch, uniforms)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run_all(logits, tokens, dense, batch, uniforms)               # warm-up
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run_all(logits, tokens, dense, batch, uniforms)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for new_seed in range(3):                    # new randomness and logits, same buffers
+        gen = torch.Generator(device="cuda").manual_seed(new_seed)
+        uniforms.copy_(torch.rand(uniforms.shape, generator=gen, device="cuda"))
+        logits.copy_(torch.randn(logits.shape, generator=gen, device="cuda"))
+        graph.replay()
+        eager = run_all(logits, tokens, dense, batch, uniforms)
+        for a, b in zip(captured[:3], eager[:3]):
+            assert torch.equal(a.emitted, b.emitted) and torch.equal(a.path, b.path)
+        assert torch.equal(captured[3], eager[3])

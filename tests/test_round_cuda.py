@@ -1,0 +1,67 @@
+"""The round on a GPU: graph replay equals eager execution token for token, and a round makes no
+host synchronisation but its one wait for the emitted tokens (GPU only; the CPU suite runs the
+same device code eagerly in tests/test_engine.py and tests/speculative/)."""
+
+import pytest
+import torch
+
+from bole.assets import BUNDLED_MODEL, code_prompts
+from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine.engine import Request
+from bole.models.qwen3_hybrid import HybridModel
+from bole.speculative.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    from tokenizers import Tokenizer
+    model = HybridModel.from_pretrained(BUNDLED_MODEL, dtype=torch.float32, device="cuda")
+    tok = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
+    return model, [tok.encode(p).ids for p in code_prompts()[:3]]
+
+
+CASES = [("ar", "mtp"), ("bole", "mtp"), ("tree-serial", "mtp"), ("chain", "mtp"),
+         ("bole", "ngram")]
+
+
+@pytest.mark.parametrize("mode,drafter", CASES)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_captured_rounds_equal_eager_rounds(bundled, mode, drafter, temperature):
+    model, prompts = bundled
+    params = GenerationParams(max_tokens=40, sampling=SamplingParams(temperature=temperature))
+    outputs = []
+    for graphs in (False, True):
+        engine = Engine(model, SpecConfig(mode, drafter, depth=6, topk=3, budget=16),
+                        max_slots=4, max_len=512, cuda_graphs=graphs)
+        res = engine.generate(prompts, params, seed=11)
+        outputs.append([r.token_ids for r in res])
+        stats = engine.rounds.graphs.stats
+        if graphs:
+            assert stats["graph_replays"] > 0 and stats["eager_fallbacks"] == 0
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("mode,drafter", CASES)
+def test_a_round_synchronises_once(bundled, mode, drafter):
+    model, prompts = bundled
+    engine = Engine(model, SpecConfig(mode, drafter, depth=6, topk=3, budget=16), max_slots=4,
+                    max_len=512)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    reqs = []
+    for i, p in enumerate(prompts):
+        r = Request(i, p, GenerationParams(max_tokens=64), engine.cache.allocate(200))
+        engine.admit(r, gen)
+        reqs.append(r)
+    engine.step(reqs, gen)                      # buffers written for this batch
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            engine.step(reqs, gen)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert engine.timings.syncs == engine.timings.rounds
+    for r in reqs:
+        engine.release(r)

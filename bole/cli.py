@@ -98,6 +98,28 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="folder for the JSON and the plot, relative to where bole runs")
     bench.add_argument("--tag", default="", help="suffix of the result files' names "
                                                   "(default: the time of day)")
+    serve = sub.add_parser("serve", formatter_class=fmt,
+                           help="an OpenAI-compatible HTTP server with continuous batching")
+    serve.add_argument("--model", default=str(BUNDLED_MODEL), help="checkpoint folder")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    serve.add_argument("--mode", default="bole", choices=list(MODES), help="verification mode")
+    serve.add_argument("--drafter", default=None, choices=["ngram", "mtp"],
+                       help="default: the checkpoint's MTP head when it has one, else n-gram")
+    _tree_options(serve)
+    serve.add_argument("--max-batch", type=int, default=16,
+                       help="requests decoded together (cache slots)")
+    serve.add_argument("--max-queue", type=int, default=256,
+                       help="requests waiting for a slot before new ones get 503")
+    serve.add_argument("--max-len", type=int, default=4096,
+                       help="tokens per request (prompt + output + a round's tree), at most the "
+                            "model's context")
+    serve.add_argument("--name", default=None, help="served model name (default: the folder's)")
+    try:
+        from bole.server.loadgen import add_parser as add_loadgen
+        add_loadgen(sub)
+    except ImportError:                          # the server's optional dependencies are absent
+        pass
     return parser
 
 
@@ -307,9 +329,47 @@ def _demo(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import logging
+
+    import torch
+
+    from bole.engine import Engine, default_drafter
+    from bole.models.config import HybridConfig
+    from bole.models.qwen3_hybrid import HybridModel
+    from bole.server.api import BoleServer, serve
+    from bole.server.chat import ChatTemplate
+
+    _positive(max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len)
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must lie in 1..65535, got {args.port}")
+    device = _device(args.device)
+    folder = _checkpoint(args.model, need_tokenizer=True)
+    _spec(args, args.drafter or "ngram")
+    context = HybridConfig.from_pretrained(folder).max_position_embeddings
+    if args.max_len > context:
+        raise UsageError(f"--max-len {args.max_len} exceeds the model's context of {context}")
+    tokenizer = _tokenizer(folder)
+    logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = HybridModel.from_pretrained(folder, dtype=dtype, device=device)
+    spec = _spec(args, args.drafter or default_drafter(model))
+    engine = Engine(model, spec, max_slots=args.max_batch, max_len=args.max_len,
+                    tokenizer=tokenizer, progress=True)
+    name = args.name or ("bundled" if folder.resolve() == BUNDLED_MODEL.resolve() else folder.name)
+    server = BoleServer(engine, name, max_queue=args.max_queue,
+                        chat_template=ChatTemplate.for_checkpoint(folder))
+    serve(server, args.host, args.port)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    command = {"demo": _demo, "generate": _generate, "bench": _bench}[args.command]
+    commands = {"demo": _demo, "generate": _generate, "bench": _bench, "serve": _serve}
+    if args.command == "bench-serve":
+        from bole.server.loadgen import main as bench_serve
+        return bench_serve(args)
+    command = commands[args.command]
     try:
         return command(args)
     except (UsageError, ValueError, FileNotFoundError) as exc:

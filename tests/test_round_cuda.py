@@ -7,7 +7,6 @@ import torch
 
 from bole.assets import BUNDLED_MODEL, code_prompts
 from bole.engine import Engine, GenerationParams, SpecConfig
-from bole.engine.engine import Request
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.sampling import SamplingParams
 
@@ -48,18 +47,17 @@ def test_a_round_synchronises_once(bundled, mode, drafter):
     model, prompts = bundled
     engine = Engine(model, SpecConfig(mode, drafter, depth=6, topk=3, budget=16), max_slots=4,
                     max_len=512)
-    gen = torch.Generator(device="cuda").manual_seed(0)
     reqs = []
     for i, p in enumerate(prompts):
-        r = Request(i, p, GenerationParams(max_tokens=64), engine.cache.allocate(200))
-        engine.admit(r, gen)
+        r = engine.new_request(i, p, GenerationParams(max_tokens=64), seed=i)
+        engine.admit(r)
         reqs.append(r)
-    engine.step(reqs, gen)                      # buffers written for this batch
+    engine.step(reqs)                           # buffers written for this batch
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(4):
-            engine.step(reqs, gen)
+            engine.step(reqs)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert engine.timings.syncs == engine.timings.rounds

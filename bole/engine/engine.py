@@ -122,6 +122,7 @@ class Request:
     result: GenerationResult | None = None
     prefill_s: float = 0.0
     started: float = 0.0
+    gen: torch.Generator | None = None        # this request's sampling draws
 
     @property
     def remaining(self) -> int:
@@ -158,83 +159,83 @@ class Engine:
         return self.rounds.scratch
 
     # ---- requests ----
-    def _check(self, prompts, params) -> list[GenerationParams]:
-        if isinstance(params, GenerationParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} parameter sets for {len(prompts)} prompts")
+    def check_request(self, prompt: Sequence[int], params: GenerationParams,
+                      name: str = "the prompt") -> None:
+        """Raise a ValueError naming what is wrong with one request (nothing is allocated)."""
+        params.validate()
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: build the Engine with one")
+        if len(prompt) == 0:
+            raise ValueError(f"{name} is empty; give at least one token")
         vocab = self.model.config.vocab_size
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            p.validate()
-            if p.stop_strings and self.tokenizer is None:
-                raise ValueError("stop strings need a tokenizer: build the Engine with one")
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty; give at least one token")
-            if any(not 0 <= int(t) < vocab for t in prompt):
-                raise ValueError(f"prompt {i} holds token ids outside [0, {vocab})")
-            need = len(prompt) + p.max_tokens + self.scratch
-            if need > self.cache.max_len:
-                raise ValueError(
-                    f"prompt {i} ({len(prompt)} tokens) plus max_tokens={p.max_tokens} needs "
-                    f"{need} cache positions (with {self.scratch} for a round's tree), more than "
-                    f"the context of {self.cache.max_len}")
-        if len(prompts) > self.cache.num_free:
-            raise ValueError(f"{len(prompts)} prompts but only {self.cache.num_free} free slots")
-        return list(params)
+        if any(not 0 <= int(t) < vocab for t in prompt):
+            raise ValueError(f"{name} holds token ids outside [0, {vocab})")
+        need = len(prompt) + params.max_tokens + self.scratch
+        if need > self.cache.max_len:
+            raise ValueError(
+                f"{name} ({len(prompt)} tokens) plus max_tokens={params.max_tokens} needs {need} "
+                f"cache positions (with {self.scratch} for a round's tree), more than the "
+                f"context of {self.cache.max_len}")
+
+    def new_request(self, index: int, prompt: Sequence[int], params: GenerationParams,
+                    seed: int | None = None) -> Request:
+        """A request not yet admitted (no slot); its sampling draws come from its own generator,
+        seeded by ``seed`` (random when None), so they do not depend on the batch around it."""
+        gen = torch.Generator(device=self.model.device)
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(seed)
+        return Request(index, [int(t) for t in prompt], params, slot=-1, gen=gen)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: GenerationParams | Sequence[GenerationParams] = GenerationParams(),
                  seed: int | None = None) -> list[GenerationResult]:
-        """Generate for every prompt; finished requests leave the batch as they finish."""
-        params = self._check(prompts, params)
-        gen = torch.Generator(device=self.model.device)
-        if seed is None:
-            gen.seed()                        # non-deterministic, without touching the global RNG
-        else:
-            gen.manual_seed(seed)
-        reqs: list[Request] = []
-        try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
-                slot = self.cache.allocate(len(prompt) + p.max_tokens + self.scratch)
-                reqs.append(Request(i, [int(t) for t in prompt], p, slot))
-            for r in reqs:
-                self.admit(r, gen)
-            running = [r for r in reqs if r.result is None]
-            while running:
-                self.step(running, gen)
-                for r in running:
-                    if r.result is not None:
-                        self.release(r)
-                running = [r for r in running if r.result is None]
-        finally:
-            for r in reqs:
-                if r.slot in self.cache.used_slots:
-                    self.release(r)
-        return [r.result for r in reqs]
+        """Generate for every prompt through the continuous-batching scheduler: requests beyond
+        the free slots wait, and each finished request leaves the batch and frees its slot while
+        the others go on. Request i's sampling is seeded by ``(seed, i)``."""
+        from bole.engine.scheduler import Scheduler
+        if isinstance(params, GenerationParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} parameter sets for {len(prompts)} prompts")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            self.check_request(prompt, p, f"prompt {i}")
+        scheduler = Scheduler(self, max_queue=max(1, len(prompts)))
+        handles = [scheduler.submit(p, q, seed=None if seed is None else seed * 1_000_003 + i)
+                   for i, (p, q) in enumerate(zip(prompts, params))]
+        scheduler.run_until_idle()
+        return [h.request.result for h in handles]
 
-    def admit(self, r: Request, gen: torch.Generator) -> None:
-        """Prefill a request's prompt into its slot and emit its first token."""
+    def admit(self, r: Request) -> None:
+        """Give a request a slot, prefill its prompt there and emit its first token."""
         t0 = time.perf_counter()
         r.started = t0
+        r.slot = self.cache.allocate(len(r.prompt) + r.params.max_tokens + self.scratch)
         logits, hidden = self.runner.prefill(r.slot, torch.tensor(r.prompt))
         self.rounds.on_prefill(r.slot, torch.tensor(r.prompt), hidden)
-        first = self._sample_one(logits, r.params.sampling, gen)
+        first = self._sample_one(logits, r.params.sampling, r.gen)
         r.prefill_s = time.perf_counter() - t0
         self._emit(r, [first], rounds=0)
 
     def release(self, r: Request) -> None:
-        self.rounds.on_release(r.slot)
-        self.cache.free(r.slot)
+        """Free a request's slot (and its drafter state)."""
+        if r.slot >= 0 and r.slot in self.cache.used_slots:
+            self.rounds.on_release(r.slot)
+            self.cache.free(r.slot)
+        r.slot = -1
 
-    def step(self, running: list[Request], gen: torch.Generator) -> None:
-        """One speculative round over ``running``; their new tokens are appended."""
+    def step(self, running: list[Request]) -> dict:
+        """One speculative round over ``running``; their new tokens are appended. Returns the
+        round's timings (ms)."""
         t0 = time.perf_counter()
-        new_tokens, timing = self.rounds.run(running, gen)
+        new_tokens, timing = self.rounds.run(running)
         self.stats["rounds"] += 1
         self.stats["forward_s"] += time.perf_counter() - t0
         self.timings.add(timing)
         for r, new in zip(running, new_tokens):
             self._emit(r, new, rounds=1)
+        return timing
 
     def _sample_one(self, logits: torch.Tensor, sampling: SamplingParams,
                     gen: torch.Generator) -> int:

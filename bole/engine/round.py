@@ -306,7 +306,16 @@ class RoundRunner:
         for host, dev in ((tokens, b.tree_tokens), (parents, b.tree_parents), (valid, b.tree_valid)):
             dev.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
 
-    def run(self, requests, gen: torch.Generator) -> tuple[list[list[int]], dict]:
+    def _draw_uniforms(self, b: RoundBuffers, requests) -> None:
+        """Each sampled row's acceptance draws from its request's own generator (padding and
+        greedy rows keep zeros): a request's samples do not depend on the batch around it."""
+        rows = [draw_uniforms(1, self.D, self.K, r.gen, self.device)[0]
+                if not r.params.sampling.greedy else torch.zeros_like(b.uniforms[0])
+                for r in requests]
+        rows += [torch.zeros_like(b.uniforms[0])] * (b.R - len(requests))
+        b.uniforms.copy_(torch.stack(rows))
+
+    def run(self, requests) -> tuple[list[list[int]], dict]:
         """One round over the running ``requests``: each one's new tokens, and the timings."""
         t_start = time.perf_counter()
         R = bucket_for(len(requests))
@@ -320,7 +329,7 @@ class RoundRunner:
             self._capture(R, flags)
         self._write_rows(b, requests)
         if not b.sampling.all_greedy:
-            b.uniforms.copy_(draw_uniforms(R, self.D, self.K, gen, self.device))
+            self._draw_uniforms(b, requests)
         cuda = self.device.type == "cuda"
         marks = []
 

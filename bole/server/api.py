@@ -1,0 +1,290 @@
+"""The OpenAI-compatible HTTP server (FastAPI): completions and chat, streamed or not, models,
+health and Prometheus metrics, over the continuous-batching scheduler.
+
+The scheduler runs on one engine thread (:class:`EngineLoop`); a request handler submits its
+request and waits on an asyncio queue that the engine thread feeds after every round. A client
+that disconnects cancels its request, which frees its slot at the next round boundary. Every
+error a client can cause is a 4xx with OpenAI's error body; a full waiting queue is a 503 with
+Retry-After; an unexpected error is a 500 and the server goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from bole.engine import Engine, GenerationParams
+from bole.engine.scheduler import Handle, QueueFull, Scheduler
+from bole.server.chat import ChatTemplate
+from bole.server.metrics import ServerMetrics
+from bole.server.protocol import (ChatCompletionRequest, CompletionRequest, completion_body,
+                                  completion_chunk, error_body, new_id, usage)
+from bole.speculative.sampling import SamplingParams
+
+log = logging.getLogger("bole.server")
+
+
+class EngineLoop:
+    """Runs the scheduler's rounds on a thread of its own until stopped."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="bole-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.scheduler.wake()
+        self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.scheduler.wait_for_work(0.05):
+                continue
+            try:
+                self.scheduler.step()
+            except Exception as exc:                  # keep serving; fail what was running
+                log.exception("a round failed")
+                self.error = exc
+                for h in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self.scheduler.cancel(h)
+
+
+class TextStream:
+    """Incremental detokenisation: the text of the tokens so far, holding back an incomplete
+    UTF-8 sequence and anything that could still become a stop string."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.sent = 0
+
+    def delta(self, ids: list[int], final_text: str | None) -> str:
+        if final_text is not None:
+            text = final_text
+        else:
+            text = self.tokenizer.decode(ids)
+            keep = len(text)
+            if text.endswith("\ufffd"):                       # an incomplete multi-byte char
+                keep = len(text.rstrip("\ufffd"))
+            if self.stops:
+                keep = min(keep, len(text) - (max(len(s) for s in self.stops) - 1))
+            text = text[:max(keep, self.sent)]
+        out = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return out
+
+
+class BoleServer:
+    """The app's state: engine, scheduler, metrics and the served model's name."""
+
+    def __init__(self, engine: Engine, model_name: str, *, max_queue: int = 256,
+                 max_batch: int | None = None, chat_template: ChatTemplate | None = None):
+        if engine.tokenizer is None:
+            raise ValueError("the server needs the checkpoint's tokenizer (Engine(tokenizer=...))")
+        self.engine, self.model_name = engine, model_name
+        self.scheduler = Scheduler(engine, max_queue=max_queue, max_batch=max_batch)
+        self.metrics = ServerMetrics(self.scheduler)
+        self.scheduler.on_round = self.metrics.observe_round
+        self.chat = chat_template or ChatTemplate.for_checkpoint("")
+        self.loop = EngineLoop(self.scheduler)
+
+    # ---- requests ----
+    def _params(self, req, max_tokens: int) -> GenerationParams:
+        eos = tuple(self.engine.model.config.eos_token_id)
+        return GenerationParams(max_tokens=max_tokens, stop_token_ids=eos,
+                                stop_strings=req.stop_strings,
+                                sampling=SamplingParams(req.temperature, req.top_k, req.top_p))
+
+    def prepare(self, req, chat: bool) -> tuple[list[int], GenerationParams]:
+        """Token ids and parameters of a request; a ValueError says what is wrong."""
+        if req.model != self.model_name:
+            raise ValueError(f"unknown model {req.model!r}; this server serves "
+                             f"{self.model_name!r} (GET /v1/models)")
+        if chat:
+            text = self.chat.render([m.model_dump() for m in req.messages])
+            ids, limit = self.engine.tokenizer.encode(text).ids, req.token_limit
+        elif isinstance(req.prompt, str):
+            ids, limit = self.engine.tokenizer.encode(req.prompt).ids, req.max_tokens
+        else:
+            ids, limit = list(req.prompt), req.max_tokens
+        room = self.engine.cache.max_len - self.engine.scratch - len(ids)
+        if limit is None:
+            limit = max(1, min(room, 4096))
+        params = self._params(req, limit)
+        self.engine.check_request(ids, params)
+        return ids, params
+
+    def submit(self, ids, params, seed, queue: asyncio.Queue, loop) -> Handle:
+        def on_event(handle, tokens, finished):
+            loop.call_soon_threadsafe(queue.put_nowait, finished)
+        handle = self.scheduler.submit(ids, params, seed=seed, on_event=on_event)
+        self.metrics.prompt_tokens.inc(len(ids))
+        return handle
+
+    def finished(self, handle: Handle) -> None:
+        r = handle.request
+        status = "cancelled" if r.result is None else r.result.finish_reason
+        self.metrics.requests.labels(status).inc()
+        if r.result is not None:
+            self.metrics.output_tokens.inc(len(r.result.token_ids))
+
+    def usage_of(self, handle: Handle) -> dict:
+        r = handle.request
+        res = r.result
+        n = len(res.token_ids) if res else len(r.out)
+        return usage(len(r.prompt), n, r.rounds, sum(r.accepted))
+
+
+def _error(status: int, message: str, type_: str = "invalid_request_error", param=None,
+           headers=None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param), status_code=status, headers=headers)
+
+
+def create_app(server: BoleServer) -> FastAPI:
+    """The FastAPI app over ``server``; the engine thread starts and stops with the app."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        server.loop.start()
+        yield
+        server.loop.stop()
+
+    app = FastAPI(title="Bole", lifespan=lifespan)
+    app.state.bole = server
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
+        return _error(400, f"{where or 'request'}: {first.get('msg', 'invalid request')}",
+                      param=where)
+
+    @app.exception_handler(Exception)
+    async def crashed(request, exc: Exception):
+        log.exception("request failed")
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+
+    @app.get("/health")
+    async def health():
+        if server.loop.error is not None and not server.loop.thread.is_alive():
+            return _error(503, "the engine thread stopped", "server_error")
+        return {"status": "ok", "running": server.scheduler.num_running,
+                "waiting": server.scheduler.num_waiting}
+
+    @app.get("/v1/models")
+    async def models():
+        spec = server.engine.spec
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": 0, "owned_by": "bole",
+            "max_model_len": server.engine.cache.max_len,
+            "bole": {"mode": spec.mode, "drafter": spec.drafter, "depth": spec.depth,
+                     "topk": spec.topk, "budget": spec.budget}}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, http: HTTPRequest):
+        return await _serve(server, req, http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, http: HTTPRequest):
+        return await _serve(server, req, http, chat=True)
+
+    return app
+
+
+async def _serve(server: BoleServer, req, http: HTTPRequest, chat: bool):
+    try:
+        ids, params = server.prepare(req, chat)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    try:
+        handle = server.submit(ids, params, req.seed, queue, loop)
+    except QueueFull as exc:
+        server.metrics.requests.labels("rejected").inc()
+        return _error(503, str(exc), "server_busy", headers={"Retry-After": "1"})
+    except ValueError as exc:
+        return _error(400, str(exc))
+    rid = new_id("chatcmpl" if chat else "cmpl")
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_stream(server, handle, queue, params, rid, chat, include_usage),
+                                 media_type="text/event-stream")
+    while True:                        # a client that goes away cancels its request
+        try:
+            if await asyncio.wait_for(queue.get(), timeout=0.1):
+                break
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                server.scheduler.cancel(handle)
+                server.metrics.requests.labels("cancelled").inc()
+                return Response(status_code=499)
+    server.finished(handle)
+    res = handle.request.result
+    if res is None:
+        return _error(500, "the request was cancelled by the server", "server_error")
+    text = server.engine.text(res, params)
+    return completion_body(rid, server.model_name, text, res.finish_reason, chat,
+                           server.usage_of(handle))
+
+
+async def _stream(server: BoleServer, handle: Handle, queue: asyncio.Queue,
+                  params: GenerationParams, rid: str, chat: bool,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks of text deltas, the finish reason, optionally the usage, then ``[DONE]``."""
+    text = TextStream(server.engine.tokenizer, params.stop_strings)
+    finished, first = False, True
+    try:
+        while not finished:
+            finished = await queue.get()
+            r = handle.request
+            final = server.engine.text(r.result, params) if r.result is not None else None
+            delta = text.delta(list(r.out), final)
+            if delta or (first and chat):
+                yield _sse(completion_chunk(rid, server.model_name, delta, None, chat, first))
+                first = False
+        res = handle.request.result
+        if res is None:
+            yield _sse(error_body("the request was cancelled by the server", "server_error"))
+        else:
+            yield _sse(completion_chunk(rid, server.model_name, "", res.finish_reason, chat))
+            if include_usage:
+                body = completion_chunk(rid, server.model_name, "", None, chat)
+                body["choices"], body["usage"] = [], server.usage_of(handle)
+                yield _sse(body)
+        yield "data: [DONE]\n\n"
+    finally:
+        if not handle.done.is_set():           # the client went away: free the slot
+            server.scheduler.cancel(handle)
+        server.finished(handle) if handle.request.result is not None else \
+            server.metrics.requests.labels("cancelled").inc()
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def serve(server: BoleServer, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Run the app with uvicorn until interrupted."""
+    import uvicorn
+    t0 = time.perf_counter()
+    log.info("serving %s on http://%s:%d", server.model_name, host, port)
+    uvicorn.run(create_app(server), host=host, port=port, log_level="info")
+    log.info("stopped after %.0f s", time.perf_counter() - t0)

@@ -1,0 +1,93 @@
+"""Continuous batching: requests joining mid-flight get the output they get alone, cancelled and
+finished requests free their slots, a full queue refuses."""
+
+import pytest
+import torch
+
+from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine.scheduler import QueueFull, Scheduler
+from bole.models.presets import preset_config
+from bole.models.qwen3_hybrid import HybridModel
+
+PROMPTS = [[5, 9, 17, 33, 2] * 4, [7, 7, 8, 9, 1, 2, 3, 7, 7, 8], [100], [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = HybridModel.random(preset_config("tiny"), dtype=torch.float32, seed=3, gdn_backend="torch")
+    tensors = dict(m.w)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 50     # clear greedy margins
+    return HybridModel(m.config, tensors, gdn_backend="torch")
+
+
+def alone(model, prompt, max_tokens):
+    engine = Engine(model, SpecConfig(mode="ar"), max_slots=1, max_len=128,
+                    gdn_backend="torch-serial")
+    return engine.generate([prompt], GenerationParams(max_tokens=max_tokens))[0].token_ids
+
+
+@pytest.mark.parametrize("mode", ["bole", "tree-serial", "chain", "ar"])
+def test_requests_joining_mid_flight_equal_one_at_a_time(model, mode):
+    engine = Engine(model, SpecConfig(mode=mode, depth=3, topk=2, budget=8), max_slots=2,
+                    max_len=128)
+    scheduler = Scheduler(engine, max_queue=8)
+    events = {}
+
+    def record(handle, tokens, finished):
+        events.setdefault(handle.request.index, []).extend(tokens)
+    lengths = [14, 9, 11, 6]
+    handles = [scheduler.submit(PROMPTS[0], GenerationParams(max_tokens=lengths[0]),
+                                on_event=record)]
+    scheduler.step()                                   # the first request runs alone
+    for p, n in zip(PROMPTS[1:], lengths[1:]):         # then three more arrive, one per round
+        handles.append(scheduler.submit(p, GenerationParams(max_tokens=n), on_event=record))
+        assert scheduler.num_running <= 2              # two slots: the rest wait
+        scheduler.step()
+    scheduler.run_until_idle()
+    for h, p, n in zip(handles, PROMPTS, lengths):
+        assert h.result.token_ids == alone(model, p, n)
+        assert events[h.request.index] == h.result.token_ids     # streamed = final
+        assert h.done.is_set()
+    assert engine.cache.num_free == 2
+
+
+def test_cancelled_requests_free_their_slots_within_a_round(model):
+    engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=2, max_len=128)
+    scheduler = Scheduler(engine, max_queue=4)
+    finals = []
+    a = scheduler.submit(PROMPTS[0], GenerationParams(max_tokens=40),
+                         on_event=lambda h, t, f: f and finals.append(h))
+    b = scheduler.submit(PROMPTS[1], GenerationParams(max_tokens=40))
+    waiting = scheduler.submit(PROMPTS[2], GenerationParams(max_tokens=40))
+    scheduler.step()
+    assert engine.cache.num_free == 0 and scheduler.num_waiting == 1
+    scheduler.cancel(a)
+    scheduler.cancel(waiting)
+    scheduler.step()                                   # one round boundary later
+    assert a.done.is_set() and a.result is None and finals == [a]
+    assert waiting.done.is_set() and scheduler.num_waiting == 0
+    assert scheduler.num_running == 1 and engine.cache.num_free == 1
+    scheduler.run_until_idle()
+    assert b.result is not None and engine.cache.num_free == 2
+
+
+def test_a_full_queue_refuses_and_bad_requests_are_checked_first(model):
+    engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=1, max_len=64)
+    scheduler = Scheduler(engine, max_queue=2)
+    for _ in range(2):
+        scheduler.submit(PROMPTS[2], GenerationParams(max_tokens=4))
+    with pytest.raises(QueueFull, match="waiting"):
+        scheduler.submit(PROMPTS[2], GenerationParams(max_tokens=4))
+    with pytest.raises(ValueError, match="context"):
+        scheduler.submit(PROMPTS[2], GenerationParams(max_tokens=100))
+    with pytest.raises(ValueError, match="token ids"):
+        scheduler.submit([10_000], GenerationParams(max_tokens=4))
+    scheduler.run_until_idle()
+    assert engine.cache.num_free == 1
+
+
+def test_generate_queues_more_prompts_than_slots(model):
+    engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=2, max_len=128)
+    res = engine.generate(PROMPTS, GenerationParams(max_tokens=10), seed=0)
+    assert [r.token_ids for r in res] == [alone(model, p, 10) for p in PROMPTS]
+    assert engine.cache.num_free == 2

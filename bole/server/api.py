@@ -250,16 +250,18 @@ async def _stream(server: BoleServer, handle: Handle, queue: asyncio.Queue,
                   include_usage: bool) -> AsyncIterator[str]:
     """SSE chunks of text deltas, the finish reason, optionally the usage, then ``[DONE]``."""
     text = TextStream(server.engine.tokenizer, params.stop_strings)
-    finished, first = False, True
+    finished, first, counted = False, True, 0
     try:
         while not finished:
             finished = await queue.get()
             r = handle.request
+            out = list(r.out)
             final = server.engine.text(r.result, params) if r.result is not None else None
-            delta = text.delta(list(r.out), final)
+            delta = text.delta(out, final)
             if delta or (first and chat):
-                yield _sse(completion_chunk(rid, server.model_name, delta, None, chat, first))
-                first = False
+                yield _sse(completion_chunk(rid, server.model_name, delta, None, chat, first,
+                                            token_ids=out[counted:]))
+                first, counted = False, len(out)
         res = handle.request.result
         if res is None:
             yield _sse(error_body("the request was cancelled by the server", "server_error"))

@@ -102,8 +102,10 @@ def usage(prompt_tokens: int, completion_tokens: int, rounds: int, accepted: int
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
-                     first: bool = False) -> dict:
-    """One streamed chunk (``text_completion`` or ``chat.completion.chunk``)."""
+                     first: bool = False, token_ids: list[int] | None = None) -> dict:
+    """One streamed chunk (``text_completion`` or ``chat.completion.chunk``); ``token_ids``
+    (an extension) lists the tokens the chunk's round emitted, so that a client can time
+    tokens, not rounds."""
     if chat:
         delta = {"content": text}
         if first:
@@ -113,6 +115,8 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: 
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
         kind = "text_completion"
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
             "choices": [choice]}
 

@@ -52,34 +52,44 @@ def repetitive_prompts(vocab: int, count: int, length: int, seed: int = 0) -> li
 def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_tokens: int = 64,
               depth: int = 8, topk: int = 4, budget: int = 32, seed: int = 0,
               drafter: str = "ngram", batches: tuple[int, ...] | None = None,
-              cuda_graphs: bool | None = None, progress: bool = False) -> list[ModeResult]:
+              cuda_graphs: bool | None = None, progress: bool = False,
+              acceptance: str | None = None) -> list[ModeResult]:
     """Every mode over ``prompts`` at each batch size (the prompts cycled to fill a batch; by
-    default one batch of all of them)."""
+    default one batch of all of them). With the replay drafter, plain decoding runs first and
+    its output is every other mode's known continuation."""
     batches = batches or (len(prompts),)
     params = GenerationParams(max_tokens=max_tokens)
     results = []
     for batch in batches:
         work = [prompts[i % len(prompts)] for i in range(batch)]
         outputs: dict[str, list[list[int]]] = {}
+        continuations = None
+        if drafter == "replay":
+            ar_engine = Engine(model, SpecConfig(mode="ar"), max_slots=batch,
+                               max_len=max(len(p) for p in work) + max_tokens + 2,
+                               cuda_graphs=cuda_graphs)
+            continuations = [r.token_ids for r in ar_engine.generate(work, params, seed=seed)]
+            del ar_engine
         for mode in modes:
             if progress:
                 print(f"\r[bole bench] batch {batch}: {mode:<12}", end="", file=sys.stderr,
                       flush=True)
-            spec = SpecConfig(mode=mode, drafter=drafter, depth=depth, topk=topk, budget=budget)
+            spec = SpecConfig(mode=mode, drafter=drafter, depth=depth, topk=topk, budget=budget,
+                              acceptance=acceptance)
             scratch = max(spec.nodes_per_request, depth + 1)
             max_len = max(len(p) for p in work) + max_tokens + scratch + 1
             engine = Engine(model, spec, max_slots=batch, max_len=max_len,
                             cuda_graphs=cuda_graphs)
             # warm-up on the same prompts: kernels compile, buffers exist for this batch
             engine.generate(work, GenerationParams(max_tokens=min(max_tokens, 2 * depth + 2)),
-                            seed=seed)
+                            seed=seed, continuations=continuations)
             engine.timings = type(engine.timings)()
             stats = engine.rounds.graphs.stats
             replays0, fallbacks0 = stats["graph_replays"], stats["eager_fallbacks"]
             if model.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            res = engine.generate(work, params, seed=seed)
+            res = engine.generate(work, params, seed=seed, continuations=continuations)
             elapsed = time.perf_counter() - t0
             outputs[mode] = [r.token_ids for r in res]
             tokens = sum(len(r.token_ids) for r in res)

@@ -15,8 +15,21 @@ from bole.config import GDN_SHAPES
 from bole.engine.engine import DRAFTERS, MAX_BUDGET, MAX_DEPTH, MAX_TOPK, MODES
 
 
+#: drafters by command: generate and serve draft for real requests (no known continuation, so no
+#: replay); bench has no draft model to load
+GENERATE_DRAFTERS = tuple(d for d in DRAFTERS if d != "replay")
+BENCH_DRAFTERS = tuple(d for d in DRAFTERS if d != "draft")
+SERVE_DRAFTERS = tuple(d for d in DRAFTERS if d not in ("draft", "replay"))
+
+
 class UsageError(Exception):
     """A problem with the command's arguments or inputs: printed as one line, exit code 2."""
+
+
+def _acceptance_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--acceptance", default=None,
+                   help="the replay drafter's acceptance profile: bundled, qwen3-next-mtp or a "
+                        "JSON file (bole/speculative/replay.py)")
 
 
 def _tree_options(p: argparse.ArgumentParser) -> None:
@@ -55,7 +68,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--mode", default="bole", choices=list(MODES), help="verification mode")
-    gen.add_argument("--drafter", default=None, choices=list(DRAFTERS),
+    gen.add_argument("--drafter", default=None, choices=list(GENERATE_DRAFTERS),
                      help="draft source (default: the checkpoint's MTP head when it has one, "
                           "else n-gram lookup; 'draft' needs --draft-model)")
     gen.add_argument("--draft-model", default=None,
@@ -79,8 +92,11 @@ def _build_parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", help="random weights of a preset (e.g. qwen3.5-9b, tiny)")
     bench.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                        help="modes to run")
-    bench.add_argument("--drafter", default=None, choices=["ngram", "mtp"],
-                       help="default: the checkpoint's MTP head when it has one, else n-gram lookup")
+    bench.add_argument("--drafter", default=None, choices=list(BENCH_DRAFTERS),
+                       help="default: the checkpoint's MTP head when it has one, else n-gram "
+                            "lookup; replay: a preset's random MTP head with the proposals of "
+                            "--acceptance (plain decoding runs first to know the continuation)")
+    _acceptance_option(bench)
     bench.add_argument("--prompt-set", default=None, choices=["code", "repetitive"],
                        help="code: the bundled Python prompts (needs the checkpoint's tokenizer; "
                             "default then); repetitive: repeated random phrases (default for presets)")
@@ -104,7 +120,7 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
     serve.add_argument("--mode", default="bole", choices=list(MODES), help="verification mode")
-    serve.add_argument("--drafter", default=None, choices=["ngram", "mtp"],
+    serve.add_argument("--drafter", default=None, choices=list(SERVE_DRAFTERS),
                        help="default: the checkpoint's MTP head when it has one, else n-gram")
     _tree_options(serve)
     serve.add_argument("--max-batch", type=int, default=16,
@@ -169,7 +185,7 @@ def _tokenizer(folder: Path):
 def _spec(args, drafter: str):
     from bole.engine import SpecConfig
     spec = SpecConfig(args.mode if hasattr(args, "mode") else "bole", drafter, args.depth,
-                      args.topk, args.budget)
+                      args.topk, args.budget, getattr(args, "acceptance", None))
     try:
         spec.validate()
     except ValueError as exc:
@@ -198,14 +214,21 @@ def _bench(args) -> int:
         _positive(batches=b)
     device = _device(args.device)
     args.mode = "bole"
-    _spec(args, args.drafter or "ngram")
+    spec = _spec(args, args.drafter or "ngram")
+    if spec.drafter == "replay":
+        from bole.speculative.replay import AcceptanceProfile
+        try:
+            AcceptanceProfile.load(args.acceptance or "")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tokenizer = None
     if args.preset:
         if args.preset.lower() not in PRESETS:
             raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
-        model = HybridModel.random(preset_config(args.preset), dtype=dtype, device=device)
+        model = HybridModel.random(preset_config(args.preset), dtype=dtype, device=device,
+                                   mtp=args.drafter in ("mtp", "replay"))
         name = f"{args.preset}-random"
     else:
         folder = _checkpoint(args.model or str(BUNDLED_MODEL), need_tokenizer=False)
@@ -225,7 +248,8 @@ def _bench(args) -> int:
     results = run_modes(model, prompts, args.modes, max_tokens=args.max_tokens, depth=args.depth,
                         topk=args.topk, budget=args.budget, drafter=drafter,
                         batches=tuple(args.batches) if args.batches else None,
-                        cuda_graphs=False if args.no_graphs else None, progress=True)
+                        cuda_graphs=False if args.no_graphs else None, progress=True,
+                        acceptance=args.acceptance)
     import triton
     meta = dict(model_name=name, device=torch.cuda.get_device_name() if device.startswith("cuda")
                 else "cpu", torch=torch.__version__, triton=triton.__version__,
@@ -233,7 +257,8 @@ def _bench(args) -> int:
                 prompt_set=prompt_set,
                 prompt_len=args.prompt_len if prompt_set == "repetitive" else None,
                 max_tokens=args.max_tokens, depth=args.depth, topk=args.topk, budget=args.budget,
-                drafter=drafter, cuda_graphs=not args.no_graphs and device.startswith("cuda"))
+                drafter=drafter, acceptance=args.acceptance,
+                cuda_graphs=not args.no_graphs and device.startswith("cuda"))
     path, png = write_results(results, meta, Path(args.out), args.tag)
     print(f"{name}, {meta['dtype']} on {meta['device']}, drafter {drafter}, {prompt_set} prompts")
     print(f"{'mode':<12} {'batch':>5} {'tok/s':>8} {'tok/rnd':>7} {'rnd ms':>7} {'draft':>6} "

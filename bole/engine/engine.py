@@ -32,7 +32,7 @@ from bole.speculative.sampling import SamplingParams, target_probs
 from bole.speculative.tree_growth import node_capacity
 
 MODES = ("ar", "bole", "tree-serial", "chain")
-DRAFTERS = ("ngram", "mtp", "draft")
+DRAFTERS = ("ngram", "mtp", "draft", "replay")
 #: documented limits of the tree shape (a wider tree costs more than it can gain)
 MAX_TOPK = 16
 MAX_DEPTH = 15
@@ -51,12 +51,18 @@ class SpecConfig:
     depth: int = 8
     topk: int = 4
     budget: int = 32
+    #: the replay drafter's acceptance profile: a shipped name ("bundled", "qwen3-next-mtp")
+    #: or a JSON file (bole/speculative/replay.py)
+    acceptance: str | None = None
 
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.drafter == "replay" and self.mode != "ar" and not self.acceptance:
+            raise ValueError("the replay drafter needs an acceptance profile (--acceptance "
+                             "bundled, qwen3-next-mtp or a JSON file)")
         if not (1 <= self.depth <= MAX_DEPTH and 1 <= self.topk <= MAX_TOPK
                 and 2 <= self.budget <= MAX_BUDGET):
             raise ValueError(f"need 1 <= depth <= {MAX_DEPTH}, 1 <= topk <= {MAX_TOPK} and "
@@ -123,6 +129,7 @@ class Request:
     prefill_s: float = 0.0
     started: float = 0.0
     gen: torch.Generator | None = None        # this request's sampling draws
+    continuation: list[int] | None = None     # plain decoding's output (the replay drafter's)
 
     @property
     def remaining(self) -> int:
@@ -190,10 +197,12 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: GenerationParams | Sequence[GenerationParams] = GenerationParams(),
-                 seed: int | None = None) -> list[GenerationResult]:
+                 seed: int | None = None,
+                 continuations: Sequence[Sequence[int]] | None = None) -> list[GenerationResult]:
         """Generate for every prompt through the continuous-batching scheduler: requests beyond
         the free slots wait, and each finished request leaves the batch and frees its slot while
-        the others go on. Request i's sampling is seeded by ``(seed, i)``."""
+        the others go on. Request i's sampling is seeded by ``(seed, i)``. ``continuations``:
+        plain decoding's output per prompt, for the replay drafter."""
         from bole.engine.scheduler import Scheduler
         if isinstance(params, GenerationParams):
             params = [params] * len(prompts)
@@ -204,6 +213,8 @@ class Engine:
         scheduler = Scheduler(self, max_queue=max(1, len(prompts)))
         handles = [scheduler.submit(p, q, seed=None if seed is None else seed * 1_000_003 + i)
                    for i, (p, q) in enumerate(zip(prompts, params))]
+        for h, cont in zip(handles, continuations or []):
+            h.request.continuation = [int(t) for t in cont]
         scheduler.run_until_idle()
         return [h.request.result for h in handles]
 
@@ -213,7 +224,7 @@ class Engine:
         r.started = t0
         r.slot = self.cache.allocate(len(r.prompt) + r.params.max_tokens + self.scratch)
         logits, hidden = self.runner.prefill(r.slot, torch.tensor(r.prompt))
-        self.rounds.on_prefill(r.slot, torch.tensor(r.prompt), hidden)
+        self.rounds.on_prefill(r.slot, torch.tensor(r.prompt), hidden, r.continuation)
         first = self._sample_one(logits, r.params.sampling, r.gen)
         r.prefill_s = time.perf_counter() - t0
         self._emit(r, [first], rounds=0)

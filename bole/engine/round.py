@@ -150,11 +150,16 @@ class RoundRunner:
         self.growth_capacity = 0
         self.mtp = self.draft = None
         self.ngram = NgramDrafter()
-        if not self.ar and spec.drafter == "mtp":
+        if not self.ar and spec.drafter in ("mtp", "replay"):
             from bole.speculative.tree_growth import node_capacity
             self.growth_capacity = node_capacity(self.topk, self.D)
             self.mtp = MTPDrafter(self.model, max_slots, self.cache.max_len,
                                   self.growth_capacity)
+            if spec.drafter == "replay":
+                # the real head runs for its cost; its proposals are replaced by a profile's
+                from bole.speculative.replay import AcceptanceProfile, ReplayDrafter
+                self.mtp = ReplayDrafter(self.mtp, AcceptanceProfile.load(spec.acceptance),
+                                         max_slots, self.cache.max_len)
         if not self.ar and spec.drafter == "draft":
             self.draft = DraftModelDrafter(draft_model, self.model.config.vocab_size, max_slots,
                                            self.cache.max_len, scratch=self.scratch)
@@ -253,9 +258,14 @@ class RoundRunner:
         b.remaining.sub_(path_len)
 
     # ---- the host side of a round ----
-    def on_prefill(self, slot: int, prompt: torch.Tensor, hidden: torch.Tensor) -> None:
+    def on_prefill(self, slot: int, prompt: torch.Tensor, hidden: torch.Tensor,
+                   continuation: list[int] | None = None) -> None:
+        """A request was prefilled into ``slot``; ``continuation`` is plain decoding's output
+        for it (the replay drafter's known future, from its first token on)."""
         if self.mtp is not None:
             self.mtp.observe_prompt(slot, prompt, hidden)
+        if self.spec.drafter == "replay" and self.mtp is not None:
+            self.mtp.set_continuation(slot, continuation or [], start=prompt.numel())
         if self.draft is not None:
             self.draft.start(slot, prompt.tolist())
 

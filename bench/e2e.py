@@ -1,0 +1,237 @@
+"""End-to-end study at real shapes: every mode at batch 1-64, tokens/s, the round's split,
+accepted tokens, memory and the largest batch that fits.
+
+Random-weight presets (Qwen3.5-9B / 27B, bf16, a random one-layer MTP head) draft with the
+replay drafter: the head runs at its true size, its proposals follow an acceptance profile
+(``--profile``, default qwen3-next-mtp, fitted to published accept lengths; every table says so),
+and the target verifies every token for real, so output equals plain decoding's. The bundled
+model drafts with its own MTP head (real acceptance). Per model and batch:
+
+    ar            plain decoding (its output is the replay drafter's known continuation)
+    chain         one path of d drafts, snapshot per position; d swept (--chain-depths), best kept
+    tree-serial   the bole trees, node-by-node GDN with snapshots, copy commit
+    bole          closed form + factors; (depth, topk, budget) swept (--tree-shapes), best kept
+
+tree-serial runs bole's best shape, so the two see the same trees. Memory: peak device memory
+per run, and the largest batch that fits 80% of the device at --max-context tokens per request
+(weights + per-slot cache + the round's transient state: factors for bole, a snapshot per node
+for tree-serial, per position for chain), confirmed by running one round at tree-serial's limit.
+
+    python bench/e2e.py                           # on a GPU -> bench/results/e2e-<date>.{json,png}
+    python bench/e2e.py --models tiny --batches 1 2 --device cpu --max-tokens 16   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
+from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.models.presets import preset_config  # noqa: E402
+from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
+
+
+def load(name: str, device: str, dtype: torch.dtype):
+    """(model, prompts as token ids, drafter, profile) of a study model."""
+    if name == "bundled":
+        from tokenizers import Tokenizer
+        model = HybridModel.from_pretrained(BUNDLED_MODEL, dtype=dtype, device=device)
+        tok = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
+        return model, [tok.encode(p).ids for p in code_prompts()], "mtp", None
+    model = HybridModel.random(preset_config(name), dtype=dtype, device=device, mtp=True)
+    return model, None, "replay", None
+
+
+def prompts_for(model, given, batch: int, context: int, seed: int) -> list[list[int]]:
+    if given is not None:
+        return [given[i % len(given)] for i in range(batch)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist()
+            for _ in range(batch)]
+
+
+def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device) -> dict:
+    """One timed generate (after a warm-up) with its round split and peak memory."""
+    scratch = max(spec.nodes_per_request, spec.depth + 1)
+    max_len = max(map(len, prompts)) + max_tokens + scratch + 1
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    engine = Engine(model, spec, max_slots=len(prompts), max_len=max_len)
+    engine.generate(prompts, GenerationParams(max_tokens=min(8, max_tokens)), seed=0,
+                    continuations=continuations)
+    engine.timings = type(engine.timings)()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = engine.generate(prompts, GenerationParams(max_tokens=max_tokens), seed=0,
+                          continuations=continuations)
+    elapsed = time.perf_counter() - t0
+    split = engine.timings.summary()
+    tokens = sum(len(r.token_ids) for r in res)
+    rounds = sum(r.rounds for r in res)
+    accepted = sum(sum(r.accepted) for r in res)
+    nodes = engine.timings.rounds * len(prompts) * spec.nodes_per_request
+    out = dict(tokens_per_s=tokens / elapsed, mean_accepted_tokens=accepted / max(1, rounds),
+               tokens_per_verified_node=accepted / max(1, nodes), round_ms=split["round_ms"],
+               draft_ms=split["draft_ms"], verify_ms=split["verify_ms"],
+               accept_commit_ms=split["accept_commit_ms"], host_ms=split["host_ms"],
+               eager_fallbacks=engine.rounds.graphs.stats["eager_fallbacks"],
+               peak_mem_gib=(torch.cuda.max_memory_allocated() / 2 ** 30
+                             if device == "cuda" else None),
+               outputs=[r.token_ids for r in res])
+    del engine
+    return out
+
+
+def transient_bytes(model, spec: SpecConfig) -> int:
+    """A request's speculative state during one round: per-node GDN snapshots (tree-serial,
+    chain) or factors (bole), over every GDN layer."""
+    c = model.config
+    T = spec.nodes_per_request
+    layers, Hv, dk, dv = (len(c.gdn_layers), c.linear_num_value_heads, c.linear_key_head_dim,
+                          c.linear_value_head_dim)
+    if spec.mode in ("tree-serial", "chain"):
+        return layers * T * Hv * dk * dv * 4
+    if spec.mode == "bole":
+        return layers * T * (Hv * (dv * 4 + 8) + c.linear_num_key_heads * (dk * 2 + 4))
+    return 0
+
+
+def slot_bytes(model, max_len: int) -> int:
+    """One request's cache slot: KV rows of every full-attention layer, fp32 GDN states and
+    conv states of every GDN layer."""
+    c, e = model.config, torch.empty(0, dtype=model.dtype).element_size()
+    kv = 2 * len(c.full_attention_layers) * max_len * c.num_key_value_heads * c.head_dim * e
+    gdn = len(c.gdn_layers) * c.linear_num_value_heads * c.linear_key_head_dim * \
+        c.linear_value_head_dim * 4
+    conv = len(c.gdn_layers) * c.conv_dim * (c.linear_conv_kernel_dim - 1) * e
+    return kv + gdn + conv
+
+
+def max_batch(model, spec: SpecConfig, context: int, device: str, share: float = 0.8) -> int:
+    """The largest batch whose weights, caches and round state fit ``share`` of the device."""
+    if device != "cuda":
+        return 0
+    total = torch.cuda.get_device_properties(0).total_memory * share
+    weights = sum(t.numel() * t.element_size() for t in model.w.values() if t._base is None)
+    cache = slot_bytes(model, context + spec.nodes_per_request)
+    logits = spec.nodes_per_request * model.config.vocab_size * 4
+    per_request = cache + transient_bytes(model, spec) + logits
+    return max(0, int((total - weights) // per_request))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["qwen3.5-9b", "qwen3.5-27b", "bundled"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--profile", default="qwen3-next-mtp")
+    ap.add_argument("--context", type=int, default=2048, help="prompt tokens (presets)")
+    ap.add_argument("--max-context", type=int, default=8192, help="for the max-batch column")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--chain-depths", type=int, nargs="+", default=[2, 3, 4, 6])
+    ap.add_argument("--tree-shapes", nargs="+", default=["4,2,8", "6,3,16", "8,4,32", "8,4,64"],
+                    help="depth,topk,budget of bole's tree, swept per batch")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: pass --device cpu for a smoke run", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.tree_shapes]
+    records = []
+    for name in args.models:
+        model, given, drafter, _ = load(name, args.device, dtype)
+        profile = args.profile if drafter == "replay" else None
+        for batch in args.batches:
+            prompts = prompts_for(model, given, batch, args.context, seed=batch)
+            base = dict(model=name, drafter=drafter, profile=profile, batch=batch)
+            ar = run(model, SpecConfig("ar"), prompts, args.max_tokens, None, args.device)
+            cont = ar.pop("outputs")
+            records.append(dict(base, mode="ar", shape=None, **ar))
+            candidates = {"chain": [], "bole": []}
+            for d in args.chain_depths:
+                spec = SpecConfig("chain", drafter, d, 1, d + 1, profile)
+                candidates["chain"].append((spec, run(model, spec, prompts, args.max_tokens,
+                                                      cont, args.device)))
+            for d, k, b in shapes:
+                spec = SpecConfig("bole", drafter, d, k, b, profile)
+                candidates["bole"].append((spec, run(model, spec, prompts, args.max_tokens,
+                                                     cont, args.device)))
+            best = {m: max(c, key=lambda sr: sr[1]["tokens_per_s"]) for m, c in candidates.items()}
+            b_spec = best["bole"][0]
+            t_spec = SpecConfig("tree-serial", drafter, b_spec.depth, b_spec.topk, b_spec.budget,
+                                profile)
+            best["tree-serial"] = (t_spec, run(model, t_spec, prompts, args.max_tokens, cont,
+                                               args.device))
+            for mode in ("chain", "tree-serial", "bole"):
+                spec, res = best[mode]
+                equal = res.pop("outputs") == cont
+                records.append(dict(base, mode=mode, equal_to_ar=equal,
+                                    shape=dict(depth=spec.depth, topk=spec.topk,
+                                               budget=spec.budget),
+                                    max_batch_at_context=max_batch(model, spec, args.max_context,
+                                                                   args.device), **res))
+                print(json.dumps({k: v for k, v in records[-1].items() if k != "outputs"}),
+                      flush=True)
+        del model
+    meta = dict(date=_dt.date.today().isoformat(), device=(torch.cuda.get_device_name()
+                if args.device == "cuda" else "cpu"), torch=torch.__version__,
+                context=args.context, max_context=args.max_context, max_tokens=args.max_tokens,
+                acceptance_note=("presets: random weights, acceptance replayed from profile "
+                                 f"{args.profile!r} (bole/speculative/profiles), not measured"))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"e2e-{meta['date']}{args.tag}.json"
+    path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+    print(path, plot(path))
+    return 0
+
+
+def plot(path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    data = json.loads(path.read_text())
+    models = list(dict.fromkeys(r["model"] for r in data["records"]))
+    fig, axes = plt.subplots(2, len(models), figsize=(4.5 * len(models), 7), squeeze=False)
+    for j, name in enumerate(models):
+        recs = [r for r in data["records"] if r["model"] == name]
+        ar = {r["batch"]: r["tokens_per_s"] for r in recs if r["mode"] == "ar"}
+        for mode in ("ar", "chain", "tree-serial", "bole"):
+            pts = sorted((r["batch"], r["tokens_per_s"]) for r in recs if r["mode"] == mode)
+            if not pts:
+                continue
+            axes[0, j].plot(*zip(*pts), marker="o", label=mode)
+            axes[1, j].plot([b for b, _ in pts], [t / ar[b] for b, t in pts], marker="o",
+                            label=mode)
+        axes[0, j].set_title(f"{name}: tokens/s", fontsize=9)
+        axes[1, j].set_title(f"{name}: speed-up over ar", fontsize=9)
+        for ax in axes[:, j]:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("batch")
+        axes[0, j].legend(fontsize=7)
+    m = data["meta"]
+    fig.suptitle(f"{m['device']}, torch {m['torch']}, {m['date']}; {m['acceptance_note']}",
+                 fontsize=8)
+    fig.tight_layout()
+    png = path.parent / (path.name[:-5] + ".png")
+    fig.savefig(png, dpi=110)
+    return png
+
+
+if __name__ == "__main__":
+    sys.exit(main())

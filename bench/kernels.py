@@ -1,4 +1,4 @@
-"""GDN tree-verification kernels, side by side on one GPU (issue 3; DESIGN.md section 5).
+"""GDN tree-verification kernels, side by side on one GPU (issue 3; docs/design.md section 8).
 
 For Qwen3.5 GDN layer shapes, batches and tree sizes (depth 8) it times, per layer:
 
@@ -120,7 +120,7 @@ def make_inputs(shape, forest: PackedForest, dev, seed: int):
         initial_state=rnd(R, Hv, dk, dv, dt=torch.float32) * 0.1,
         # each request's pool slot, passed as the engine passes it (built once per forward);
         # without it the wrappers build arange(R) on the device, one more launch per call
-        # (1.07 us at batch 1 in bench/ab_kernels.py, in the timings before 2026-11-30's
+        # (1.07 us at batch 1 in bench/tuning/ab_kernels.py, in the timings before 2026-11-30's
         # eleventh session)
         slots=torch.arange(R, dtype=torch.int32, device=dev))
 

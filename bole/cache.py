@@ -41,14 +41,6 @@ class CacheShape:
                    c.head_dim, c.linear_num_value_heads, c.linear_key_head_dim,
                    c.linear_value_head_dim, c.conv_dim, c.linear_conv_kernel_dim)
 
-    def bytes_per_slot(self, max_len: int, dtype: torch.dtype) -> int:
-        """Bytes one slot takes in every pool: what admission control budgets per request."""
-        e = torch.empty(0, dtype=dtype).element_size()
-        kv = 2 * self.num_full_layers * max_len * self.num_kv_heads * self.head_dim * e
-        ssm = self.num_gdn_layers * self.num_v_heads * self.head_k_dim * self.head_v_dim * 4
-        conv = self.num_gdn_layers * self.conv_dim * (self.conv_kernel - 1) * e
-        return kv + ssm + conv
-
 
 class HybridCache:
     """Slot-addressed KV, GDN-state and conv-state pools for ``max_slots`` requests."""

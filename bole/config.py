@@ -1,4 +1,5 @@
-"""Layer shapes of the supported hybrid models (DESIGN.md section 3), used by demos and benchmarks."""
+"""GDN layer shapes of the supported hybrid models (docs/design.md section 4): the one table that
+demos, memory accounting, benchmarks and the random-weight presets read."""
 
 from __future__ import annotations
 

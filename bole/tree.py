@@ -1,6 +1,6 @@
 """Draft trees and packed forests.
 
-Conventions (DESIGN.md section 3):
+Conventions (docs/design.md section 4):
 
 * A draft tree of ``T`` nodes is given by a parent array. Node 0 is the root (the bonus token of the
   previous round, not yet seen by the target) and its parent is -1. Parents precede children, so
@@ -9,8 +9,12 @@ Conventions (DESIGN.md section 3):
 * ``ancestor_mask[i, j]`` is True when ``j`` is an ancestor of ``i`` (and, with ``include_self``,
   when ``j == i``): row ``i`` is the set of nodes whose keys node ``i`` may see.
 * A batch is a :class:`PackedForest`: the trees' nodes concatenated request by request, with
-  ``cu_nodes`` offsets and parent indices local to each tree. Padding nodes (for fixed shapes) sit
-  after the last request, have parent -1, request -1 and ``valid == False``.
+  ``cu_nodes`` offsets and parent indices local to each tree. Padding nodes, where a caller adds
+  them, sit after the last request, have parent -1, request -1 and ``valid == False``; the kernels
+  write zeros for them.
+
+The one ancestor-mask builder here is :meth:`DraftTree.ancestor_mask` (host, per tree); the
+fixed-shape device layout derives its own on the device (:mod:`bole.forest`).
 
 All structure lives on the CPU as int64 tensors (trees are small and built once per round); use
 :meth:`PackedForest.to` to move the index tensors a kernel needs to the device.
@@ -24,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-__all__ = ["DraftTree", "PackedForest", "ForestMeta", "bitset_words"]
+__all__ = ["DraftTree", "PackedForest", "ForestMeta"]
 
 
 def _as_index_array(x, name: str) -> np.ndarray:
@@ -40,22 +44,6 @@ def _as_index_array(x, name: str) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(arr.shape)}")
     return arr.astype(np.int64, copy=True)
-
-
-def bitset_words(num_nodes: int) -> int:
-    """Number of 64-bit words in one row of an ancestor bitset over ``num_nodes`` nodes."""
-    return max(1, (num_nodes + 63) // 64)
-
-
-def _pack_bits(mask: np.ndarray) -> torch.Tensor:
-    """Bool ``[T, N]`` -> int64 ``[T, ceil(N/64)]``; bit ``j % 64`` of word ``j // 64`` is column j."""
-    rows, cols = mask.shape
-    words = bitset_words(cols)
-    padded = np.zeros((rows, words * 64), dtype=np.uint64)
-    padded[:, :cols] = mask
-    shifts = np.arange(64, dtype=np.uint64)
-    packed = (padded.reshape(rows, words, 64) << shifts).sum(axis=-1, dtype=np.uint64)
-    return torch.from_numpy(packed.view(np.int64).copy())
 
 
 def _depths(parents: np.ndarray) -> np.ndarray:
@@ -127,50 +115,6 @@ class DraftTree:
                 "draft fewer steps or raise the limit")
         return cls(torch.from_numpy(arr), torch.from_numpy(depth))
 
-    @classmethod
-    def from_retrieve(cls, next_token, next_sibling, max_depth: int | None = None) -> "DraftTree":
-        """Build from SGLang's ``retrieve_next_token`` / ``retrieve_next_sibling`` arrays.
-
-        ``next_token[i]`` is the first child of node i and ``next_sibling[i]`` the next child of
-        i's parent, -1 for none. Parents are derived once here (per round, not per layer).
-        """
-        first_child = _as_index_array(next_token, "retrieve_next_token")
-        sibling = _as_index_array(next_sibling, "retrieve_next_sibling")
-        n = len(first_child)
-        if len(sibling) != n:
-            raise ValueError(
-                f"retrieve_next_token has {n} entries but retrieve_next_sibling has {len(sibling)}; "
-                "both describe the same nodes")
-        if n == 0:
-            raise ValueError("a draft tree needs at least its root node; got empty retrieve arrays")
-        for name, arr in (("retrieve_next_token", first_child), ("retrieve_next_sibling", sibling)):
-            bad = np.nonzero((arr < -1) | (arr >= n))[0]
-            if len(bad):
-                i = int(bad[0])
-                raise ValueError(f"index out of range: {name}[{i}] = {arr[i]}, valid are -1..{n - 1}")
-        if sibling[0] != -1:
-            raise ValueError(f"second root: the root (node 0) has a sibling {sibling[0]}")
-        parents = np.full(n, -2, dtype=np.int64)
-        parents[0] = -1
-        for i in range(n):
-            child = int(first_child[i])
-            steps = 0
-            while child != -1:
-                if child == 0 or parents[child] != -2:
-                    raise ValueError(
-                        f"node {child} is reached twice while following children of node {i} "
-                        "(cycle or shared child in the retrieve arrays)")
-                parents[child] = i
-                child = int(sibling[child])
-                steps += 1
-                if steps > n:
-                    raise ValueError(f"the sibling list under node {i} does not end (cycle)")
-        orphans = np.nonzero(parents == -2)[0]
-        if len(orphans):
-            raise ValueError(
-                f"node {int(orphans[0])} is not reachable from the root through the retrieve arrays")
-        return cls.from_parents(parents, max_depth=max_depth)
-
     # ---- shapes used by tests, demos and benchmarks ----
     @classmethod
     def chain(cls, num_nodes: int) -> "DraftTree":
@@ -224,10 +168,6 @@ class DraftTree:
         """``[T, T]`` bool; ``mask[i, j]`` iff j is a (strict, unless include_self) ancestor of i."""
         return torch.from_numpy(
             _ancestor_mask(self.parents.numpy(), self.depth.numpy(), include_self))
-
-    def ancestor_bitset(self, include_self: bool = True) -> torch.Tensor:
-        """``[T, ceil(T/64)]`` int64; bit ``j % 64`` of word ``j // 64`` of row i = mask[i, j]."""
-        return _pack_bits(_ancestor_mask(self.parents.numpy(), self.depth.numpy(), include_self))
 
     def path(self, node: int) -> torch.Tensor:
         """Nodes from the root down to ``node`` inclusive (the accepted path ending at ``node``)."""
@@ -291,25 +231,6 @@ class PackedForest:
             parents = list(parents)
         return cls.pack([DraftTree.from_parents(p, max_depth=max_depth) for p in parents])
 
-    def pad_to(self, num_nodes: int) -> "PackedForest":
-        """Append masked-out padding nodes up to ``num_nodes`` total (fixed shapes for graphs)."""
-        extra = num_nodes - self.num_nodes
-        if extra < 0:
-            raise ValueError(
-                f"cannot pad a forest of {self.num_nodes} nodes down to {num_nodes}; "
-                "the padded size must be at least the number of nodes")
-        if extra == 0:
-            return self
-        minus = torch.full((extra,), -1, dtype=torch.int64)
-        return PackedForest(
-            parents=torch.cat([self.parents, minus]),
-            cu_nodes=self.cu_nodes,
-            request=torch.cat([self.request, minus]),
-            parent_global=torch.cat([self.parent_global, minus]),
-            depth=torch.cat([self.depth, torch.zeros(extra, dtype=torch.int64)]),
-            valid=torch.cat([self.valid, torch.zeros(extra, dtype=torch.bool)]),
-        )
-
     def to(self, device) -> "PackedForest":
         return PackedForest(*(getattr(self, f).to(device) for f in
                               ("parents", "cu_nodes", "request", "parent_global", "depth", "valid")))
@@ -348,26 +269,6 @@ class PackedForest:
                 f"got shape {tuple(lens.shape)}")
         base = torch.where(self.valid, lens[self.request.clamp(min=0)], torch.zeros_like(self.depth))
         return base + self.depth
-
-    def ancestor_mask(self, include_self: bool = True) -> torch.Tensor:
-        """``[N, N]`` block-diagonal bool ancestor mask over the whole forest.
-
-        Padding rows see only themselves when ``include_self`` (so attention rows are never empty).
-        """
-        parents = self.parent_global.cpu().numpy()
-        depth = self.depth.cpu().numpy()
-        mask = _ancestor_mask(np.where(parents < 0, 0, parents), depth, include_self)
-        return torch.from_numpy(mask)
-
-    def ancestor_bitset(self, include_self: bool = True) -> torch.Tensor:
-        """Per-request bitsets, ``[N, ceil(T_max/64)]`` int64 over *local* node indices."""
-        t_max = int(self.sizes().max())
-        out = torch.zeros(self.num_nodes, bitset_words(t_max), dtype=torch.int64)
-        for r in range(self.num_requests):
-            lo, hi = int(self.cu_nodes[r]), int(self.cu_nodes[r + 1])
-            bits = self.tree(r).ancestor_bitset(include_self)
-            out[lo:hi, : bits.shape[1]] = bits
-        return out
 
     def accepted_paths(self, accepted) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed global node indices of each request's accepted path, root first.
@@ -413,15 +314,14 @@ class PackedForest:
         block = block_nodes or max(16, 1 << (max_nodes - 1).bit_length())
         if block < max_nodes:
             raise ValueError(f"block_nodes={block} is smaller than the largest tree ({max_nodes} nodes)")
-        mask = np.zeros((self.num_nodes, block), dtype=np.uint8)
+        mask = torch.zeros(self.num_nodes, block, dtype=torch.uint8)
         for r in range(self.num_requests):
             lo, hi = int(self.cu_nodes[r]), int(self.cu_nodes[r + 1])
-            t = self.tree(r)
-            mask[lo:hi, : hi - lo] = _ancestor_mask(t.parents.numpy(), t.depth.numpy(), True)
+            mask[lo:hi, : hi - lo] = self.tree(r).ancestor_mask()
         device = device if device is not None else self.parents.device
         return ForestMeta(
             cu_nodes=self.cu_nodes.to(device=device, dtype=torch.int32),
-            ancestor_mask=torch.from_numpy(mask).to(device),
+            ancestor_mask=mask.to(device),
             parent_global=self.parent_global.to(device=device, dtype=torch.int32),
             request=self.request.to(device=device, dtype=torch.int32),
             num_requests=self.num_requests, num_nodes=self.num_nodes,

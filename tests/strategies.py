@@ -39,12 +39,27 @@ def trees(draw, max_nodes: int = 128) -> DraftTree:
     return DraftTree.random(n, draw(st.integers(1, max(1, n - 1))), rng)
 
 
+def padded(forest: PackedForest, num_nodes: int) -> PackedForest:
+    """``forest`` with padding nodes appended up to ``num_nodes`` (parent -1, request -1,
+    ``valid == False``), as a fixed-shape caller would add them: the kernels must write zeros
+    there and leave every real node alone."""
+    extra = num_nodes - forest.num_nodes
+    assert extra >= 0, (forest.num_nodes, num_nodes)
+    minus = torch.full((extra,), -1, dtype=torch.int64)
+    return PackedForest(
+        parents=torch.cat([forest.parents, minus]), cu_nodes=forest.cu_nodes,
+        request=torch.cat([forest.request, minus]),
+        parent_global=torch.cat([forest.parent_global, minus]),
+        depth=torch.cat([forest.depth, torch.zeros(extra, dtype=torch.int64)]),
+        valid=torch.cat([forest.valid, torch.zeros(extra, dtype=torch.bool)]))
+
+
 @st.composite
 def forests(draw, max_requests: int = 3, max_nodes: int = 64, pad: bool = True) -> PackedForest:
     batch = [draw(trees(max_nodes)) for _ in range(draw(st.integers(1, max_requests)))]
     forest = PackedForest.pack(batch)
     if pad and draw(st.booleans()):
-        forest = forest.pad_to(forest.num_nodes + draw(st.integers(1, 5)))
+        forest = padded(forest, forest.num_nodes + draw(st.integers(1, 5)))
     return forest
 
 

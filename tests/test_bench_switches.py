@@ -1,6 +1,6 @@
-"""bench/kernels.py's pieces shared by the other bench scripts: the VerifyConfig switch flags
-(kernel_probe.py, verify_configs.py, kernel_registers.py) and the verify / commit launch helpers
-(kernel_probe.py, verify_configs.py, commit_configs.py)."""
+"""bench/kernels.py's pieces shared by the kernel-tuning scripts in bench/tuning/: the
+VerifyConfig switch flags (kernel_probe.py, verify_configs.py, kernel_registers.py) and the
+verify / commit launch helpers (kernel_probe.py, verify_configs.py, commit_configs.py)."""
 
 import argparse
 import sys

@@ -176,3 +176,21 @@ def test_sampled_speculation_follows_the_target_distribution(sampling_case, mode
         assert len(rows[0]) >= 3
         p = chi2_contingency(rows).pvalue
         assert p > 1e-3, (mode, pos, p)
+
+
+def test_replay_drafter_through_the_engine_equals_ar_and_accepts():
+    """The replay drafter (a random MTP head whose proposals follow an acceptance profile)
+    through the engine: every mode equals plain decoding and accepts drafts."""
+    m = HybridModel.random(preset_config("tiny"), dtype=torch.float32, seed=3, mtp=True,
+                           gdn_backend="torch")
+    ps = [prompts()[0], prompts()[1]]
+    params = GenerationParams(max_tokens=20)
+    ar = [r.token_ids for r in Engine(m, SpecConfig(mode="ar")).generate(ps, params)]
+    for mode in ("bole", "tree-serial", "chain"):
+        spec = SpecConfig(mode=mode, drafter="replay", depth=4, topk=3, budget=12,
+                          acceptance="qwen3-next-mtp")
+        res = Engine(m, spec, max_slots=2).generate(ps, params, continuations=ar)
+        assert [r.token_ids for r in res] == ar
+        assert sum(r.mean_accepted_tokens for r in res) / 2 > 2.0, mode
+    with pytest.raises(ValueError, match="acceptance profile"):
+        Engine(m, SpecConfig(drafter="replay"))

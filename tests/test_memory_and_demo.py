@@ -1,10 +1,13 @@
 """Transient-state accounting and the README's demo."""
 
+from dataclasses import replace
+
 import pytest
 
 from bole.cli import main
 from bole.config import GDN_SHAPES, gdn_shape
 from bole.memory import speculative_state_bytes
+from bole.models.presets import PRESETS, preset_config
 
 
 def test_qwen35_9b_figures():
@@ -20,6 +23,13 @@ def test_qwen35_9b_figures():
 @pytest.mark.parametrize("name", sorted(GDN_SHAPES))
 def test_all_presets_well_above_50x(name):
     assert speculative_state_bytes(GDN_SHAPES[name], 64).ratio > 50
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS.keys() & GDN_SHAPES.keys()))
+def test_presets_take_their_gdn_layers_from_the_shapes(name):
+    """Random-weight presets and the shape table describe the same GDN layers."""
+    shape = preset_config(name).gdn_shape()
+    assert shape == replace(GDN_SHAPES[name], name=shape.name)
 
 
 def test_bad_accounting_inputs():

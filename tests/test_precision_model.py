@@ -1,4 +1,4 @@
-"""bench/precision_model.py: the emulation of the verification kernel's product roundings.
+"""bench/tuning/precision_model.py: the emulation of the verification kernel's product roundings.
 
 Checks the claims bench/NOTES.md makes from it on a small shape: the emulation with exact products
 is the fp64 closed form, tf32's truncation in ``C U`` dominates O's error, and the split bf16
@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH))                  # kernels.py, which precision_model.py imports
+sys.path.insert(0, str(BENCH / "tuning"))
 
 import precision_model as pm  # noqa: E402
 

@@ -1,41 +1,55 @@
 """Configurations of real models for random-weight runs (benchmarks need no checkpoint).
 
-Shapes are those of DESIGN.md section 3's table (hidden size, layers, heads, MLP, vocabulary);
-fields that do not change the cost of a forward (rope theta, token ids) keep transformers' defaults.
+The GDN layers' shapes come from :data:`bole.config.GDN_SHAPES` (one table for demos, memory
+accounting and presets); the rest (hidden size, attention heads, MLP, vocabulary) is the models'
+own, as in docs/design.md section 4. Fields that do not change the cost of a forward (rope
+theta, token ids) keep transformers' defaults.
 """
 
 from __future__ import annotations
 
+from bole.config import GDN_SHAPES
 from bole.models.config import HybridConfig
 
-_GDN = dict(linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
-            linear_conv_kernel_dim=4, head_dim=256, rms_norm_eps=1e-6,
-            rope_parameters={"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-                             "rope_type": "default"}, max_position_embeddings=262144,
-            full_attention_interval=4)
+#: one full-attention layer after every three GDN layers, in every supported Qwen hybrid
+FULL_ATTENTION_INTERVAL = 4
+_ATTENTION = dict(head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=262144,
+                  rope_parameters={"rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                                   "rope_type": "default"})
+
+
+def _hybrid(shape: str) -> dict:
+    """The GDN part of a preset (and the layer count it implies) from ``GDN_SHAPES[shape]``."""
+    s = GDN_SHAPES[shape]
+    n = FULL_ATTENTION_INTERVAL
+    return dict(linear_num_key_heads=s.num_k_heads, linear_num_value_heads=s.num_v_heads,
+                linear_key_head_dim=s.head_k_dim, linear_value_head_dim=s.head_v_dim,
+                linear_conv_kernel_dim=s.conv_kernel, full_attention_interval=n,
+                num_hidden_layers=s.num_gdn_layers * n // (n - 1), **_ATTENTION)
+
 
 PRESETS: dict[str, dict] = {
     "qwen3.5-4b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=2560,
-                       num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
-                       linear_num_value_heads=32, intermediate_size=9216, tie_word_embeddings=True,
-                       **_GDN),
+                       num_attention_heads=16, num_key_value_heads=4, intermediate_size=9216,
+                       tie_word_embeddings=True, **_hybrid("qwen3.5-4b")),
     "qwen3.5-9b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=4096,
-                       num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
-                       linear_num_value_heads=32, intermediate_size=12288, **_GDN),
+                       num_attention_heads=16, num_key_value_heads=4, intermediate_size=12288,
+                       **_hybrid("qwen3.5-9b")),
     "qwen3.5-27b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120,
-                        num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
-                        linear_num_value_heads=48, intermediate_size=17408, **_GDN),
+                        num_attention_heads=24, num_key_value_heads=4, intermediate_size=17408,
+                        **_hybrid("qwen3.5-27b")),
     "qwen3-next-80b-a3b": dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048,
-                               num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
-                               linear_num_value_heads=32, intermediate_size=5120, num_experts=512,
-                               num_experts_per_tok=10, moe_intermediate_size=512,
-                               shared_expert_intermediate_size=512, **_GDN),
+                               num_attention_heads=16, num_key_value_heads=2,
+                               intermediate_size=5120, num_experts=512, num_experts_per_tok=10,
+                               moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                               **_hybrid("qwen3-next-80b-a3b")),
     # for tests and smoke runs of the benchmarks
     "tiny": dict(model_type="qwen3_5_text", vocab_size=128, hidden_size=64, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-                 linear_num_value_heads=4, **{**_GDN, "linear_num_key_heads": 2,
-                                              "linear_key_head_dim": 16,
-                                              "linear_value_head_dim": 16, "head_dim": 16}),
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                 full_attention_interval=FULL_ATTENTION_INTERVAL,
+                 **{**_ATTENTION, "head_dim": 16}),
 }
 
 

@@ -24,6 +24,15 @@ def check_kernel_device(device: torch.device | str, what: str, interpret: bool |
             f"TRITON_INTERPRET=1 before triton is imported for its (slow) CPU interpreter")
 
 
+def check_same_device(device: torch.device, **tensors: torch.Tensor | None) -> None:
+    """Raise a ValueError naming the first of ``tensors`` (None ones skipped) that is not on
+    ``device``, the device of q (every kernel input lives on one device)."""
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but q is on {device}; put every input on "
+                             "one device")
+
+
 def fix_interpreter_scalar_index() -> None:
     """Make Triton's CPU interpreter accept loaded scalars as loop bounds under NumPy >= 2.4.
 

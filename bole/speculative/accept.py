@@ -1,4 +1,4 @@
-"""Lossless acceptance of a verified draft forest (DESIGN.md section 4, step 4), batched.
+"""Lossless acceptance of a verified draft forest (docs/design.md section 5), batched.
 
 With deterministic (top-k) drafting, at node u with target distribution p the children are tried in
 draft order: child x is accepted with probability p(x) / sum(p); on rejection x is removed from p
@@ -54,6 +54,13 @@ def children_table(forest: PackedForest) -> torch.Tensor:
     return table
 
 
+def _remove_rejected(p: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+                     rejected: torch.Tensor) -> None:
+    """Zero the residual ``p [R, V]`` at each request's rejected draft token ``tokens [R]`` (where
+    ``rejected [R]``), in place: the next sibling, and the bonus, are drawn without it."""
+    p[rows[rejected], tokens[rejected]] = 0.0
+
+
 def accept_forest(probs: torch.Tensor, tokens: torch.Tensor, forest: PackedForest,
                   generator: torch.Generator | None = None) -> Acceptance:
     """Walk every request's tree from its root with the lossless rule.
@@ -87,8 +94,7 @@ def accept_forest(probs: torch.Tensor, tokens: torch.Tensor, forest: PackedFores
             ok = trying & (u < px)
             cur = torch.where(ok, child, cur)
             moved |= ok
-            rejected = trying & ~ok
-            p[rows[rejected], x[rejected]] = 0.0
+            _remove_rejected(p, rows, x, trying & ~ok)
         done = live & ~moved
         if bool(done.any()):
             draw = torch.multinomial(p[done] / p[done].sum(-1, keepdim=True), 1,

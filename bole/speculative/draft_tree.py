@@ -104,16 +104,6 @@ def build_draft_trees(root_tokens: Sequence[int], expand_batch: BatchExpander, *
     return [t.result(budget) for t in trees]
 
 
-def build_draft_tree(root_token: int, expand: Expander, *, depth: int, topk: int,
-                     budget: int) -> DraftResult:
-    """Grow a tree from ``root_token`` with ``expand`` and keep the ``budget`` best nodes.
-
-    ``budget`` counts the root: budget 1 gives a lone root (plain decoding).
-    """
-    return build_draft_trees([root_token], lambda paths, k: [expand(paths[0], k)],
-                             depths=[depth], topk=topk, budget=budget)[0]
-
-
 def top_k_per_request(logits: torch.Tensor, paths_per_request, k: int) -> list[list]:
     """A batch expander's answer from the drafter's logits ``[N, V]`` of every path, in request
     order (request ``i`` owns the next ``len(paths_per_request[i])`` rows): the ``k`` most

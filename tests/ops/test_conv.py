@@ -43,7 +43,7 @@ def test_tree_conv_and_commit_equal_sequential_decoding(forest, K, seed, data):
     for r, a in enumerate(acc):
         path = forest.tree(r).path(a) + int(forest.cu_nodes[r])
         _, final = decode_along(x[0, path], state[r], w)
-        assert torch.allclose(new[r], final, atol=0)
+        assert torch.equal(new[r], final)
     same = state.clone()
     assert conv_state_commit(x, same, forest, acc, inplace=True) is same
     assert torch.equal(same, new)

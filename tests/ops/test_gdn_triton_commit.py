@@ -5,16 +5,18 @@ import pytest
 import torch
 
 from bole.ops.gdn.closed_form import TreeFactors, commit_factored, tree_gdn_closed_form
-from bole.ops.gdn.triton_commit import (
-    commit_factored_accepted_triton,
-    commit_factored_triton,
-)
+from bole.ops.gdn.triton_commit import commit_factored_triton
 from bole.ops.gdn.triton_serial import (
     commit_from_snapshots_triton,
     tree_gdn_serial_triton,
 )
 from bole.tree import DraftTree, PackedForest
 from tests.kernel_utils import DEV, assert_rel
+from tests.strategies import padded
+
+#: the kernel against torch's commit_factored on the same fp32 factors (and against the copy
+#: commit): measured at most 2.2e-7 relative to the state's magnitude on these inputs
+COMMIT_TOL = 5e-7
 
 
 def layer_inputs(forest, H_k, H_v, d_k, d_v, seed, dtype=torch.float32, g_scale=2.0, g=None):
@@ -47,8 +49,16 @@ def make_factors(forest, s_pre, H_k, H_v, d_k, d_v, seed, *, k_inv_norm=False,
 
 def forest_3():
     rng = np.random.default_rng(0)
-    return PackedForest.pack([DraftTree.random(9, 4, rng), DraftTree.chain(6),
-                              DraftTree.full_kary(2, 2)]).pad_to(24)
+    return padded(PackedForest.pack([DraftTree.random(9, 4, rng), DraftTree.chain(6),
+                              DraftTree.full_kary(2, 2)]), 24)
+
+
+def commit_accepted(factors, pool, slots, forest, accepted, **kwargs):
+    """:func:`commit_factored_triton` with each request's path to its ``accepted`` local node,
+    built on the host (the engine builds them on the device)."""
+    index, lengths = forest.padded_paths(accepted)
+    return commit_factored_triton(factors, pool, slots, index.to(pool.device),
+                                  lengths.to(pool.device), **kwargs)
 
 
 def factors_to(f, device):
@@ -79,10 +89,10 @@ def test_single_layer_matches_torch(k_inv_norm):
     accepted = [7, 5, 4]
     exp = expected_pool(f, pool, slots, forest, accepted)
     pool_dev = pool.clone().to(DEV)
-    out = commit_factored_accepted_triton(factors_to(f, DEV), pool_dev, slots.to(DEV), forest,
+    out = commit_accepted(factors_to(f, DEV), pool_dev, slots.to(DEV), forest,
                                           accepted, check_values=True)
     assert out is pool_dev
-    assert_rel(pool_dev, exp)
+    assert_rel(pool_dev, exp, COMMIT_TOL)
     untouched = torch.tensor([1, 3, 4])
     assert torch.equal(pool_dev.cpu()[untouched], pool[untouched])
 
@@ -102,13 +112,13 @@ def test_three_layers_one_launch(k_inv_norm):
     pool_dev = pool.clone().to(DEV)
     commit_factored_triton(factors_to(f, DEV), pool_dev, slots.to(DEV), index.to(DEV),
                            lengths.to(DEV), block_k=16, check_values=True)
-    assert_rel(pool_dev, exp)
+    assert_rel(pool_dev, exp, COMMIT_TOL)
     keep = torch.tensor([0, 2, 4, 5])
     assert torch.equal(pool_dev.cpu()[:, keep], pool[:, keep])
     # per-layer torch commit agrees layer by layer
     for i in range(Ly):
         single = commit_factored(layers[i], pool[i, slots], forest, accepted)
-        assert_rel(pool_dev[i, slots.to(DEV)], single)
+        assert_rel(pool_dev[i, slots.to(DEV)], single, COMMIT_TOL)
 
 
 def test_fp16_keys_with_inverse_norms():
@@ -122,8 +132,8 @@ def test_fp16_keys_with_inverse_norms():
     accepted = [8, 2, 6]
     exp = expected_pool(f, pool, slots, forest, accepted)
     pool_dev = pool.clone().to(DEV)
-    commit_factored_accepted_triton(factors_to(f, DEV), pool_dev, slots.to(DEV), forest, accepted)
-    assert_rel(pool_dev, exp)
+    commit_accepted(factors_to(f, DEV), pool_dev, slots.to(DEV), forest, accepted)
+    assert_rel(pool_dev, exp, COMMIT_TOL)
 
 
 def test_long_path_several_chunks_and_deep_decay():
@@ -140,9 +150,9 @@ def test_long_path_several_chunks_and_deep_decay():
     accepted = [39, 2]
     exp = expected_pool(f, pool, slots, forest, accepted)
     pool_dev = pool.clone().to(DEV)
-    commit_factored_accepted_triton(factors_to(f, DEV), pool_dev, slots.to(DEV), forest, accepted,
+    commit_accepted(factors_to(f, DEV), pool_dev, slots.to(DEV), forest, accepted,
                                     block_k=16)
-    assert_rel(pool_dev, exp)
+    assert_rel(pool_dev, exp, COMMIT_TOL)
 
 
 def test_skips_zero_length_and_negative_slot():
@@ -159,7 +169,7 @@ def test_skips_zero_length_and_negative_slot():
     pool_dev = pool.clone().to(DEV)
     commit_factored_triton(factors_to(f, DEV), pool_dev, dev_slots.to(DEV), index.to(DEV),
                            lengths.to(DEV))
-    assert_rel(pool_dev[0], exp[0])
+    assert_rel(pool_dev[0], exp[0], COMMIT_TOL)
     assert torch.equal(pool_dev.cpu()[1:], pool[1:])
 
 
@@ -180,8 +190,8 @@ def test_factored_commit_equals_copy_commit_of_serial_snapshots():
     pool_copy = pool.clone().to(DEV)
     commit_from_snapshots_triton(snaps, pool_copy, slots.to(DEV), acc_global.to(DEV))
     pool_fact = pool.clone().to(DEV)
-    commit_factored_accepted_triton(factors_to(f, DEV), pool_fact, slots.to(DEV), forest, accepted)
-    assert_rel(pool_fact, pool_copy, 1e-4)
+    commit_accepted(factors_to(f, DEV), pool_fact, slots.to(DEV), forest, accepted)
+    assert_rel(pool_fact, pool_copy, COMMIT_TOL)
 
 
 def test_validation_errors():
@@ -191,18 +201,19 @@ def test_validation_errors():
     pool = torch.randn(3, H_v, d, d)
     f = factors_to(make_factors(forest, pool, 1, H_v, d, d, seed=7), DEV)
     with pytest.raises(TypeError, match="fp32"):
-        commit_factored_accepted_triton(f, pool.double().to(DEV), slots, forest, [0, 0, 0])
+        commit_accepted(f, pool.double().to(DEV), slots, forest, [0, 0, 0])
     with pytest.raises(ValueError, match="stacked factors"):
-        commit_factored_accepted_triton(TreeFactors.stack([f, f]), pool.clone().to(DEV), slots, forest,
+        commit_accepted(TreeFactors.stack([f, f]), pool.clone().to(DEV), slots, forest,
                                         [0, 0, 0])
     with pytest.raises(ValueError, match="state_pool has shape"):
-        commit_factored_accepted_triton(f, torch.zeros(3, H_v, d, 8, device=DEV), slots, forest,
+        commit_accepted(f, torch.zeros(3, H_v, d, 8, device=DEV), slots, forest,
                                         [0, 0, 0])
     with pytest.raises(ValueError, match="repeat a slot"):
-        commit_factored_accepted_triton(f, pool.clone().to(DEV), torch.tensor([0, 1, 0], device=DEV),
+        commit_accepted(f, pool.clone().to(DEV), torch.tensor([0, 1, 0], device=DEV),
                                         forest, [0, 0, 0], check_values=True)
     with pytest.raises(ValueError, match="out of range"):
-        commit_factored_accepted_triton(f, pool.clone().to(DEV), slots, forest, [0, 99, 0])
-    with pytest.raises(ValueError, match="nodes but the forest"):
-        commit_factored_accepted_triton(f, pool.clone().to(DEV), slots, PackedForest.pack(
-            [DraftTree.chain(3)] * 3), [0, 0, 0])
+        commit_accepted(f, pool.clone().to(DEV), slots, forest, [0, 99, 0])
+    with pytest.raises(ValueError, match="path_index holds node indices outside"):
+        commit_accepted(f, pool.clone().to(DEV), slots, PackedForest.pack(
+            [DraftTree.chain(3), DraftTree.chain(3), DraftTree.chain(30)]), [0, 0, 29],
+            check_values=True)

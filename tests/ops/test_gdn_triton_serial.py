@@ -13,6 +13,7 @@ from bole.ops.gdn.triton_serial import (
 )
 from bole.tree import DraftTree, PackedForest
 from tests.kernel_utils import DEV, TOL, assert_rel
+from tests.strategies import padded
 
 
 def make_inputs(num_nodes, H_k, H_v, d_k, d_v, *, seed=0, dtype=torch.float32, raw=False,
@@ -93,15 +94,15 @@ def test_single_tree_matches_serial_oracle(shape):
 @pytest.mark.parametrize("l2norm", [True, False])
 def test_ragged_padded_forest_grouped_heads_pool(l2norm):
     rng = np.random.default_rng(1)
-    forest = PackedForest.pack(
-        [DraftTree.random(9, 4, rng), DraftTree.chain(5), DraftTree.star(6)]).pad_to(24)
+    forest = padded(PackedForest.pack(
+        [DraftTree.random(9, 4, rng), DraftTree.chain(5), DraftTree.star(6)]), 24)
     run_and_check(forest, H_k=2, H_v=4, pool_slots=7, state_indices=[5, 0, 3], l2norm=l2norm,
                   seed=11)
 
 
-def test_retrieve_built_tree_and_random_forest():
+def test_small_tree_and_random_forest():
     rng = np.random.default_rng(7)
-    t = DraftTree.from_retrieve([1, 3, -1, -1], [-1, 2, -1, -1])
+    t = DraftTree.from_parents([-1, 0, 0, 1])
     forest = PackedForest.pack([t, DraftTree.random(14, 6, rng), DraftTree.full_kary(2, 2)])
     run_and_check(forest, H_k=1, H_v=2, d_k=32, d_v=16, seed=5)
 
@@ -131,7 +132,7 @@ def test_extreme_gates(case):
 
 def test_fp16_inputs():
     rng = np.random.default_rng(5)
-    forest = PackedForest.pack([DraftTree.random(12, 4, rng), DraftTree.star(5)]).pad_to(20)
+    forest = padded(PackedForest.pack([DraftTree.random(12, 4, rng), DraftTree.star(5)]), 20)
     run_and_check(forest, H_k=2, H_v=4, dtype=torch.float16, seed=6)
 
 
@@ -226,8 +227,8 @@ def test_chain_entry_raw_gates():
 
 def test_copy_commit_tree():
     rng = np.random.default_rng(17)
-    forest = PackedForest.pack([DraftTree.random(8, 3, rng), DraftTree.star(4),
-                                DraftTree.chain(5)]).pad_to(20)
+    forest = padded(PackedForest.pack([DraftTree.random(8, 3, rng), DraftTree.star(4),
+                                DraftTree.chain(5)]), 20)
     _, snaps, _, pool = run_and_check(forest, H_k=1, H_v=2, pool_slots=6,
                                       state_indices=[4, 1, 2], seed=17)
     accepted = [5, 2, 4]

@@ -25,7 +25,7 @@ from bole.speculative.accept_device import (
     draw_uniforms, sample_rows, target_probs_rows)
 from bole.speculative.sampling import SamplingParams, target_probs
 from bole.tree import DraftTree, PackedForest
-from tests.strategies import forests
+from tests.strategies import forests, padded
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -37,7 +37,7 @@ def with_single_node_request(forest: PackedForest) -> PackedForest:
     trees = [forest.tree(r) for r in range(forest.num_requests)] + [DraftTree.chain(1)]
     packed = PackedForest.pack(trees)
     extra = forest.num_nodes - forest.num_valid_nodes
-    return packed.pad_to(packed.num_nodes + extra) if extra else packed
+    return padded(packed, packed.num_nodes + extra)
 
 
 def children_lists(dense: DenseForest, r: int) -> dict[int, list[int]]:

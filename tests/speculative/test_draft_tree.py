@@ -5,8 +5,14 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from bole.speculative.draft_tree import build_draft_tree
+from bole.speculative.draft_tree import build_draft_trees, per_request
 from bole.speculative.drafters import NgramDrafter
+
+
+def build_draft_tree(root, expand, *, depth, topk, budget):
+    """One request's tree from the batched builder."""
+    return build_draft_trees([root], per_request([expand]), depths=[depth], topk=topk,
+                             budget=budget)[0]
 
 
 def synthetic(seed: int, vocab: int = 7):

@@ -4,6 +4,7 @@ drafter (same inputs, same positions, same logits)."""
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,13 @@ def test_checkpoint_layout_and_log(trained):
     assert {"config.json", "tokenizer.json", "mtp.safetensors", "model.safetensors.index.json",
             "train_log.json"} <= names
     log = json.loads((out / "train_log.json").read_text())
-    assert log["eval"]["perplexity"] > 1 and log["held_out_files"]
+    assert log["held_out_files"]
+    # two steps from a small initialisation: the held-out loss is still that of a uniform guess
+    # over the vocabulary, and the perplexity is its exponential
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    loss = log["eval"]["loss"]
+    assert abs(loss - math.log(vocab)) < 0.5, (loss, vocab)
+    assert log["eval"]["perplexity"] == pytest.approx(math.exp(loss), rel=1e-9)
 
 
 def test_transformers_and_bole_agree_and_mtp_means_the_same(trained):
@@ -85,6 +92,13 @@ def test_eval_script_runs_every_mode_and_checks_greedy_equality(trained, capsys)
     assert ev.main(["--model", str(out), "--snippets", "3", "--snippet-len", "24", "--humaneval", "2",
                     "--max-tokens", "8"]) == 0
     report = json.loads(capsys.readouterr().out)
-    for name in ("heldout_stdlib", "humaneval"):
-        assert report[name]["tree"]["equal_to_ar"] and report[name]["chain"]["equal_to_ar"]
-        assert report[name]["tree"]["mean_accepted_tokens"] >= 1.0
+    assert "heldout_stdlib" in report
+    for name, r in report.items():
+        assert r["tree"]["equal_to_ar"] and r["chain"]["equal_to_ar"]
+        # the statistics account for every token: the first of each prompt comes from the
+        # prefill, the rest from rounds; ar emits exactly one per round
+        assert r["ar"]["mean_accepted_tokens"] == 1.0
+        for mode in ("tree", "chain", "ar"):
+            m = r[mode]
+            assert m["tokens"] == r["ar"]["tokens"]
+            assert m["mean_accepted_tokens"] * m["rounds"] == pytest.approx(m["tokens"] - r["prompts"])

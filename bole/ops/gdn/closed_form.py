@@ -1,7 +1,7 @@
 """Exact closed-form tree verification (Algorithm 1) and the factored commit (Algorithm 2), in torch.
 
 For one request and value head, with ``A(i)`` the strict ancestors of node i and path log-decay
-``L_i = sum of g over A(i) + {i}`` (DESIGN.md section 2):
+``L_i = sum of g over A(i) + {i}`` (docs/design.md section 2):
 
     (I + G) U = R,   G_ij = beta_i e^{L_i - L_j} (k_i . k_j)   for j in A(i), else 0
     R = diag(beta) (V - diag(e^L) K S_pre)
@@ -64,10 +64,6 @@ class TreeFactors:
             return self.k
         k = self.k.to(torch.promote_types(self.k.dtype, self.k_inv_norm.dtype))
         return k * self.k_inv_norm[..., None].to(k.dtype)
-
-    def nbytes(self) -> int:
-        parts = [self.log_decay, self.k, self.u] + ([self.k_inv_norm] if self.k_inv_norm is not None else [])
-        return sum(t.numel() * t.element_size() for t in parts)
 
 
 def solve_unit_lower(G: torch.Tensor, R: torch.Tensor, depth: int, method: Solve = "neumann"):

@@ -1,6 +1,6 @@
 """Shared input handling for every GDN tree operation (reference, closed form, Triton).
 
-Layout (fla / transformers, DESIGN.md section 3), time-major, with ``B * T == forest.num_nodes``:
+Layout (fla / transformers, docs/design.md section 4), time-major, with ``B * T == forest.num_nodes``:
 a packed ragged forest is passed as ``B = 1, T = N``; ``B`` equal-sized trees as ``[B, T]``.
 
     q, k          [B, T, H_k, d_k]

@@ -1,7 +1,8 @@
 """Cross-layer factored commit (Algorithm 2) in one Triton launch, in place in the state pool.
 
 After acceptance every request r has an accepted path ``p = A(a) + {a}`` (root first, ``a`` the
-accepted node). For every GDN layer l, request r and value head h (DESIGN.md section 2):
+accepted node). For every GDN layer l, request r and value head h (docs/design.md
+section 3):
 
     S_new = e^{L_a} S_pre + sum_{j in p} e^{L_a - L_j} k_j u_j^T
 
@@ -28,9 +29,8 @@ import triton.language as tl
 
 from bole.ops.gdn.closed_form import TreeFactors
 from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index
-from bole.tree import PackedForest
 
-__all__ = ["commit_factored_triton", "commit_factored_accepted_triton"]
+__all__ = ["commit_factored_triton"]
 
 fix_interpreter_scalar_index()
 
@@ -122,8 +122,7 @@ def commit_factored_triton(
         block_k, block_v, num_warps, num_stages: launch configuration: ``block_v`` state columns
             per program, streamed ``block_k`` rows at a time. The whole path is one ``tl.dot``
             operand (``max(16, next_pow2(P))`` rows). The defaults (16, 64, 4 warps, 3 stages)
-            were the fastest of 56 launches at every batch on the H200
-            (bench/results/commit-configs-2026-11-30.json).
+            were the fastest of 56 launches at every batch on the H200 (bench/NOTES.md, Commit).
         check_values: also check index ranges and distinct slots (syncs with the device).
 
     Returns ``state_pool``.
@@ -213,24 +212,3 @@ def commit_factored_triton(
         HK=H_k, HV=H_v, K=d_k, V=d_v, BK=BK, BV=BV, BP=BP, HAS_K_INV=k_inv is not None,
         num_warps=num_warps, num_stages=num_stages)
     return state_pool
-
-
-def commit_factored_accepted_triton(
-    factors: TreeFactors, state_pool: torch.Tensor, state_indices: torch.Tensor,
-    forest: PackedForest, accepted, **kwargs,
-) -> torch.Tensor:
-    """:func:`commit_factored_triton` with the paths built from ``forest`` and ``accepted``.
-
-    ``accepted``: ``[R]`` local index of each request's accepted node. The paths are built on the
-    host (``PackedForest.padded_paths``) and copied to the pool's device; an engine that builds
-    them on the device once per round should call :func:`commit_factored_triton` directly.
-    """
-    if not isinstance(forest, PackedForest):
-        raise TypeError(f"forest must be a PackedForest, got {type(forest).__name__}")
-    n_fact = factors.log_decay.shape[-2]
-    if n_fact != forest.num_nodes:
-        raise ValueError(f"factors hold {n_fact} nodes but the forest has {forest.num_nodes}")
-    index, lengths = forest.padded_paths(accepted)
-    dev = state_pool.device
-    return commit_factored_triton(factors, state_pool, state_indices, index.to(dev),
-                                  lengths.to(dev), **kwargs)

@@ -1,7 +1,7 @@
 """Serial-snapshot GDN kernels: the ``tree-serial`` and ``chain`` baselines, in Triton.
 
 These are the baselines Bole is measured against, written to be faithful to today's engines so that
-comparisons are like for like (DESIGN.md sections 4 and 5):
+comparisons are like for like (docs/design.md sections 5 and 8):
 
 * :func:`tree_gdn_serial_triton` -- SGLang's (and vLLM's) EAGLE-tree design: one program per
   (request, value head, value tile) walks its request's nodes in topological order with the state
@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 
 from bole.ops.gdn.common import check_gdn_tensors
-from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index
+from bole.ops.triton_utils import (check_kernel_device, check_same_device,
+                                   fix_interpreter_scalar_index)
 from bole.tree import ForestMeta
 
 __all__ = [
@@ -164,12 +165,6 @@ def _validate(q, k, v, g, beta, a, b, A_log, dt_bias, initial_state, check_value
         None, False)
 
 
-def _check_device(device, **tensors):
-    for name, x in tensors.items():
-        if x is not None and x.device != device:
-            raise ValueError(f"{name} is on {x.device} but q, k and v are on {device}")
-
-
 def _launch_serial(q, k, v, g, beta, a, b, A_log, dt_bias, initial_state, state_indices, scale,
                    use_qk_l2norm_in_kernel, snapshots, check_values, num_requests, num_nodes,
                    cu_nodes, parent, T_chain, block_v, num_warps, num_stages, always_reload,
@@ -183,7 +178,7 @@ def _launch_serial(q, k, v, g, beta, a, b, A_log, dt_bias, initial_state, state_
             f"inputs carry B*T = {B}*{T} = {B * T} nodes but the forest has {num_nodes}; "
             "pass a packed forest as B=1, T=N")
     raw = g is None
-    _check_device(dev, g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+    check_same_device(dev, g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
                   initial_state=initial_state, state_indices=state_indices, snapshots=snapshots,
                   cu_nodes=cu_nodes, parent=parent)
     R = num_requests

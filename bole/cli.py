@@ -322,6 +322,11 @@ def _generate(args) -> int:
     engine = Engine(model, spec, max_slots=1, tokenizer=tokenizer, draft_model=draft_model,
                     max_len=len(ids) + args.max_tokens + max(spec.nodes_per_request,
                                                              args.depth + 1) + 1)
+    if len(ids) > 2048:                          # long prompts: show the prefill's progress
+        def progress(done, total):
+            print(f"\r[bole] prefill {done}/{total} tokens", end="" if done < total else "\n",
+                  file=sys.stderr, flush=True)
+        engine.on_prefill_chunk = progress
     t0 = time.perf_counter()
     result = engine.generate([ids], params, seed=args.seed)[0]
     elapsed = time.perf_counter() - t0

@@ -159,6 +159,8 @@ class Engine:
                                   progress=progress)
         self.stats = dict(rounds=0, forward_s=0.0)
         self.timings = RoundTimings()
+        #: ``on_prefill_chunk(done, total)`` after every prefill chunk (progress of long prompts)
+        self.on_prefill_chunk = None
 
     @property
     def scratch(self) -> int:
@@ -223,7 +225,8 @@ class Engine:
         t0 = time.perf_counter()
         r.started = t0
         r.slot = self.cache.allocate(len(r.prompt) + r.params.max_tokens + self.scratch)
-        logits, hidden = self.runner.prefill(r.slot, torch.tensor(r.prompt))
+        logits, hidden = self.runner.prefill(r.slot, torch.tensor(r.prompt),
+                                             on_chunk=self.on_prefill_chunk)
         self.rounds.on_prefill(r.slot, torch.tensor(r.prompt), hidden, r.continuation)
         first = self._sample_one(logits, r.params.sampling, r.gen)
         r.prefill_s = time.perf_counter() - t0
@@ -292,7 +295,10 @@ class Engine:
         return len(r.out)
 
     def text(self, result: GenerationResult, params: GenerationParams) -> str:
-        """Decoded output, cut before the first stop string (the stop string is not returned)."""
+        """Decoded output, cut before the first stop string (the stop string is not returned);
+        a multi-byte character that max_tokens cut in two is left out, not shown as U+FFFD."""
         text = self.tokenizer.decode(result.token_ids)
+        if result.finish_reason == "length":
+            text = text.rstrip("\ufffd")
         hits = [text.find(s) for s in params.stop_strings if s in text]
         return text[: min(hits)] if hits else text

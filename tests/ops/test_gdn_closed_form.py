@@ -92,6 +92,9 @@ def test_cross_layer_commit_in_place(forest, seed, data):
 @given(tree=trees(max_nodes=64), seed=st.integers(0, 2**31 - 1))
 @settings(max_examples=15)
 def test_solvers_agree(method, tree, seed):
+    from bole.ops.gdn.closed_form import SQUARING_MAX_DEPTH
+    if method == "squaring" and tree.max_depth > SQUARING_MAX_DEPTH:
+        return                     # refused there (test_deep_chains_..._stay_finite_in_fp32)
     forest = PackedForest.pack([tree])
     x = gdn_inputs(forest, 2, 4, 8, 4, seed=seed)
     o_ref, _, _ = tree_gdn_serial(forest=forest, **x)
@@ -181,3 +184,32 @@ def test_large_trees_explicitly(make, regime):
     a = int(tree.depth.argmax())
     s = commit_factored(f32, x["initial_state"].float(), forest, [a])
     assert rel(s[0], states[a]) <= 1e-5
+
+
+def test_deep_chains_of_near_parallel_keys_stay_finite_in_fp32():
+    """The Neumann iterates grow like (1 + beta)^depth before converging: on a 200-node chain of
+    near-parallel keys with g = 0 and beta = 1 they overflow fp32. The fp32 closed form then
+    solves by substitution and stays within fp32 rounding of fp64; the Triton kernel refuses
+    such depths with a clear error instead of returning inf/NaN."""
+    from bole.ops.gdn.closed_form import NEUMANN_MAX_DEPTH_FP32, solve_unit_lower
+    T = 200
+    forest = PackedForest.pack([DraftTree.chain(T)])
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 1, 1, 16, generator=gen) + 1e-3 * torch.randn(1, T, 1, 16, generator=gen)
+    q, v = torch.randn(1, T, 1, 16, generator=gen), torch.randn(1, T, 2, 16, generator=gen)
+    g, beta = torch.zeros(1, T, 2), torch.ones(1, T, 2)
+    o, _ = tree_gdn_closed_form(q, k, v, forest, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    o64, _ = tree_gdn_closed_form(q.double(), k.double(), v.double(), forest, g=g.double(),
+                                  beta=beta.double(), use_qk_l2norm_in_kernel=True)
+    assert torch.isfinite(o).all()
+    assert float((o.double() - o64).abs().max()) < 1e-5
+    with pytest.raises(ValueError, match="squaring"):
+        solve_unit_lower(torch.zeros(40, 40), torch.ones(40, 2), 39, "squaring")
+    from bole.ops.gdn.triton_verify import tree_gdn_verify_triton
+    deep = PackedForest.pack([DraftTree.chain(NEUMANN_MAX_DEPTH_FP32 + 2)])
+    with pytest.raises(ValueError, match="overflow"):
+        n = deep.num_nodes
+        tree_gdn_verify_triton(torch.zeros(1, n, 1, 16), torch.zeros(1, n, 1, 16),
+                               torch.zeros(1, n, 2, 16), deep.kernel_meta(),
+                               g=torch.zeros(1, n, 2), beta=torch.ones(1, n, 2),
+                               initial_state=torch.zeros(1, 2, 16, 16))

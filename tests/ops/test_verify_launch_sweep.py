@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from bole.ops.gdn.closed_form import tree_gdn_closed_form
+from bole.ops.gdn.closed_form import NEUMANN_MAX_DEPTH_FP32, tree_gdn_closed_form
 from bole.ops.gdn.triton_verify import pick_config, tree_gdn_verify_triton
 from bole.tree import DraftTree, PackedForest
 
@@ -24,7 +24,10 @@ BATCHES = (1, 2, 4, 8, 16, 64)
 
 def _tree(kind: str, n: int, rng) -> DraftTree:
     if kind == "chain" or n == 1:
-        return DraftTree.chain(n)
+        # the kernel verifies trees of depth <= NEUMANN_MAX_DEPTH_FP32: longer "chains" end in
+        # a star below the deepest allowed node
+        deep = min(n, NEUMANN_MAX_DEPTH_FP32 + 1)
+        return DraftTree.from_parents(list(range(-1, deep - 1)) + [deep - 1] * (n - deep))
     if kind == "star":
         return DraftTree.star(n)
     return DraftTree.random(n, min(8, n - 1), rng)

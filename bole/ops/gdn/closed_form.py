@@ -66,14 +66,30 @@ class TreeFactors:
         return k * self.k_inv_norm[..., None].to(k.dtype)
 
 
+#: deepest tree whose Neumann iterates stay inside fp32: they can grow like (1 + beta)^depth
+#: before converging (a chain of near-parallel keys, g = 0, beta = 1 overflows near depth 128);
+#: deeper fp32/fp16 solves use triangular substitution instead
+NEUMANN_MAX_DEPTH_FP32 = 96
+#: repeated squaring forms (-G)^(2^j), whose rounding grows with the depth: beyond this it lost
+#: accuracy in fp64 (2e-4 at depth 48, 6.5 at depth 64), so it is refused there
+SQUARING_MAX_DEPTH = 32
+
+
 def solve_unit_lower(G: torch.Tensor, R: torch.Tensor, depth: int, method: Solve = "neumann"):
     """Solve ``(I + G) U = R`` for strictly lower-triangular nilpotent ``G`` (``G^{depth+1} = 0``).
 
     G: ``[..., T, T]``, R: ``[..., T, d]``. ``neumann`` iterates ``U <- R - G U`` ``depth`` times
-    (after m sweeps every node of depth <= m is exact); ``squaring`` applies
-    ``prod_j (I + (-G)^{2^j})`` in ceil(log2(depth + 1)) rounds; ``substitution`` is a triangular
+    (after m sweeps every node of depth <= m is exact; past :data:`NEUMANN_MAX_DEPTH_FP32` in
+    fp32 or lower it solves by substitution instead, since the iterates can overflow);
+    ``squaring`` applies ``prod_j (I + (-G)^{2^j})`` in ceil(log2(depth + 1)) rounds (refused past
+    :data:`SQUARING_MAX_DEPTH`, where its rounding grows); ``substitution`` is a triangular
     solve. All three are exact in exact arithmetic.
     """
+    if method == "neumann" and depth > NEUMANN_MAX_DEPTH_FP32 and G.dtype != torch.float64:
+        method = "substitution"
+    if method == "squaring" and depth > SQUARING_MAX_DEPTH:
+        raise ValueError(f"solve='squaring' loses accuracy past depth {SQUARING_MAX_DEPTH} "
+                         f"(this tree has depth {depth}); use 'neumann' or 'substitution'")
     if method == "neumann":
         U = R
         for _ in range(depth):

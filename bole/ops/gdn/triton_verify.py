@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bole.ops.gdn.closed_form import TreeFactors
+from bole.ops.gdn.closed_form import NEUMANN_MAX_DEPTH_FP32, TreeFactors
 from bole.ops.gdn.common import check_gdn_tensors
 from bole.ops.gdn.verify_blocks import (
     _dot, _gates, _load_ancestors, _load_dk_tiles, _load_gate_columns, _neumann, _output,
@@ -341,6 +341,12 @@ def tree_gdn_verify_triton(
             f"initial_state has shape {tuple(initial_state.shape)}, expected a state pool "
             f"[S, H_v={H_v}, d_k={d_k}, d_v={d_v}]")
 
+    if int(meta.max_depth) > NEUMANN_MAX_DEPTH_FP32:
+        raise ValueError(
+            f"a tree of depth {meta.max_depth} can overflow the kernel's fp32 Neumann sweeps "
+            f"(their iterates grow like (1 + beta)^depth before they converge); verify trees of "
+            f"depth <= {NEUMANN_MAX_DEPTH_FP32} (split long chains into chunks) or use "
+            f"tree_gdn_closed_form, which solves deeper trees by substitution")
     N, R, BT = meta.num_nodes, meta.num_requests, meta.block_nodes
     if B * T != N:
         raise ValueError(

@@ -20,6 +20,7 @@ from bole.speculative.calibration import (AcceptanceCalibrator, BudgetProfile, b
                                           cache_dir, calibrate, config_hash, find_profile,
                                           isotonic_fit, plot_profile, profile_path,
                                           runtime_versions, verification_budget)
+from tests.no_sync import forbid_host_sync
 
 LEVELS = (1.0, 0.5, 0.25, 0.125)        # few levels: equal rho (ties) across nodes and requests
 NAN = float("nan")
@@ -330,16 +331,6 @@ def test_compact_gathers_trailing_dimensions():
 
 
 # ---- no host synchronisation ----
-def forbid_host_sync(m):
-    def forbidden(name):
-        def raise_(*args, **kwargs):
-            raise AssertionError(f"host synchronisation: Tensor.{name}")
-        return raise_
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__",
-                 "nonzero", "unique", "numpy"):
-        m.setattr(torch.Tensor, name, forbidden(name))
-    m.setattr(torch, "nonzero", forbidden("nonzero"))
-    m.setattr(torch, "unique", forbidden("unique"))
 
 
 def test_no_host_synchronisation(monkeypatch):

@@ -21,6 +21,7 @@ from bole.speculative.mtp import MTPDrafter
 from bole.speculative.replay import (SHIPPED_PROFILES, AcceptanceProfile, ReplayDrafter,
                                      chain_accept_length)
 from bole.speculative.tree_growth import TreeGrowth, node_capacity
+from tests.no_sync import forbid_host_sync
 
 PROFILE = AcceptanceProfile("test", "unit test", (0.45, 0.2, 0.1, 0.05, 0.05))
 
@@ -207,17 +208,8 @@ def test_step_fn_has_no_host_synchronisation(model, monkeypatch):
     replay.set_continuation(1, list(range(50, 90)), 3)
     slots, ctx = torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([10, 12, 1])
 
-    def forbidden(name):
-        def raise_(*args, **kwargs):
-            raise AssertionError(f"host synchronisation: Tensor.{name}")
-        return raise_
-
     with monkeypatch.context() as m:
-        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__",
-                     "nonzero", "unique", "numpy"):
-            m.setattr(torch.Tensor, name, forbidden(name))
-        m.setattr(torch, "nonzero", forbidden("nonzero"))
-        m.setattr(torch, "unique", forbidden("unique"))
+        forbid_host_sync(m)
         out = TreeGrowth(3, 3, 4, 12).grow(torch.tensor([5, 59, 2]), torch.tensor([4, 4, 2]),
                                            replay.step_fn(slots, ctx, 3))
     assert int(out.valid.sum()) == 36 and int(out.tokens[0, 0]) == 5

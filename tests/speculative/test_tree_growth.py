@@ -10,6 +10,7 @@ from bole.speculative.draft_tree import build_draft_trees
 from bole.forest import DenseForest
 from bole.speculative.tree_growth import (DraftForest, NodeTable, TreeGrowth, node_capacity,
                                            step_slots)
+from tests.no_sync import forbid_host_sync
 
 
 # ---- a deterministic fake drafter shared by both growths ----
@@ -248,17 +249,8 @@ def test_grow_has_no_host_synchronisation(monkeypatch):
     R, topk, depth, budget = 3, 3, 4, 16
     roots, limits = torch.tensor([1, 5, 7]), torch.tensor([4, 1, 3])
 
-    def forbidden(name):
-        def raise_(*args, **kwargs):
-            raise AssertionError(f"host synchronisation: Tensor.{name}")
-        return raise_
-
     with monkeypatch.context() as m:
-        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__",
-                     "nonzero", "unique", "numpy"):
-            m.setattr(torch.Tensor, name, forbidden(name))
-        m.setattr(torch, "nonzero", forbidden("nonzero"))
-        m.setattr(torch, "unique", forbidden("unique"))
+        forbid_host_sync(m)
         out = TreeGrowth(R, topk, depth, budget).grow(roots, limits, tensor_step(topk))
     host = build_draft_trees(roots.tolist(), host_expander(topk), depths=limits.tolist(),
                              topk=topk, budget=budget)

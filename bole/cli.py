@@ -37,6 +37,14 @@ def _tree_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=4, help=f"children per expanded node (1-{MAX_TOPK})")
     p.add_argument("--budget", type=int, default=32,
                    help=f"draft-tree nodes per request, root included (2-{MAX_BUDGET})")
+    p.add_argument("--budget-policy", default="fixed", choices=["fixed", "global", "calibrated"],
+                   help="which drafted nodes a verify takes: every request its tree (fixed), the "
+                        "batch's best --shared-budget draft nodes (global), or the budget of "
+                        "this GPU's calibration profile (calibrated; bole calibrate)")
+    p.add_argument("--shared-budget", type=int, default=0,
+                   help="draft nodes verified per round across the batch (global policy)")
+    p.add_argument("--root-floor", type=int, default=1,
+                   help="root children each request keeps whatever the budget")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
 
@@ -131,6 +139,19 @@ def _build_parser() -> argparse.ArgumentParser:
                        help="tokens per request (prompt + output + a round's tree), at most the "
                             "model's context")
     serve.add_argument("--name", default=None, help="served model name (default: the folder's)")
+    cal = sub.add_parser("calibrate", formatter_class=fmt,
+                         help="measure how many tree nodes a verify forward takes before it costs "
+                              "more than decoding, per batch (the calibrated budget's profile)")
+    src = cal.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint folder (default: the bundled model)")
+    src.add_argument("--preset", help="random weights of a preset (e.g. qwen3.5-9b)")
+    cal.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
+                     help="batch sizes to measure")
+    cal.add_argument("--eps", type=float, default=0.1,
+                     help="B_ver(b) = the most nodes with T_ver <= (1 + eps) T_dec")
+    cal.add_argument("--context", type=int, default=1024, help="committed tokens per request")
+    cal.add_argument("--reps", type=int, default=10, help="timed repetitions per point")
+    _tree_options(cal)
     try:
         from bole.server.loadgen import add_parser as add_loadgen
         add_loadgen(sub)
@@ -185,7 +206,9 @@ def _tokenizer(folder: Path):
 def _spec(args, drafter: str):
     from bole.engine import SpecConfig
     spec = SpecConfig(args.mode if hasattr(args, "mode") else "bole", drafter, args.depth,
-                      args.topk, args.budget, getattr(args, "acceptance", None))
+                      args.topk, args.budget, getattr(args, "acceptance", None),
+                      getattr(args, "budget_policy", "fixed"), getattr(args, "shared_budget", 0),
+                      getattr(args, "root_floor", 1))
     try:
         spec.validate()
     except ValueError as exc:
@@ -393,9 +416,42 @@ def _serve(args) -> int:
     return 0
 
 
+def _calibrate(args) -> int:
+    import torch
+
+    from bole.engine.calibrate import calibrate_model
+    from bole.models.presets import PRESETS, preset_config
+    from bole.models.qwen3_hybrid import HybridModel
+
+    for b in args.batches:
+        _positive(batches=b)
+    _positive(context=args.context, reps=args.reps)
+    if args.eps < 0:
+        raise UsageError(f"--eps must be >= 0, got {args.eps}")
+    device = _device(args.device)
+    args.mode = "bole"
+    spec = _spec(args, "ngram")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if args.preset:
+        if args.preset.lower() not in PRESETS:
+            raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
+        model = HybridModel.random(preset_config(args.preset), dtype=dtype, device=device)
+    else:
+        folder = _checkpoint(args.model or str(BUNDLED_MODEL), need_tokenizer=False)
+        model = HybridModel.from_pretrained(folder, dtype=dtype, device=device)
+    profile = calibrate_model(model, spec, args.batches, eps=args.eps, context=args.context,
+                              reps=args.reps)
+    print(f"{'batch':>6} {'T_dec ms':>9} {'B_ver':>6}")
+    for b, t, n in zip(profile.batches, profile.t_dec, profile.b_ver):
+        print(f"{b:>6} {t:>9.3f} {n:>6}")
+    print(f"wrote {profile.path()}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    commands = {"demo": _demo, "generate": _generate, "bench": _bench, "serve": _serve}
+    commands = {"demo": _demo, "generate": _generate, "bench": _bench, "serve": _serve,
+                "calibrate": _calibrate}
     if args.command == "bench-serve":
         from bole.server.loadgen import main as bench_serve
         return bench_serve(args)

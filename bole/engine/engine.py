@@ -54,12 +54,23 @@ class SpecConfig:
     #: the replay drafter's acceptance profile: a shipped name ("bundled", "qwen3-next-mtp")
     #: or a JSON file (bole/speculative/replay.py)
     acceptance: str | None = None
+    #: which drafted nodes a verify takes (bole/engine/selection.py): "fixed" (every request its
+    #: tree), "global" (the batch's best ``shared_budget`` draft nodes) or "calibrated" (the
+    #: budget of this GPU's calibration profile); ``root_floor`` root children per request kept
+    budget_policy: str = "fixed"
+    shared_budget: int = 0
+    root_floor: int = 1
 
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        from bole.engine.selection import POLICIES
+        if self.budget_policy not in POLICIES:
+            raise ValueError(f"budget_policy must be one of {POLICIES}, got {self.budget_policy!r}")
+        if self.root_floor < 0:
+            raise ValueError(f"root_floor must be >= 0, got {self.root_floor}")
         if self.drafter == "replay" and self.mode != "ar" and not self.acceptance:
             raise ValueError("the replay drafter needs an acceptance profile (--acceptance "
                              "bundled, qwen3-next-mtp or a JSON file)")
@@ -142,9 +153,12 @@ class Engine:
     def __init__(self, model: HybridModel, spec: SpecConfig = SpecConfig(), *,
                  max_slots: int = 8, max_len: int = 4096, tokenizer=None,
                  draft_model: HybridModel | None = None, cuda_graphs: bool | None = None,
-                 progress: bool = False, gdn_backend: str | None = None):
+                 progress: bool = False, gdn_backend: str | None = None,
+                 budget_profile=None):
         """``gdn_backend`` overrides the mode's GDN backend (an oracle: ar on the serial
-        reference recurrence checks the closed form end to end)."""
+        reference recurrence checks the closed form end to end). ``budget_profile``: the
+        calibration profile of the calibrated budget policy (else the one saved for this GPU,
+        model, dtype and versions is loaded, and calibrated first when there is none)."""
         spec.validate()
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         on_gpu = model.device.type == "cuda"
@@ -153,7 +167,11 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, gdn_backend or gdn[spec.gdn][on_gpu])
         if spec.drafter == "draft" and draft_model is None and spec.mode != "ar":
             raise ValueError("the draft drafter needs a draft_model (--draft-model)")
+        if spec.budget_policy == "calibrated" and spec.mode != "ar" and budget_profile is None:
+            from bole.engine.calibrate import load_or_calibrate
+            budget_profile = load_or_calibrate(model, spec, max_slots)
         self.rounds = RoundRunner(self.runner, spec, max_slots=max_slots,
+                                  budget_profile=budget_profile,
                                   draft_model=draft_model if spec.mode != "ar" else None,
                                   cuda_graphs=on_gpu if cuda_graphs is None else cuda_graphs,
                                   progress=progress)

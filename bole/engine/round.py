@@ -25,6 +25,7 @@ import torch
 
 from bole.engine.draft_model import DraftModelDrafter
 from bole.engine.graphs import GraphRunner
+from bole.engine.selection import BudgetPolicy, select
 from bole.engine.runner import ModelRunner
 from bole.forest import DenseForest
 from bole.speculative.accept_device import SamplingBatch, accept, draw_uniforms
@@ -126,11 +127,16 @@ class RoundBuffers:
         self.tree_parents = torch.full((R, T), -1, dtype=i64, device=dev)
         self.tree_valid = torch.zeros(R, T, dtype=torch.bool, device=dev)
         self.tree_valid[:, 0] = True
+        self.tree_rho = torch.zeros(R, T, dtype=torch.float64, device=dev)
+        self.tree_rho[:, 0] = 1.0
+        self.budget = torch.zeros((), dtype=i64, device=dev)   # draft nodes of the batch
+        self.kept = torch.zeros(R, dtype=i64, device=dev)      # per row, before compaction
         self.emitted = torch.zeros(R, D + 1, dtype=i64, device=dev)
         self.num_emitted = torch.zeros(R, dtype=i64, device=dev)
         pin = dev.type == "cuda"
         self.emitted_host = torch.zeros(R, D + 1, dtype=i64, pin_memory=pin)
         self.num_host = torch.zeros(R, dtype=i64, pin_memory=pin)
+        self.kept_host = torch.zeros(R, dtype=i64, pin_memory=pin)
         self.rows: tuple = ()                      # (request index, slot) of the rows last written
 
 
@@ -138,7 +144,7 @@ class RoundRunner:
     """Runs rounds of one mode over a model runner: buffers, drafters, graphs."""
 
     def __init__(self, runner: ModelRunner, spec, *, max_slots: int, draft_model=None,
-                 cuda_graphs: bool = True, progress: bool = False):
+                 cuda_graphs: bool = True, progress: bool = False, budget_profile=None):
         self.runner, self.spec = runner, spec
         self.model, self.cache = runner.model, runner.cache
         self.device = self.model.device
@@ -148,6 +154,8 @@ class RoundRunner:
         self.topk = 1 if spec.mode == "chain" else spec.topk
         self.K = 1 if self.ar else self.topk
         self.growth_capacity = 0
+        self.policy = BudgetPolicy(spec, self.T, budget_profile) if not self.ar else \
+            BudgetPolicy(type(spec)(mode="ar"), 1)
         self.mtp = self.draft = None
         self.ngram = NgramDrafter()
         if not self.ar and spec.drafter in ("mtp", "replay"):
@@ -193,14 +201,14 @@ class RoundRunner:
             if progress:
                 print(f"\r[bole] capturing CUDA graphs: batch {R} ({i + 1}/{len(buckets)})",
                       end="", file=sys.stderr, flush=True)
-            self._capture(R)
+            self._capture(R, StaticSampling.flags_for([]), self.policy.width(R, R))
         if progress:
             print(f"\r[bole] captured {len(self.graphs.graphs)} CUDA graphs for batches up to "
                   f"{max(buckets)} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
-    def _capture(self, R: int, flags: tuple = StaticSampling.flags_for([])) -> None:
-        """Capture bucket R's phases, the acceptance for sampling variant ``flags``. The warm-up
-        runs execute, so every row first points at the dummy slot."""
+    def _capture(self, R: int, flags: tuple, W: int) -> None:
+        """Capture bucket R's phases at verify width W, the acceptance for sampling variant
+        ``flags``. The warm-up runs execute, so every row first points at the dummy slot."""
         b = self._buffers(R)
         b.rows = ()
         b.slots.fill_(self.cache.dummy_slot)
@@ -208,16 +216,17 @@ class RoundRunner:
         b.roots.zero_()
         b.remaining.zero_()
         b.sampling.flags = flags
-        if not self.graphs.has(("verify", R)):
-            if self.mtp is not None:
-                self.graphs.capture(("draft", R), lambda: self._draft(b))
-            self.graphs.capture(("verify", R), lambda: self._verify(b))
+        b.budget.fill_(self.policy.budget(R))
+        if self.mtp is not None and not self.graphs.has(("draft", R)):
+            self.graphs.capture(("draft", R), lambda: self._draft(b))
+        if not self.graphs.has(("verify", R, W)):
+            self.graphs.capture(("verify", R, W), lambda: self._verify(b, W))
         # a capture runs nothing: replay the forward once so that its outputs hold real values
         # (of the dummy rows) before the acceptance's warm-up reads them
-        self.graphs.graphs[("verify", R)].replay()
-        batch_out = self.graphs.results[("verify", R)]
-        self.graphs.capture(("accept", R, b.sampling.flags),
-                            lambda: self._accept_commit(b, *batch_out))
+        self.graphs.graphs[("verify", R, W)].replay()
+        verified = self.graphs.results[("verify", R, W)]
+        self.graphs.capture(("accept", R, W, b.sampling.flags),
+                            lambda: self._accept_commit(b, *verified))
 
     # ---- the phases (device code only) ----
     def _draft(self, b: RoundBuffers) -> None:
@@ -228,20 +237,29 @@ class RoundRunner:
         b.tree_tokens.copy_(trees.tokens)
         b.tree_parents.copy_(trees.parents)
         b.tree_valid.copy_(trees.valid)
+        b.tree_rho.copy_(trees.rho)
 
-    def _verify(self, b: RoundBuffers):
+    def _verify(self, b: RoundBuffers, W: int):
+        """The forest of this round (the batch-shared selection compacted to width W, or every
+        drafted node) and the target's forward over it; returns (batch, output, tokens)."""
+        tokens = b.tree_tokens
         if self.ar:
             b.tree_tokens.copy_(b.roots[:, None])
             forest = DenseForest.chain(b.R, 1, self.device)
+        elif self.policy.shared:
+            sel = select(b.tree_rho, b.tree_tokens, b.tree_parents, b.tree_valid, b.budget,
+                         b.active, self.spec.root_floor, W, self.D)
+            b.kept.copy_(sel.kept)
+            tokens, forest = sel.tokens, sel.forest
         else:
             forest = DenseForest.from_parents(b.tree_parents, b.tree_valid, self.D)
-        batch = self.runner.make_batch(b.tree_tokens.reshape(-1), forest, b.slots)
-        return batch, self.runner.forward(batch)
+        batch = self.runner.make_batch(tokens.reshape(-1), forest, b.slots)
+        return batch, self.runner.forward(batch), tokens
 
-    def _accept_commit(self, b: RoundBuffers, batch, out) -> None:
-        R, T = b.R, self.T
-        logits = out.logits.view(R, T, -1)
-        acc = accept(logits, b.tree_tokens, batch.forest, b.sampling.batch(), b.uniforms,
+    def _accept_commit(self, b: RoundBuffers, batch, out, tokens) -> None:
+        R, W = tokens.shape
+        logits = out.logits.view(R, W, -1)
+        acc = accept(logits, tokens, batch.forest, b.sampling.batch(), b.uniforms,
                      max_children=self.K)
         path_len = torch.where(b.active, acc.path_len, 0)
         ctx = batch.ctx_lens
@@ -249,9 +267,9 @@ class RoundRunner:
         if self.mtp is not None:
             P = acc.path.shape[1]
             path_global = batch.forest.global_index(acc.path)
-            tokens = torch.gather(b.tree_tokens, 1, acc.path)
+            path_tokens = torch.gather(tokens, 1, acc.path)
             hidden = out.hidden[path_global.reshape(-1)].view(R, P, -1)
-            self.mtp.observe(b.slots, tokens, hidden, ctx, path_len)
+            self.mtp.observe(b.slots, path_tokens, hidden, ctx, path_len)
         b.emitted.copy_(acc.emitted)
         b.num_emitted.copy_(path_len)
         b.roots.copy_(acc.bonus)
@@ -295,6 +313,7 @@ class RoundRunner:
         b.roots.copy_(dev[2])
         b.remaining.copy_(dev[3])
         b.sampling.write([r.params.sampling for r in requests])
+        b.budget.fill_(self.policy.budget(n))
         b.rows = rows
 
     def _host_trees(self, b: RoundBuffers, requests) -> None:
@@ -310,10 +329,14 @@ class RoundRunner:
         parents = torch.full((b.R, self.T), -1, dtype=torch.int64)
         valid = torch.zeros(b.R, self.T, dtype=torch.bool)
         valid[:, 0] = True
+        rho = torch.zeros(b.R, self.T, dtype=torch.float64)
+        rho[:, 0] = 1.0
         for i, res in enumerate(results):
             n = res.tree.num_nodes
             tokens[i, :n], parents[i, :n], valid[i, :n] = res.tokens, res.tree.parents, True
-        for host, dev in ((tokens, b.tree_tokens), (parents, b.tree_parents), (valid, b.tree_valid)):
+            rho[i, :n] = res.rho
+        for host, dev in ((tokens, b.tree_tokens), (parents, b.tree_parents), (valid, b.tree_valid),
+                          (rho, b.tree_rho)):
             dev.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
 
     def _draw_uniforms(self, b: RoundBuffers, requests) -> None:
@@ -334,9 +357,11 @@ class RoundRunner:
                              f"{BUCKETS[-1]}")
         b = self._buffers(R)
         flags = StaticSampling.flags_for([r.params.sampling for r in requests])
-        if self.graphs.enabled and not self.graphs.has(("accept", R, flags)):
-            log.info("capturing the round for batch %d, sampling variant %s", R, flags)
-            self._capture(R, flags)
+        W = self.policy.width(R, len(requests))
+        if self.graphs.enabled and not self.graphs.has(("accept", R, W, flags)):
+            log.info("capturing the round for batch %d, width %d, sampling variant %s", R, W,
+                     flags)
+            self._capture(R, flags, W)
         self._write_rows(b, requests)
         if not b.sampling.all_greedy:
             self._draw_uniforms(b, requests)
@@ -356,12 +381,14 @@ class RoundRunner:
         elif not self.ar:
             self._host_trees(b, requests)
         mark()
-        batch_out = self.graphs.run(("verify", R), lambda: self._verify(b))
+        verified = self.graphs.run(("verify", R, W), lambda: self._verify(b, W))
         mark()
-        self.graphs.run(("accept", R, flags), lambda: self._accept_commit(b, *batch_out))
+        self.graphs.run(("accept", R, W, flags), lambda: self._accept_commit(b, *verified))
         mark()
         b.emitted_host.copy_(b.emitted, non_blocking=True)
         b.num_host.copy_(b.num_emitted, non_blocking=True)
+        if self.policy.shared:
+            b.kept_host.copy_(b.kept, non_blocking=True)
         if cuda:
             done = torch.cuda.Event()
             done.record()
@@ -370,6 +397,8 @@ class RoundRunner:
         else:
             ms = [1e3 * (marks[i + 1] - marks[i]) for i in range(3)]
         counts = b.num_host[:len(requests)].tolist()
+        if self.policy.shared:
+            self.policy.observe(R, b.kept_host[:len(requests)].tolist())
         emitted = b.emitted_host[:len(requests)].tolist()
         new = [row[:n] for row, n in zip(emitted, counts)]
         self.cache.advance([r.slot for r in requests], counts)

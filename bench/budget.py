@@ -1,0 +1,132 @@
+"""The verification budget's policies side by side at batch 1-64 (issue 21's benchmark).
+
+For each model and batch, bole runs with:
+    fixed        every request verifies its whole tree (--budget slots; SGLang-Tree style)
+    global       a fixed capacity of --global-budget draft nodes for the whole batch (TETRIS)
+    oracle       the best global capacity of a sweep (--sweep), found by running each
+    calibrated   B_ver(batch) from this device's calibration profile (made first if missing)
+Models: the bundled model with its MTP head (real acceptance) and random-weight presets with the
+replay drafter (acceptance from --profile). Records {model, batch, policy, budget, tokens_per_s,
+mean_accepted_tokens, round_ms} go to bench/results/budget-<date>-<model>.json with a plot.
+
+    python bench/budget.py --models bundled qwen3.5-9b             # on a GPU
+    python bench/budget.py --models tiny --batches 1 2 --device cpu --max-tokens 12 --sweep 2 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from e2e import load, prompts_for, run  # noqa: E402
+
+from bole.engine import SpecConfig  # noqa: E402
+from bole.engine.calibrate import load_or_calibrate  # noqa: E402
+from bole.speculative.calibration import verification_budget  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["bundled", "qwen3.5-9b"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--profile", default="qwen3-next-mtp", help="replay acceptance (presets)")
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=32, help="per-request tree (fixed policy)")
+    ap.add_argument("--global-budget", type=int, default=64, help="the global policy's capacity")
+    ap.add_argument("--sweep", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256],
+                    help="global capacities the oracle tries")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: pass --device cpu for a smoke run", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    date = _dt.date.today().isoformat()
+    paths = []
+    for name in args.models:
+        model, given, drafter, _ = load(name, args.device, dtype)
+        acceptance = args.profile if drafter == "replay" else None
+        base = SpecConfig("bole", drafter, args.depth, args.topk, args.budget, acceptance)
+        profile = load_or_calibrate(model, base, max(args.batches))
+        records = []
+        for batch in args.batches:
+            prompts = prompts_for(model, given, batch, args.context, seed=batch)
+            ar = run(model, SpecConfig("ar"), prompts, args.max_tokens, None, args.device)
+            cont = ar.pop("outputs") if drafter == "replay" else None
+
+            def one(policy: str, spec: SpecConfig, budget: int) -> dict:
+                res = run(model, spec, prompts, args.max_tokens, cont, args.device)
+                res.pop("outputs")
+                rec = dict(model=name, batch=batch, policy=policy, budget=budget,
+                           tokens_per_s=res["tokens_per_s"],
+                           mean_accepted_tokens=res["mean_accepted_tokens"],
+                           round_ms=res["round_ms"], ar_tokens_per_s=ar["tokens_per_s"])
+                print(json.dumps(rec), flush=True)
+                return rec
+            records.append(one("fixed", base, batch * (base.nodes_per_request - 1)))
+            records.append(one("global", replace(base, budget_policy="global",
+                                                 shared_budget=args.global_budget),
+                               args.global_budget))
+            sweep = [one("sweep", replace(base, budget_policy="global", shared_budget=n), n)
+                     for n in args.sweep]
+            records += sweep
+            best = max(sweep, key=lambda r: r["tokens_per_s"])
+            records.append(dict(best, policy="oracle"))
+            records.append(one("calibrated", replace(base, budget_policy="calibrated"),
+                               verification_budget(profile, batch)))
+        meta = dict(date=date, model=name, drafter=drafter, acceptance=acceptance,
+                    device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                    torch=torch.__version__, profile_gpu=profile.gpu, eps=profile.eps,
+                    b_ver=dict(zip(profile.batches, profile.b_ver)))
+        path = out / f"budget-{date}-{name}.json"
+        path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+        paths += [path, plot(path)]
+        del model
+    print(*paths, sep="\n")
+    return 0
+
+
+def plot(path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    data = json.loads(path.read_text())
+    recs = [r for r in data["records"] if r["policy"] != "sweep"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for policy in ("fixed", "global", "oracle", "calibrated"):
+        pts = sorted((r["batch"], r["tokens_per_s"] / r["ar_tokens_per_s"]) for r in recs
+                     if r["policy"] == policy)
+        ax.plot(*zip(*pts), marker="o", label=policy)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch")
+    ax.set_ylabel("tokens/s over ar")
+    m = data["meta"]
+    ax.set_title(f"{m['model']} ({m['drafter']}{', ' + m['acceptance'] if m['acceptance'] else ''})"
+                 f" on {m['device']}, {m['date']}", fontsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = path.parent / (path.name[:-5] + ".png")
+    fig.savefig(png, dpi=110)
+    return png
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Calibrating the verification budget on this device (``bole calibrate``).
+
+``T_dec(b)`` is a decode forward of ``b`` requests; ``T_ver(b, N)`` a verify forward of ``b``
+requests holding ``N`` draft nodes in all, as the round runs it: the nodes spread evenly, each
+row padded to the verify width bucket (:func:`bole.engine.selection.width_buckets`). Every
+request has ``context`` committed tokens. On a GPU each forward is captured in a CUDA graph and
+timed over replays with device events (the median), as the round replays it; on the CPU it runs
+eagerly under a wall clock. ``B_ver(b)`` is then the largest ``N`` whose forward costs at most
+``(1 + eps)`` times the decode (:func:`bole.speculative.calibration.calibrate`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from bole.engine.runner import ModelRunner
+from bole.engine.selection import width_buckets
+from bole.forest import DenseForest
+from bole.speculative.calibration import (BudgetProfile, calibrate, config_hash, find_profile,
+                                          gpu_name, plot_profile, runtime_versions)
+from bole.tree import DraftTree, PackedForest
+
+DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def _timer(fn, device: torch.device, reps: int) -> float:
+    """Median milliseconds of ``fn``: graph replays under device events on a GPU, eager calls
+    under a wall clock on the CPU."""
+    fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize(device)
+        times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times)
+
+
+def forward_time_fn(model, spec, max_batch: int, *, context: int = 1024, reps: int = 10,
+                    seed: int = 0):
+    """``time_fn(b, N)`` timing this model's decode (N = 0) and verify forwards."""
+    T = spec.nodes_per_request
+    widths = width_buckets(T)
+    gdn = "triton" if model.device.type == "cuda" else "torch"
+    runner = ModelRunner(model, model.new_cache(max_batch, context + T + 2), gdn)
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (context,), generator=gen)
+    slots = [runner.cache.allocate(context + T + 2) for _ in range(max_batch)]
+    runner.prefill(slots[0], prompt)
+    c = runner.cache
+    for s in slots[1:]:                          # the same committed context in every slot
+        for pool in (c.k, c.v, c.gdn_state, c.conv_state):
+            pool[:, s] = pool[:, slots[0]]
+        c.lengths[s] = c.lengths[slots[0]]
+    rng = np.random.default_rng(seed)
+    dev = model.device
+
+    def time_fn(b: int, n: int) -> float:
+        slot_t = torch.tensor(slots[:b], dtype=torch.int32, device=dev)
+        if n == 0:
+            dense = DenseForest.chain(b, 1, dev)
+        else:
+            per_row = -(-n // b)
+            W = next((w for w in widths if w >= per_row + 1), T)
+            trees = [DraftTree.random(min(W, per_row + 1), min(spec.depth, per_row), rng)
+                     for _ in range(b)]
+            dense = DenseForest.from_packed(PackedForest.pack(trees), W, device=dev)
+        tokens = torch.randint(0, model.config.vocab_size, (dense.num_nodes,), device=dev)
+
+        def forward():
+            forest = DenseForest.from_parents(dense.parents, dense.valid, dense.max_depth)
+            runner.forward(runner.make_batch(tokens, forest, slot_t))
+        return _timer(forward, dev, reps)
+    return time_fn
+
+
+def calibrate_model(model, spec, batches, *, node_grid=DEFAULT_GRID, eps: float = 0.1,
+                    context: int = 1024, reps: int = 10, progress: bool = True) -> BudgetProfile:
+    """Measure, build and save this device's profile for ``model`` (with a plot beside it)."""
+    batches = sorted(set(batches))
+    T = spec.nodes_per_request
+    grid = [n for n in node_grid if n <= max(batches) * (T - 1)]
+    time_fn = forward_time_fn(model, spec, max(batches), context=context, reps=reps)
+
+    def bar(done, total):
+        if progress:
+            filled = int(30 * done / total)
+            print(f"\r[bole] calibrating [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}",
+                  end="" if done < total else "\n", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    profile = calibrate(time_fn, batches, grid, eps, gpu=gpu_name(model.device),
+                        config_hash=config_hash(model.config), dtype=model.dtype,
+                        versions=runtime_versions(), progress=bar,
+                        model=f"hidden {model.config.hidden_size}, "
+                              f"{model.config.num_hidden_layers} layers")
+    path = profile.save()
+    plot_profile(profile, path.with_suffix(".png"))
+    if progress:
+        print(f"[bole] calibrated in {time.perf_counter() - t0:.0f} s: {path}", file=sys.stderr)
+    return profile
+
+
+def load_or_calibrate(model, spec, max_batch: int) -> BudgetProfile:
+    """This device's saved profile for ``model``, or a new calibration (with a message)."""
+    key = (gpu_name(model.device), config_hash(model.config), model.dtype, runtime_versions())
+    profile = find_profile(*key)
+    if profile is not None:
+        return profile
+    print("[bole] no verification-budget profile for this GPU, model, dtype and versions: "
+          "calibrating now (bole calibrate does it ahead of time)", file=sys.stderr)
+    buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch]
+    return calibrate_model(model, spec, buckets + [max_batch])

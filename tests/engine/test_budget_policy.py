@@ -1,0 +1,84 @@
+"""The batch-shared budget in the round: output unchanged, the budget honoured, widths that
+follow the previous round, calibration on this device (CPU here)."""
+
+import pytest
+import torch
+
+from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine.selection import BudgetPolicy, select, width_buckets
+from bole.models.presets import preset_config
+from bole.models.qwen3_hybrid import HybridModel
+
+PROMPTS = [[5, 9, 17, 33, 2] * 4, [7, 7, 8, 9, 1, 2, 3, 7, 7, 8], [100, 3, 100, 3, 100]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = HybridModel.random(preset_config("tiny"), dtype=torch.float32, seed=3, mtp=True,
+                           gdn_backend="torch")
+    tensors = dict(m.w)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 50
+    return HybridModel(m.config, tensors, gdn_backend="torch")
+
+
+@pytest.mark.parametrize("mode", ["bole", "tree-serial"])
+@pytest.mark.parametrize("drafter", ["mtp", "ngram"])
+def test_a_shared_budget_keeps_greedy_output(model, mode, drafter):
+    params = GenerationParams(max_tokens=16)
+    ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar"), gdn_backend="torch-serial")
+          .generate(PROMPTS, params)]
+    for budget in (1, 4, 12):
+        spec = SpecConfig(mode, drafter, depth=4, topk=3, budget=12, budget_policy="global",
+                          shared_budget=budget)
+        engine = Engine(model, spec, max_slots=3)
+        assert [r.token_ids for r in engine.generate(PROMPTS, params)] == ar, budget
+
+
+def test_the_selection_honours_the_budget_and_floors():
+    # three requests, 6 node slots: chains of rho 1 > 0.9 > 0.8 ... ; the last row is padding
+    R, T = 3, 6
+    parents = torch.tensor([[-1, 0, 1, 2, 3, 4]] * R)
+    valid = torch.ones(R, T, dtype=torch.bool)
+    rho = torch.tensor([[1.0, 0.9, 0.8, 0.7, 0.6, 0.5],
+                        [1.0, 0.95, 0.2, 0.1, 0.05, 0.01],
+                        [1.0, 0.99, 0.98, 0.97, 0.96, 0.95]], dtype=torch.float64)
+    tokens = torch.arange(R * T).view(R, T)
+    active = torch.tensor([True, True, False])
+    sel = select(rho, tokens, parents, valid, torch.tensor(4), active, 1, 4, 5)
+    assert sel.kept.tolist() == [4, 2, 1]          # floors (one child each), then 0.8, 0.7
+    assert sel.forest.valid.sum(1).tolist() == [4, 2, 1]
+    assert sel.tokens[0].tolist() == [0, 1, 2, 3] and sel.tokens[1, :2].tolist() == [6, 7]
+    narrow = select(rho, tokens, parents, valid, torch.tensor(4), active, 1, 2, 5)
+    assert narrow.forest.valid.sum(1).tolist() == [2, 2, 1]      # truncated: still a tree
+    assert narrow.kept.tolist() == [4, 2, 1]                     # what the next width follows
+
+
+def test_widths_follow_the_previous_round():
+    spec = SpecConfig(budget=32, budget_policy="global", shared_budget=24)
+    policy = BudgetPolicy(spec, 32)
+    assert width_buckets(32) == (2, 4, 8, 16, 32) and width_buckets(12) == (2, 4, 8, 12)
+    assert policy.width(8, 6) == 8                   # 1 + ceil(24 / 6) = 5 -> 8
+    policy.observe(8, [3, 11, 2])
+    assert policy.width(8, 6) == 16
+    assert BudgetPolicy(SpecConfig(budget=32), 32).width(8, 6) == 32      # fixed: the tree
+    with pytest.raises(ValueError, match="shared_budget"):
+        BudgetPolicy(SpecConfig(budget_policy="global"), 32)
+    with pytest.raises(ValueError, match="profile"):
+        BudgetPolicy(SpecConfig(budget_policy="calibrated"), 32)
+
+
+def test_calibrated_policy_calibrates_on_first_use(model, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("BOLE_CACHE", str(tmp_path))
+    import bole.engine.calibrate as cal
+    monkeypatch.setattr(cal, "DEFAULT_GRID", (1, 2, 4, 8))
+    spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=8, budget_policy="calibrated")
+    params = GenerationParams(max_tokens=10)
+    ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar")).generate(PROMPTS, params)]
+    engine = Engine(model, spec, max_slots=3)
+    assert "calibrating now" in capsys.readouterr().err
+    profiles = list(tmp_path.glob("budget-*.json"))
+    assert len(profiles) == 1 and list(tmp_path.glob("budget-*.png"))
+    assert engine.rounds.policy.profile.batches == [1, 2, 3]
+    assert [r.token_ids for r in engine.generate(PROMPTS, params)] == ar
+    Engine(model, spec, max_slots=3)                 # the saved profile is found: no new run
+    assert "calibrating" not in capsys.readouterr().err

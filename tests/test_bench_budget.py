@@ -1,0 +1,30 @@
+"""bench/budget.py runs end to end on a tiny preset (CPU smoke run): every policy's record at
+every batch, the oracle as the best of its sweep, the calibration profile made on first use."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_budget_smoke_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("BOLE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("budget_bench", ROOT / "bench" / "budget.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--models", "tiny", "--batches", "1", "2", "--device", "cpu",
+                       "--max-tokens", "8", "--context", "16", "--depth", "3", "--topk", "2",
+                       "--budget", "8", "--global-budget", "4", "--sweep", "2", "8",
+                       "--out", str(tmp_path)]) == 0
+    data = json.loads((next(tmp_path.glob("budget-*-tiny.json"))).read_text())
+    recs = data["records"]
+    for batch in (1, 2):
+        mine = {r["policy"]: r for r in recs if r["batch"] == batch and r["policy"] != "sweep"}
+        assert set(mine) == {"fixed", "global", "oracle", "calibrated"}
+        sweep = [r for r in recs if r["batch"] == batch and r["policy"] == "sweep"]
+        assert mine["oracle"]["tokens_per_s"] == max(r["tokens_per_s"] for r in sweep)
+        assert mine["global"]["budget"] == 4
+    assert data["meta"]["b_ver"] and list((tmp_path / "cache").glob("budget-*.json"))
+    assert list(tmp_path.glob("budget-*-tiny.png"))

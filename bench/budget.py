@@ -71,7 +71,7 @@ def main(argv=None) -> int:
             ar = run(model, SpecConfig("ar"), prompts, args.max_tokens, None, args.device)
             cont = ar.pop("outputs") if drafter == "replay" else None
 
-            def one(policy: str, spec: SpecConfig, budget: int) -> dict:
+            def one(policy: str, spec: SpecConfig, budget: int, model=model) -> dict:
                 res = run(model, spec, prompts, args.max_tokens, cont, args.device)
                 res.pop("outputs")
                 rec = dict(model=name, batch=batch, policy=policy, budget=budget,

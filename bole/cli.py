@@ -32,6 +32,29 @@ def _acceptance_option(p: argparse.ArgumentParser) -> None:
                         "JSON file (bole/speculative/replay.py)")
 
 
+def _model_source(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="checkpoint folder (default: the bundled model)")
+    src.add_argument("--preset", help="random weights of a preset (e.g. qwen3.5-9b, tiny)")
+
+
+def _load_model(args, device: str, dtype, mtp: bool = False):
+    """``(model, name, folder or None)`` of ``--model`` / ``--preset`` (a preset's random
+    weights get an MTP head when ``mtp``)."""
+    from bole.models.presets import PRESETS, preset_config
+    from bole.models.qwen3_hybrid import HybridModel
+    if args.preset:
+        if args.preset.lower() not in PRESETS:
+            raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
+        model = HybridModel.random(preset_config(args.preset), dtype=dtype, device=device,
+                                   mtp=mtp)
+        return model, f"{args.preset}-random", None
+    folder = _checkpoint(args.model or str(BUNDLED_MODEL), need_tokenizer=False)
+    model = HybridModel.from_pretrained(folder, dtype=dtype, device=device)
+    name = "bundled" if folder.resolve() == BUNDLED_MODEL.resolve() else folder.name
+    return model, name, folder
+
+
 def _tree_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=8, help=f"draft tree depth (1-{MAX_DEPTH})")
     p.add_argument("--topk", type=int, default=4, help=f"children per expanded node (1-{MAX_TOPK})")
@@ -95,9 +118,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", formatter_class=fmt,
                            help="the same prompts through every mode side by side; JSON and a "
                                 "plot under --out")
-    src = bench.add_mutually_exclusive_group()
-    src.add_argument("--model", help="checkpoint folder (default: the bundled model)")
-    src.add_argument("--preset", help="random weights of a preset (e.g. qwen3.5-9b, tiny)")
+    _model_source(bench)
     bench.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES),
                        help="modes to run")
     bench.add_argument("--drafter", default=None, choices=list(BENCH_DRAFTERS),
@@ -142,9 +163,7 @@ def _build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", formatter_class=fmt,
                          help="measure how many tree nodes a verify forward takes before it costs "
                               "more than decoding, per batch (the calibrated budget's profile)")
-    src = cal.add_mutually_exclusive_group()
-    src.add_argument("--model", help="checkpoint folder (default: the bundled model)")
-    src.add_argument("--preset", help="random weights of a preset (e.g. qwen3.5-9b)")
+    _model_source(cal)
     cal.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
                      help="batch sizes to measure")
     cal.add_argument("--eps", type=float, default=0.1,
@@ -229,8 +248,6 @@ def _bench(args) -> int:
     from bole.assets import code_prompts
     from bole.benchmark import repetitive_prompts, run_modes, write_results
     from bole.engine import default_drafter
-    from bole.models.presets import PRESETS, preset_config
-    from bole.models.qwen3_hybrid import HybridModel
 
     _positive(prompts=args.prompts, max_tokens=args.max_tokens, prompt_len=args.prompt_len)
     for b in args.batches or ():
@@ -247,16 +264,8 @@ def _bench(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tokenizer = None
-    if args.preset:
-        if args.preset.lower() not in PRESETS:
-            raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
-        model = HybridModel.random(preset_config(args.preset), dtype=dtype, device=device,
-                                   mtp=args.drafter in ("mtp", "replay"))
-        name = f"{args.preset}-random"
-    else:
-        folder = _checkpoint(args.model or str(BUNDLED_MODEL), need_tokenizer=False)
-        model = HybridModel.from_pretrained(folder, dtype=dtype, device=device)
-        name = "bundled" if folder.resolve() == BUNDLED_MODEL.resolve() else folder.name
+    model, name, folder = _load_model(args, device, dtype, mtp=args.drafter in ("mtp", "replay"))
+    if folder is not None:
         if (folder / "tokenizer.json").is_file():
             tokenizer = _tokenizer(folder)
     prompt_set = args.prompt_set or ("code" if tokenizer is not None else "repetitive")
@@ -420,8 +429,6 @@ def _calibrate(args) -> int:
     import torch
 
     from bole.engine.calibrate import calibrate_model
-    from bole.models.presets import PRESETS, preset_config
-    from bole.models.qwen3_hybrid import HybridModel
 
     for b in args.batches:
         _positive(batches=b)
@@ -432,13 +439,7 @@ def _calibrate(args) -> int:
     args.mode = "bole"
     spec = _spec(args, "ngram")
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if args.preset:
-        if args.preset.lower() not in PRESETS:
-            raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
-        model = HybridModel.random(preset_config(args.preset), dtype=dtype, device=device)
-    else:
-        folder = _checkpoint(args.model or str(BUNDLED_MODEL), need_tokenizer=False)
-        model = HybridModel.from_pretrained(folder, dtype=dtype, device=device)
+    model, _, _ = _load_model(args, device, dtype)
     profile = calibrate_model(model, spec, args.batches, eps=args.eps, context=args.context,
                               reps=args.reps)
     print(f"{'batch':>6} {'T_dec ms':>9} {'B_ver':>6}")

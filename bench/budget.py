@@ -5,6 +5,8 @@ For each model and batch, bole runs with:
     global       a fixed capacity of --global-budget draft nodes for the whole batch (TETRIS)
     oracle       the best global capacity of a sweep (--sweep), found by running each
     calibrated   B_ver(batch) from this device's calibration profile (made first if missing)
+    goodput      the budget with the most expected tokens per ms each round, plain decoding
+                 when drafting does not pay
 Models: the bundled model with its MTP head (real acceptance) and random-weight presets with the
 replay drafter (acceptance from --profile). Records {model, batch, policy, budget, tokens_per_s,
 mean_accepted_tokens, round_ms} go to bench/results/budget-<date>-<model>.json with a plot.
@@ -91,6 +93,7 @@ def main(argv=None) -> int:
             records.append(dict(best, policy="oracle"))
             records.append(one("calibrated", replace(base, budget_policy="calibrated"),
                                verification_budget(profile, batch)))
+            records.append(one("goodput", replace(base, budget_policy="goodput"), -1))
         meta = dict(date=date, model=name, drafter=drafter, acceptance=acceptance,
                     device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                     torch=torch.__version__, profile_gpu=profile.gpu, eps=profile.eps,
@@ -110,7 +113,7 @@ def plot(path: Path) -> Path:
     data = json.loads(path.read_text())
     recs = [r for r in data["records"] if r["policy"] != "sweep"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for policy in ("fixed", "global", "oracle", "calibrated"):
+    for policy in ("fixed", "global", "oracle", "calibrated", "goodput"):
         pts = sorted((r["batch"], r["tokens_per_s"] / r["ar_tokens_per_s"]) for r in recs
                      if r["policy"] == policy)
         ax.plot(*zip(*pts), marker="o", label=policy)

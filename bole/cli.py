@@ -60,10 +60,13 @@ def _tree_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk", type=int, default=4, help=f"children per expanded node (1-{MAX_TOPK})")
     p.add_argument("--budget", type=int, default=32,
                    help=f"draft-tree nodes per request, root included (2-{MAX_BUDGET})")
-    p.add_argument("--budget-policy", default="fixed", choices=["fixed", "global", "calibrated"],
+    p.add_argument("--budget-policy", default="fixed",
+                   choices=["fixed", "global", "calibrated", "goodput"],
                    help="which drafted nodes a verify takes: every request its tree (fixed), the "
-                        "batch's best --shared-budget draft nodes (global), or the budget of "
-                        "this GPU's calibration profile (calibrated; bole calibrate)")
+                        "batch's best --shared-budget draft nodes (global), the budget of this "
+                        "GPU's calibration profile (calibrated; bole calibrate), or the budget "
+                        "with the most expected tokens per ms, plain decoding when drafting "
+                        "does not pay (goodput)")
     p.add_argument("--shared-budget", type=int, default=0,
                    help="draft nodes verified per round across the batch (global policy)")
     p.add_argument("--root-floor", type=int, default=1,

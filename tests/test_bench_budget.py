@@ -22,7 +22,7 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
     recs = data["records"]
     for batch in (1, 2):
         mine = {r["policy"]: r for r in recs if r["batch"] == batch and r["policy"] != "sweep"}
-        assert set(mine) == {"fixed", "global", "oracle", "calibrated"}
+        assert set(mine) == {"fixed", "global", "oracle", "calibrated", "goodput"}
         sweep = [r for r in recs if r["batch"] == batch and r["policy"] == "sweep"]
         assert mine["oracle"]["tokens_per_s"] == max(r["tokens_per_s"] for r in sweep)
         assert mine["global"]["budget"] == 4

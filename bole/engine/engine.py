@@ -55,8 +55,10 @@ class SpecConfig:
     #: or a JSON file (bole/speculative/replay.py)
     acceptance: str | None = None
     #: which drafted nodes a verify takes (bole/engine/selection.py): "fixed" (every request its
-    #: tree), "global" (the batch's best ``shared_budget`` draft nodes) or "calibrated" (the
-    #: budget of this GPU's calibration profile); ``root_floor`` root children per request kept
+    #: tree), "global" (the batch's best ``shared_budget`` draft nodes), "calibrated" (the
+    #: budget of this GPU's calibration profile) or "goodput" (the budget that maximises
+    #: expected tokens per ms, plain decoding when drafting does not pay); ``root_floor`` root
+    #: children per request kept
     budget_policy: str = "fixed"
     shared_budget: int = 0
     root_floor: int = 1
@@ -167,7 +169,8 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, gdn_backend or gdn[spec.gdn][on_gpu])
         if spec.drafter == "draft" and draft_model is None and spec.mode != "ar":
             raise ValueError("the draft drafter needs a draft_model (--draft-model)")
-        if spec.budget_policy == "calibrated" and spec.mode != "ar" and budget_profile is None:
+        if (spec.budget_policy in ("calibrated", "goodput") and spec.mode != "ar"
+                and budget_profile is None):
             from bole.engine.calibrate import load_or_calibrate
             budget_profile = load_or_calibrate(model, spec, max_slots)
         self.rounds = RoundRunner(self.runner, spec, max_slots=max_slots,

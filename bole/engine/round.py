@@ -137,6 +137,8 @@ class RoundBuffers:
         self.emitted_host = torch.zeros(R, D + 1, dtype=i64, pin_memory=pin)
         self.num_host = torch.zeros(R, dtype=i64, pin_memory=pin)
         self.kept_host = torch.zeros(R, dtype=i64, pin_memory=pin)
+        self.goodput = None                         # the goodput policy's inputs (selection.py)
+        self.use_ar_host = torch.zeros((), dtype=torch.bool, pin_memory=pin)
         self.rows: tuple = ()                      # (request index, slot) of the rows last written
 
 
@@ -191,6 +193,8 @@ class RoundRunner:
                                            self.cache.dummy_slot)
             if self.mtp is not None:
                 self.growth[R] = TreeGrowth(R, self.topk, self.D, self.T, self.device)
+            if self.policy.policy == "goodput":
+                self.buffers[R].goodput = self.policy.goodput_inputs(R, self.device)
         return self.buffers[R]
 
     def capture_all(self, max_slots: int, progress: bool) -> None:
@@ -246,9 +250,13 @@ class RoundRunner:
         if self.ar:
             b.tree_tokens.copy_(b.roots[:, None])
             forest = DenseForest.chain(b.R, 1, self.device)
+        elif self.policy.shared and W == 1:       # goodput's plain rounds: the roots alone
+            tokens = b.tree_tokens[:, :1]
+            tokens.copy_(b.roots[:, None])
+            forest = DenseForest.chain(b.R, 1, self.device)
         elif self.policy.shared:
             sel = select(b.tree_rho, b.tree_tokens, b.tree_parents, b.tree_valid, b.budget,
-                         b.active, self.spec.root_floor, W, self.D)
+                         b.active, self.spec.root_floor, W, self.D, goodput=b.goodput)
             b.kept.copy_(sel.kept)
             tokens, forest = sel.tokens, sel.forest
         else:
@@ -314,6 +322,8 @@ class RoundRunner:
         b.remaining.copy_(dev[3])
         b.sampling.write([r.params.sampling for r in requests])
         b.budget.fill_(self.policy.budget(n))
+        if b.goodput is not None:
+            b.goodput.active.fill_(n)
         b.rows = rows
 
     def _host_trees(self, b: RoundBuffers, requests) -> None:
@@ -375,8 +385,13 @@ class RoundRunner:
                 marks.append(ev)
             else:
                 marks.append(time.perf_counter())
+        plain = self.policy.plain_round()
+        if b.goodput is not None:
+            b.goodput.overhead_ms.fill_(self.policy.overhead_ms)
         mark()
-        if self.mtp is not None:
+        if plain:
+            pass                                   # goodput decided drafting does not pay
+        elif self.mtp is not None:
             self.graphs.run(("draft", R), lambda: self._draft(b))
         elif not self.ar:
             self._host_trees(b, requests)
@@ -389,6 +404,8 @@ class RoundRunner:
         b.num_host.copy_(b.num_emitted, non_blocking=True)
         if self.policy.shared:
             b.kept_host.copy_(b.kept, non_blocking=True)
+        if b.goodput is not None:
+            b.use_ar_host.copy_(b.goodput.use_ar, non_blocking=True)
         if cuda:
             done = torch.cuda.Event()
             done.record()
@@ -397,8 +414,10 @@ class RoundRunner:
         else:
             ms = [1e3 * (marks[i + 1] - marks[i]) for i in range(3)]
         counts = b.num_host[:len(requests)].tolist()
-        if self.policy.shared:
+        if self.policy.shared and not plain:
             self.policy.observe(R, b.kept_host[:len(requests)].tolist())
+        if b.goodput is not None:
+            self.policy.after_round(bool(b.use_ar_host), plain, ms[0], ms[2])
         emitted = b.emitted_host[:len(requests)].tolist()
         new = [row[:n] for row, n in zip(emitted, counts)]
         self.cache.advance([r.slot for r in requests], counts)

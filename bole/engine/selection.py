@@ -8,6 +8,11 @@ Policies (``SpecConfig.budget_policy``):
                 fixed capacity)
     calibrated  the same selection with the budget ``B_ver(batch)`` of this GPU's calibration
                 profile (:mod:`bole.speculative.calibration`)
+    goodput     each round, the budget N of the profile's grid that maximises expected tokens
+                (one per request plus the kept nodes' rho) per ms of the round (the profile's
+                T_ver(N) plus the measured draft and accept time); when even the best is below
+                plain decoding's rate, the batch decodes plainly for :data:`AR_ROUNDS` rounds
+                (no drafting), then drafts again to look
 
 The selection (:func:`bole.speculative.budget.select_dense`) runs on the device inside the verify
 graph. The forward takes the kept nodes compacted to the front of each row, in a width W picked
@@ -23,9 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from bole.forest import DenseForest
-from bole.speculative.budget import compact, select_dense
+from bole.speculative.budget import (compact, dense_inputs, expected_accepted_curve,
+                                     goodput_budget, select_dense)
 
-POLICIES = ("fixed", "global", "calibrated")
+POLICIES = ("fixed", "global", "calibrated", "goodput")
+#: rounds of plain decoding after the goodput policy finds drafting does not pay
+AR_ROUNDS = 8
 
 
 def width_buckets(T: int) -> tuple[int, ...]:
@@ -47,13 +55,42 @@ class Selected:
     kept: torch.Tensor
 
 
+@dataclass
+class Goodput:
+    """The goodput policy's device inputs for one batch bucket: the profile's node grid ``[G]``,
+    its ``T_ver`` there ``[G]`` (ms), the round's draft and accept time (0-d, ms, measured),
+    the active requests (0-d), ``T_dec`` (a host constant of the bucket) and the decision
+    (``use_ar`` 0-d bool)."""
+
+    grid: torch.Tensor
+    t_ver: torch.Tensor
+    overhead_ms: torch.Tensor
+    active: torch.Tensor
+    t_dec: float
+    use_ar: torch.Tensor
+
+
 def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
            budget: torch.Tensor, active: torch.Tensor, root_floor: int, width: int,
-           max_depth: int) -> Selected:
+           max_depth: int, goodput: Goodput | None = None) -> Selected:
     """Keep the batch's best ``budget`` draft nodes (``[R, T]`` inputs, ``budget`` a 0-d device
-    tensor, inactive rows keep their roots only) and compact them to ``width`` slots a row."""
+    tensor, inactive rows keep their roots only) and compact them to ``width`` slots a row.
+    With ``goodput`` the budget is chosen here, on the device, and a round that does not pay
+    keeps the roots alone (``goodput.use_ar`` records it)."""
     forest = DenseForest.from_parents(parents, valid, max_depth)
-    keep = select_dense(rho.masked_fill(~valid, 0.0), forest, budget, root_floor, active=active)
+    rho = rho.masked_fill(~valid, 0.0)
+    if goodput is not None:
+        p, r = dense_inputs(forest, active)
+        curve = expected_accepted_curve(rho.reshape(-1), p, r, goodput.grid, root_floor,
+                                        max_depth=max_depth)
+        budget, use_ar = goodput_budget(goodput.grid, curve, goodput.t_ver, goodput.t_dec,
+                                        goodput.active, round_overhead_ms=goodput.overhead_ms)
+        goodput.use_ar.copy_(use_ar)
+    keep = select_dense(rho, forest, budget, root_floor, active=active)
+    if goodput is not None:
+        roots = torch.zeros_like(keep)
+        roots[:, 0] = valid[:, 0]
+        keep = torch.where(goodput.use_ar, roots, keep)
     c = compact(keep, tokens, forest.parents, width=width)
     return Selected(c.tokens, DenseForest.from_parents(c.parents, c.valid, max_depth),
                     keep.sum(1))
@@ -69,12 +106,14 @@ class BudgetPolicy:
         if spec.budget_policy == "global" and spec.shared_budget < 1:
             raise ValueError("the global policy needs shared_budget >= 1 (draft nodes verified "
                              "per round across the batch)")
-        if spec.budget_policy == "calibrated" and profile is None:
-            raise ValueError("the calibrated policy needs a calibration profile "
+        if spec.budget_policy in ("calibrated", "goodput") and profile is None:
+            raise ValueError(f"the {spec.budget_policy} policy needs a calibration profile "
                              "(bole calibrate, or Engine(..., budget_profile=...))")
         self.policy, self.spec, self.T, self.profile = spec.budget_policy, spec, T, profile
         self.widths = width_buckets(T)
         self.last_kept: dict[int, int] = {}
+        self.ar_rounds_left = 0                  # goodput: plain rounds before drafting again
+        self.overhead_ms = 0.0                   # goodput: draft + accept time, averaged
 
     @property
     def shared(self) -> bool:
@@ -87,13 +126,41 @@ class BudgetPolicy:
         if self.policy == "calibrated":
             from bole.speculative.calibration import verification_budget
             return verification_budget(self.profile, batch)
+        if self.policy == "goodput":
+            return max(self.profile.node_grid)
         return batch * (self.T - 1)
+
+    def goodput_inputs(self, R: int, device) -> Goodput:
+        """Static device inputs of the goodput choice for bucket R (profile row of R)."""
+        row = self.profile.row(R)
+        return Goodput(torch.tensor(self.profile.node_grid, device=device),
+                       torch.tensor(self.profile.t_ver[row], dtype=torch.float64, device=device),
+                       torch.zeros((), dtype=torch.float64, device=device),
+                       torch.zeros((), dtype=torch.int64, device=device),
+                       float(self.profile.t_dec[row]),
+                       torch.zeros((), dtype=torch.bool, device=device))
+
+    def plain_round(self) -> bool:
+        """Whether this round decodes plainly (goodput found drafting does not pay)."""
+        return self.policy == "goodput" and self.ar_rounds_left > 0
+
+    def after_round(self, use_ar: bool, plain: bool, draft_ms: float, accept_ms: float) -> None:
+        """Goodput's host side: count down plain rounds, or start them; average the overhead."""
+        if plain:
+            self.ar_rounds_left -= 1
+            return
+        self.overhead_ms = 0.8 * self.overhead_ms + 0.2 * (draft_ms + accept_ms) \
+            if self.overhead_ms else draft_ms + accept_ms
+        if use_ar:
+            self.ar_rounds_left = AR_ROUNDS
 
     def width(self, R: int, batch: int) -> int:
         """The verify width for bucket R: the previous round's largest kept count, else an even
         share of the budget (at least the floor), rounded up to a bucket."""
         if not self.shared:
             return self.T
+        if self.plain_round():
+            return 1
         need = self.last_kept.get(R)
         if need is None:
             need = 1 + max(self.spec.root_floor, -(-self.budget(batch) // max(batch, 1)))

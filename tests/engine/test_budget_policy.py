@@ -82,3 +82,37 @@ def test_calibrated_policy_calibrates_on_first_use(model, tmp_path, monkeypatch,
     assert [r.token_ids for r in engine.generate(PROMPTS, params)] == ar
     Engine(model, spec, max_slots=3)                 # the saved profile is found: no new run
     assert "calibrating" not in capsys.readouterr().err
+
+
+def _profile(t_ver_ms: float, t_dec_ms: float = 50.0):
+    """A synthetic profile: decode and verify times far above this CPU's measured draft and
+    accept overhead (about 15 ms), so that the choice follows the profile."""
+    from bole.speculative.calibration import BudgetProfile
+    grid = [1, 2, 4, 8, 16]
+    return BudgetProfile(gpu="test", config_hash="x", dtype="float32", torch_version="",
+                         triton_version="", eps=0.1, batches=[1, 2, 4], node_grid=grid,
+                         t_dec=[t_dec_ms] * 3, t_ver=[[t_ver_ms] * len(grid)] * 3,
+                         b_ver=[16, 16, 16], model="tiny", created="")
+
+
+def test_goodput_drafts_when_it_pays_and_decodes_plainly_when_not(model):
+    """A verify that costs a decode makes drafting pay (tokens per round > 1); a verify 100x a
+    decode makes the batch decode plainly, drafting again every AR_ROUNDS rounds to look; greedy output is
+    plain decoding's either way."""
+    from bole.engine.selection import AR_ROUNDS
+    params = GenerationParams(max_tokens=24)
+    ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar"), gdn_backend="torch-serial")
+          .generate(PROMPTS, params)]
+    # the replay drafter's rho follows its profile (likely drafts); the random head's is ~0
+    spec = SpecConfig("bole", "replay", depth=4, topk=3, budget=12, budget_policy="goodput",
+                      acceptance="qwen3-next-mtp")
+    cheap = Engine(model, spec, max_slots=3, budget_profile=_profile(50.0))
+    res = cheap.generate(PROMPTS, params, continuations=ar)
+    assert [r.token_ids for r in res] == ar
+    assert res[0].accepted[0] > 1 and sum(r.mean_accepted_tokens for r in res) / 3 > 1.5
+    costly = Engine(model, spec, max_slots=3, budget_profile=_profile(5000.0))
+    res = costly.generate(PROMPTS, params, continuations=ar)
+    assert [r.token_ids for r in res] == ar
+    rounds = res[0].accepted                    # tokens per round of the first request
+    assert rounds[1:1 + AR_ROUNDS] == [1] * AR_ROUNDS      # the plain rounds after the first
+    assert costly.rounds.policy.overhead_ms > 0

@@ -32,6 +32,12 @@ def _acceptance_option(p: argparse.ArgumentParser) -> None:
                         "JSON file (bole/speculative/replay.py)")
 
 
+def _tp_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: one process each (gloo on the CPU, NCCL on GPUs, "
+                        "one GPU per rank), heads and MLP columns split among them")
+
+
 def _model_source(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint folder (default: the bundled model)")
@@ -47,10 +53,11 @@ def _load_model(args, device: str, dtype, mtp: bool = False):
         if args.preset.lower() not in PRESETS:
             raise UsageError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
         model = HybridModel.random(preset_config(args.preset), dtype=dtype, device=device,
-                                   mtp=mtp)
+                                   mtp=mtp, tp=getattr(args, "tp_group", None))
         return model, f"{args.preset}-random", None
     folder = _checkpoint(args.model or str(BUNDLED_MODEL), need_tokenizer=False)
-    model = HybridModel.from_pretrained(folder, dtype=dtype, device=device)
+    model = HybridModel.from_pretrained(folder, dtype=dtype, device=device,
+                                        tp=getattr(args, "tp_group", None))
     name = "bundled" if folder.resolve() == BUNDLED_MODEL.resolve() else folder.name
     return model, name, folder
 
@@ -116,6 +123,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--truncate-prompt", action="store_true",
                      help="keep the prompt's last tokens when it is longer than the model's "
                           "context, instead of refusing it")
+    _tp_option(gen)
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (text, token ids, statistics) instead of the text")
     bench = sub.add_parser("bench", formatter_class=fmt,
@@ -142,6 +150,7 @@ def _build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     _tree_options(bench)
     bench.add_argument("--no-graphs", action="store_true", help="run rounds eagerly on the GPU")
+    _tp_option(bench)
     bench.add_argument("--out", default="bench/results",
                        help="folder for the JSON and the plot, relative to where bole runs")
     bench.add_argument("--tag", default="", help="suffix of the result files' names "
@@ -347,7 +356,8 @@ def _generate(args) -> int:
                              f"the model's context of {context}")
         ids = ids[-room:]
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = HybridModel.from_pretrained(folder, dtype=dtype, device=device)
+    model = HybridModel.from_pretrained(folder, dtype=dtype, device=device,
+                                        tp=getattr(args, "tp_group", None))
     draft_model = (HybridModel.from_pretrained(args.draft_model, dtype=dtype, device=device)
                    if args.draft_model else None)
     drafter = args.drafter or ("draft" if draft_model is not None else default_drafter(model))
@@ -452,8 +462,63 @@ def _calibrate(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _tp_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
+    """One tensor-parallel rank of a command: rank 0 prints, the others stay silent."""
+    import contextlib
+    import io
+
+    from bole import distributed
     args = _build_parser().parse_args(argv)
+    device = _device(args.device)
+    if device.startswith("cuda"):
+        args.device = f"cuda:{rank}"
+    args.tp_group = distributed.init(rank, world, port, args.device or "cpu")
+    quiet = contextlib.ExitStack()
+    if rank:
+        quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        quiet.enter_context(contextlib.redirect_stderr(io.StringIO()))
+    try:
+        with quiet:
+            rc = {"generate": _generate, "bench": _bench}[args.command](args)
+    finally:
+        distributed.shutdown()
+    if rc:
+        raise SystemExit(rc)
+
+
+def _run_tp(args, argv: list[str]) -> int:
+    """Spawn ``--tp`` ranks of this command (one process each) and wait for them."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from bole.distributed import free_port
+    if args.tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {args.tp}")
+    device = _device(args.device)
+    if device.startswith("cuda") and torch.cuda.device_count() < args.tp:
+        raise UsageError(f"--tp {args.tp} needs {args.tp} GPUs, this machine has "
+                         f"{torch.cuda.device_count()}")
+    from bole.models.config import HybridConfig
+    from bole.models.sharding import check_divisible
+    if getattr(args, "preset", None):
+        from bole.models.presets import preset_config
+        check_divisible(preset_config(args.preset), args.tp)
+    else:
+        check_divisible(HybridConfig.from_pretrained(_checkpoint(
+            args.model or str(BUNDLED_MODEL), need_tokenizer=False)), args.tp)
+    mp.spawn(_tp_worker, args=(args.tp, free_port(), argv), nprocs=args.tp, join=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _build_parser().parse_args(argv)
+    if getattr(args, "tp", 1) != 1:
+        try:
+            return _run_tp(args, argv)
+        except (UsageError, ValueError, FileNotFoundError) as exc:
+            print(f"bole {args.command}: {exc}", file=sys.stderr)
+            return 2
     commands = {"demo": _demo, "generate": _generate, "bench": _bench, "serve": _serve,
                 "calibrate": _calibrate}
     if args.command == "bench-serve":

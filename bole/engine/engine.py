@@ -233,6 +233,10 @@ class Engine:
             raise ValueError(f"{len(params)} parameter sets for {len(prompts)} prompts")
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             self.check_request(prompt, p, f"prompt {i}")
+        if seed is None and self.model.tp.world > 1:
+            # tensor-parallel ranks must draw alike: rank 0's random seed for every rank
+            import random
+            seed = self.model.tp.broadcast_int(random.randrange(2 ** 31))
         scheduler = Scheduler(self, max_queue=max(1, len(prompts)))
         handles = [scheduler.submit(p, q, seed=None if seed is None else seed * 1_000_003 + i)
                    for i, (p, q) in enumerate(zip(prompts, params))]

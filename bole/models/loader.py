@@ -17,7 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from bole.distributed import TPShard
 from bole.models.config import HybridConfig
+from bole.models.sharding import shard_plan, zero_on_other_ranks
 from bole.models.weights import FP32_SUFFIXES, IGNORED_PREFIXES, mtp_specs, text_model_specs
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -82,10 +84,23 @@ class _open:
         return self.handle.__exit__(*exc)
 
 
+def _read(f, name: str, plan) -> torch.Tensor:
+    """The whole tensor, or only the rows / columns of a shard's plan."""
+    if plan is None:
+        return f.get_tensor(name)
+    dim, ranges = plan
+    sl = f.get_slice(name)
+    parts = [sl[a:b] if dim == 0 else sl[:, a:b] for a, b in ranges]
+    return torch.cat(parts, dim=dim).contiguous()
+
+
 def load_checkpoint(folder: str | Path, config: HybridConfig | None = None, *,
                     dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                    load_mtp: bool = True) -> tuple[dict[str, torch.Tensor], LoadReport]:
+                    load_mtp: bool = True,
+                    shard: TPShard | None = None) -> tuple[dict[str, torch.Tensor], LoadReport]:
     """Load every tensor the config expects. Returns ``(tensors by checkpoint name, report)``.
+    With ``shard`` (tensor parallelism) each tensor's slice for that rank is all that is read
+    (:func:`bole.models.sharding.shard_plan`).
 
     Raises :class:`CheckpointError` listing each missing, mis-shaped or unexpected tensor with its
     file, and for a truncated or corrupt file.
@@ -134,7 +149,9 @@ def load_checkpoint(folder: str | Path, config: HybridConfig | None = None, *,
                         f"{list(expected[name])}")
                     continue
                 try:
-                    t = f.get_tensor(name)
+                    t = _read(f, name, shard_plan(config, name, shard) if shard else None)
+                    if shard is not None and shard.rank and zero_on_other_ranks(name):
+                        t = torch.zeros_like(t)
                 except (SafetensorError, RuntimeError) as exc:
                     raise CheckpointError(
                         f"{folder / fname} is truncated or corrupt at tensor {name}: {exc}") from None

@@ -29,9 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from bole.cache import CacheShape, HybridCache
+from bole.distributed import TensorParallel, TPShard
 from bole.models.batch import GDN_BACKENDS, ForwardBatch, ForwardOutput
 from bole.models.config import HybridConfig
 from bole.models.loader import load_checkpoint
+from bole.models.sharding import check_divisible, shard_tensors
 from bole.models.weights import FP32_SUFFIXES, mtp_specs, text_model_specs
 from bole.ops import fused
 from bole.ops.attention import prefill_attention, tree_attention, write_kv
@@ -110,7 +112,9 @@ class HybridModel:
     """A hybrid text model held as tensors by checkpoint name (plus fused projections)."""
 
     def __init__(self, config: HybridConfig, tensors: dict[str, torch.Tensor],
-                 gdn_backend: str = "auto"):
+                 gdn_backend: str = "auto", tp: TensorParallel | None = None):
+        """``tensors`` by checkpoint name (this rank's slices under tensor parallelism, ``tp``:
+        :mod:`bole.models.sharding`)."""
         self.config = config
         self.w = dict(tensors)
         embed = self.w[f"{config.weight_prefix}embed_tokens.weight"]
@@ -118,6 +122,16 @@ class HybridModel:
         self.full_index = {layer: i for i, layer in enumerate(config.full_attention_layers)}
         self.gdn_index = {layer: i for i, layer in enumerate(config.gdn_layers)}
         c = config
+        self.tp = tp or TensorParallel(TPShard(0, 1))
+        world = self.tp.world
+        check_divisible(c, world)
+        #: this rank's heads and channels (all of them without tensor parallelism)
+        self.n_heads, self.n_kv = c.num_attention_heads // world, c.num_key_value_heads // world
+        self.gdn_hk = c.linear_num_key_heads // world
+        self.gdn_hv = c.linear_num_value_heads // world
+        self.conv_dim = (2 * self.gdn_hk * c.linear_key_head_dim
+                         + self.gdn_hv * c.linear_value_head_dim)
+        self.vocab_part = c.vocab_size // world
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float32)
                                       / c.rotary_dim))
         self.inv_freq = inv.to(self.device)
@@ -138,16 +152,24 @@ class HybridModel:
     # ---- construction ----
     @classmethod
     def from_pretrained(cls, folder, *, dtype=torch.bfloat16, device="cpu",
-                        gdn_backend: str = "auto") -> "HybridModel":
+                        gdn_backend: str = "auto",
+                        tp: TensorParallel | None = None) -> "HybridModel":
+        """A checkpoint folder's model; under tensor parallelism each rank reads its slices."""
         config = HybridConfig.from_pretrained(folder)
-        tensors, _ = load_checkpoint(folder, config, dtype=dtype, device=device)
-        return cls(config, tensors, gdn_backend)
+        if tp is not None:
+            check_divisible(config, tp.world)
+        tensors, _ = load_checkpoint(folder, config, dtype=dtype, device=device,
+                                     shard=tp.shard if tp is not None and tp.world > 1 else None)
+        return cls(config, tensors, gdn_backend, tp)
 
     @classmethod
     def random(cls, config: HybridConfig, *, dtype=torch.bfloat16, device="cpu",
-               seed: int = 0, gdn_backend: str = "auto", mtp: bool = False) -> "HybridModel":
+               seed: int = 0, gdn_backend: str = "auto", mtp: bool = False,
+               tp: TensorParallel | None = None) -> "HybridModel":
         """Random weights of the right shapes (benchmarks; no checkpoint needed); ``mtp`` adds
-        a one-layer MTP head, so that drafting costs what a real checkpoint's would."""
+        a one-layer MTP head, so that drafting costs what a real checkpoint's would. Under
+        tensor parallelism every rank draws the whole model and keeps its slices, so the
+        weights equal the single-process ones."""
         gen = torch.Generator(device=device).manual_seed(seed)
         tensors = {}
         specs = dict(text_model_specs(config))
@@ -164,7 +186,10 @@ class HybridModel:
             else:
                 t = torch.randn(shape, device=device, generator=gen) * 0.02
             tensors[name] = t.to(torch.float32 if name.endswith(FP32_SUFFIXES) else dtype)
-        return cls(config, tensors, gdn_backend)
+        if tp is not None and tp.world > 1:
+            check_divisible(config, tp.world)
+            tensors = shard_tensors(config, tensors, tp.shard)
+        return cls(config, tensors, gdn_backend, tp)
 
     def _fuse_projections(self) -> None:
         """One weight per group of projections that read the same input; the parts become row
@@ -190,8 +215,12 @@ class HybridModel:
         return "mtp.fc.weight" in self.w
 
     def new_cache(self, max_slots: int, max_len: int) -> HybridCache:
-        return HybridCache(CacheShape.from_config(self.config), max_slots, max_len,
-                           dtype=self.dtype, device=self.device)
+        """Pools for this rank's heads and channels."""
+        c = self.config
+        shape = CacheShape(len(c.full_attention_layers), len(c.gdn_layers), self.n_kv, c.head_dim,
+                           self.gdn_hv, c.linear_key_head_dim, c.linear_value_head_dim,
+                           self.conv_dim, c.linear_conv_kernel_dim)
+        return HybridCache(shape, max_slots, max_len, dtype=self.dtype, device=self.device)
 
     def _section(self, name: str):
         return self.timer.section(name) if self.timer is not None else contextlib.nullcontext()
@@ -205,7 +234,7 @@ class HybridModel:
         gate [N, H * hd])``, q and k normalised and rotated at ``positions``."""
         c, w = self.config, self.w
         N, hd = x.shape[0], c.head_dim
-        Hq, Hkv = c.num_attention_heads, c.num_key_value_heads
+        Hq, Hkv = self.n_heads, self.n_kv
         qkv = F.linear(x, w[prefix + "qkv_proj.weight"], w.get(prefix + "qkv_proj.bias"))
         q_gate, k, v = torch.split(qkv, [2 * Hq * hd, Hkv * hd, Hkv * hd], dim=-1)
         q, gate = q_gate.view(N, Hq, 2 * hd).chunk(2, dim=-1)
@@ -231,13 +260,13 @@ class HybridModel:
             N, T = q.shape[0], batch.nodes_per_request
             o = tree_attention(q, k_pool, v_pool, batch.slots, batch.ctx_lens,
                                batch.forest.ancestors.reshape(N, T), scale=scale, gate=gate)
-        return F.linear(o.reshape(x.shape[0], -1), w[prefix + "o_proj.weight"],
-                        w.get(prefix + "o_proj.bias"))
+        return self.tp.all_reduce(F.linear(o.reshape(x.shape[0], -1), w[prefix + "o_proj.weight"],
+                                           w.get(prefix + "o_proj.bias")))
 
     def _gdn_projections(self, layer: int, x: torch.Tensor):
         """``(mixed_qkv [N, conv_dim], z [N, H_v, d_v], b [N, H_v], a [N, H_v])``, one product."""
         c, p, w = self.config, self._p(layer) + "linear_attn.", self.w
-        N, Hk, Hv = x.shape[0], c.linear_num_key_heads, c.linear_num_value_heads
+        N, Hk, Hv = x.shape[0], self.gdn_hk, self.gdn_hv
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         if c.family == "qwen3_next":   # grouped per key head: [q | k | v | z] and [b | a]
             r = Hv // Hk
@@ -248,18 +277,18 @@ class HybridModel:
             mixed = torch.cat([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], dim=-1)
             return mixed, z.reshape(N, Hv, dv), b.reshape(N, Hv), a.reshape(N, Hv)
         proj = F.linear(x, w[p + "in_proj_all.weight"])
-        mixed, z, b, a = torch.split(proj, [c.conv_dim, Hv * dv, Hv, Hv], dim=-1)
+        mixed, z, b, a = torch.split(proj, [self.conv_dim, Hv * dv, Hv, Hv], dim=-1)
         return mixed, z.view(N, Hv, dv), b, a
 
     def gdn(self, layer: int, x: torch.Tensor, cache: HybridCache, batch: ForwardBatch,
             out: ForwardOutput) -> torch.Tensor:
         c, p, w = self.config, self._p(layer) + "linear_attn.", self.w
-        N, Hk, Hv = x.shape[0], c.linear_num_key_heads, c.linear_num_value_heads
+        N, Hk, Hv = x.shape[0], self.gdn_hk, self.gdn_hv
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         gi = self.gdn_index[layer]
         mixed, z, b, a = self._gdn_projections(layer, x)
         out.conv_inputs.append(mixed)
-        conv = fused.tree_conv1d_pool(mixed, w[p + "conv1d.weight"].reshape(c.conv_dim, -1),
+        conv = fused.tree_conv1d_pool(mixed, w[p + "conv1d.weight"].reshape(self.conv_dim, -1),
                                       cache.conv_state[gi], batch.slots, batch.conv_windows)
         q, k, v = torch.split(conv, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
         q, k, v = q.reshape(N, Hk, dk), k.reshape(N, Hk, dk), v.reshape(N, Hv, dv)
@@ -295,7 +324,7 @@ class HybridModel:
                                              max_depth=f.max_depth)
             out.snapshots.append(snaps)
         o = fused.gated_rms_norm(o.reshape(N, Hv, dv), z, w[p + "norm.weight"], c.rms_norm_eps)
-        return F.linear(o.reshape(N, Hv * dv), w[p + "out_proj.weight"])
+        return self.tp.all_reduce(F.linear(o.reshape(N, Hv * dv), w[p + "out_proj.weight"]))
 
     def dense_mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
         """SwiGLU MLP under prefix ``p`` (gate and up as one product)."""
@@ -307,8 +336,8 @@ class HybridModel:
         c = self.config
         p = (prefix or self._p(layer)) + "mlp."
         if prefix is not None or not c.is_moe_layer(layer):
-            return self.dense_mlp(x, p)
-        return self._moe(x, p)
+            return self.tp.all_reduce(self.dense_mlp(x, p))
+        return self.tp.all_reduce(self._moe(x, p))
 
     def _moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
         """Mixture of experts with a shared expert. Loops over the experts used (a host sync:
@@ -377,8 +406,9 @@ class HybridModel:
         return out
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of final-norm hidden states (tied to the embedding when the config says so)."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        """fp32 logits of final-norm hidden states (tied to the embedding when the config says
+        so); each rank's vocabulary range, gathered over the ranks."""
+        return self.tp.all_gather_last(F.linear(hidden, self.lm_head_weight).float())
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -387,4 +417,12 @@ class HybridModel:
             self.w["lm_head.weight"]
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.w[f"{self.config.weight_prefix}embed_tokens.weight"])
+        """Token embeddings; each rank looks up its vocabulary range (zeros outside it) and the
+        ranks' rows are summed."""
+        table = self.w[f"{self.config.weight_prefix}embed_tokens.weight"]
+        if self.tp.world == 1:
+            return F.embedding(tokens, table)
+        local = tokens - self.tp.rank * self.vocab_part
+        inside = (local >= 0) & (local < self.vocab_part)
+        rows = F.embedding(local.clamp(0, self.vocab_part - 1), table)
+        return self.tp.all_reduce(rows * inside[..., None].to(rows.dtype))

@@ -50,7 +50,7 @@ class MTPDrafter:
         #: row that padding frontier entries write to
         self.rows = max_len + scratch + 1
         self.junk_row = self.rows - 1
-        shape = (max_slots + 1, self.rows, c.num_key_value_heads, c.head_dim)
+        shape = (max_slots + 1, self.rows, model.n_kv, c.head_dim)
         self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v = torch.zeros_like(self.k)
         self.last_hidden = torch.zeros(max_slots + 1, c.hidden_size, dtype=model.dtype,
@@ -75,8 +75,8 @@ class MTPDrafter:
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Attention output ``o [n, H_q * hd]`` (gated) -> the layer's normalised output m."""
         m, w, eps = self.model, self.model.w, self.model.config.rms_norm_eps
-        x = x + F.linear(o, w[MTP_LAYER + "self_attn.o_proj.weight"],
-                         w.get(MTP_LAYER + "self_attn.o_proj.bias"))
+        x = x + m.tp.all_reduce(F.linear(o, w[MTP_LAYER + "self_attn.o_proj.weight"],
+                                         w.get(MTP_LAYER + "self_attn.o_proj.bias")))
         a, x = fused.add_rms_norm(x, w[MTP_LAYER + "post_attention_layernorm.weight"], eps)
         return fused.add_rms_norm(m.mlp(0, a, prefix=MTP_LAYER), w["mtp.norm.weight"], eps, x)[0]
 

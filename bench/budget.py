@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from e2e import load, prompts_for, run  # noqa: E402
+from kernels import save_png  # noqa: E402
 
 from bole.engine import SpecConfig  # noqa: E402
 from bole.engine.calibrate import load_or_calibrate  # noqa: E402
@@ -125,10 +126,7 @@ def plot(path: Path) -> Path:
     ax.set_title(f"{m['model']} ({m['drafter']}{', ' + m['acceptance'] if m['acceptance'] else ''})"
                  f" on {m['device']}, {m['date']}", fontsize=8)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    png = path.parent / (path.name[:-5] + ".png")
-    fig.savefig(png, dpi=110)
-    return png
+    return save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -34,11 +34,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
 from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
+from kernels import save_png  # noqa: E402
 
 
 def load(name: str, device: str, dtype: torch.dtype):
@@ -227,10 +229,7 @@ def plot(path: Path) -> Path:
     m = data["meta"]
     fig.suptitle(f"{m['device']}, torch {m['torch']}, {m['date']}; {m['acceptance_note']}",
                  fontsize=8)
-    fig.tight_layout()
-    png = path.parent / (path.name[:-5] + ".png")
-    fig.savefig(png, dpi=110)
-    return png
+    return save_png(fig, path)
 
 
 if __name__ == "__main__":

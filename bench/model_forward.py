@@ -38,6 +38,9 @@ from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.tree import DraftTree, PackedForest  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from kernels import save_png  # noqa: E402
+
 MATMUL_TFLOPS = 600.0
 
 
@@ -249,11 +252,7 @@ def plot(path: Path) -> Path:
     ax.set_title(f"{m['preset']} (random weights, bf16), context {m['context']}: {m['device']}, "
                  f"torch {m['torch']}, triton {m['triton']}, {m['date']}", fontsize=8)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    png = path.with_suffix(".png") if not path.name.endswith(".json") else \
-        path.parent / (path.name[:-5] + ".png")
-    fig.savefig(png, dpi=110)
-    return png
+    return save_png(fig, path)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -57,7 +57,6 @@ class RoundTimings:
     host: float = 0.0
     total: float = 0.0
     syncs: int = 0
-    per_round: list = field(default_factory=list, repr=False)
 
     def add(self, t: dict) -> None:
         self.rounds += 1
@@ -271,10 +270,9 @@ class RoundRunner:
                      max_children=self.K)
         path_len = torch.where(b.active, acc.path_len, 0)
         ctx = batch.ctx_lens
-        self.runner.commit(batch, out, acc.path, path_len, kv_in_place=self.ar)
+        path_global = self.runner.commit(batch, out, acc.path, path_len, kv_in_place=self.ar)
         if self.mtp is not None:
             P = acc.path.shape[1]
-            path_global = batch.forest.global_index(acc.path)
             path_tokens = torch.gather(tokens, 1, acc.path)
             hidden = out.hidden[path_global.reshape(-1)].view(R, P, -1)
             self.mtp.observe(b.slots, path_tokens, hidden, ctx, path_len)

@@ -58,8 +58,9 @@ class ModelRunner:
 
     # ---- the commit ----
     def commit(self, batch: ForwardBatch, out: ForwardOutput, path: torch.Tensor,
-               path_len: torch.Tensor, *, kv_in_place: bool = False) -> None:
-        """Make each request's accepted path its new committed state.
+               path_len: torch.Tensor, *, kv_in_place: bool = False) -> torch.Tensor:
+        """Make each request's accepted path its new committed state; returns the paths as
+        flat node indices ``[R, P]`` (what a drafter's own commit reads).
 
         ``path [R, P]`` local node indices root first (padded past ``path_len``), ``path_len
         [R]``: 0 for padding rows, which change nothing. ``kv_in_place``: the accepted nodes'
@@ -95,6 +96,7 @@ class ModelRunner:
         if out.conv_inputs:
             self._commit_conv(batch, torch.stack(out.conv_inputs), slots, last, path_len)
         cache.lengths.index_add_(0, slots, path_len)
+        return path_global
 
     def _move_kv(self, slots: torch.Tensor, ctx: torch.Tensor, path: torch.Tensor) -> None:
         """KV of each path node from its scratch row ``ctx + node`` to ``ctx + depth`` (every

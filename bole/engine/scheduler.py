@@ -73,10 +73,11 @@ class Scheduler:
 
     # ---- any thread ----
     def submit(self, prompt: Sequence[int], params: GenerationParams, *, seed: int | None = None,
-               on_event: EventFn | None = None) -> Handle:
-        """Queue a request (checked first: a ValueError names what is wrong); QueueFull when
-        ``max_queue`` requests are already waiting."""
-        self.engine.check_request(prompt, params)
+               on_event: EventFn | None = None, checked: bool = False) -> Handle:
+        """Queue a request (checked first unless the caller did, ``checked``: a ValueError names
+        what is wrong); QueueFull when ``max_queue`` requests are already waiting."""
+        if not checked:
+            self.engine.check_request(prompt, params)
         with self._lock:
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (the most this server "

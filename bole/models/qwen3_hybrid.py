@@ -41,7 +41,7 @@ from bole.ops.gdn.common import gates_from_raw
 from bole.ops.gdn.dense import tree_gdn_closed_form_dense, tree_gdn_serial_dense
 from bole.ops.triton_utils import check_kernel_device
 
-__all__ = ["HybridModel", "SectionTimer", "rms_norm", "gated_rms_norm", "GDN_BACKENDS"]
+__all__ = ["HybridModel", "SectionTimer", "GDN_BACKENDS"]
 
 
 class SectionTimer:
@@ -78,16 +78,6 @@ def _fla_chunk():
     except Exception:               # fla absent, or failing to import on this machine
         return None
     return chunk_gated_delta_rule
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm: ``x / rms(x) * (1 + w)`` in fp32, back to x's dtype."""
-    return fused.add_rms_norm(x, w, eps)[0]
-
-
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """GDN output norm: ``w * x / rms(x) * silu(z)`` (plain weight, not zero-centred)."""
-    return fused.gated_rms_norm(x, z, w, eps)
 
 
 #: (fused name, parts) per layer prefix: projections that read the same input.

@@ -246,10 +246,7 @@ class RoundRunner:
         """The forest of this round (the batch-shared selection compacted to width W, or every
         drafted node) and the target's forward over it; returns (batch, output, tokens)."""
         tokens = b.tree_tokens
-        if self.ar:
-            b.tree_tokens.copy_(b.roots[:, None])
-            forest = DenseForest.chain(b.R, 1, self.device)
-        elif self.policy.shared and W == 1:       # goodput's plain rounds: the roots alone
+        if self.ar or W == 1:                     # plain decoding (ar, goodput's plain rounds)
             tokens = b.tree_tokens[:, :1]
             tokens.copy_(b.roots[:, None])
             forest = DenseForest.chain(b.R, 1, self.device)

@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from bole.forest import DenseForest
 from bole.tree import PackedForest
+from tests.kernel_utils import DEV
 from tests.strategies import forests
 
 
@@ -47,3 +48,20 @@ def test_positions_and_global_index():
     pos = dense.positions(torch.tensor([10, 20]))
     assert pos.tolist() == [10, 11, 12, 10, 10, 20, 21, 21, 22, 20]
     assert dense.global_index(torch.tensor([[0, 2], [1, 3]])).tolist() == [[0, 2], [6, 8]]
+
+
+@given(forest=forests(max_requests=4, max_nodes=40), extra=st.integers(0, 3),
+       cut=st.integers(0, 3))
+@settings(max_examples=40)
+def test_structure_kernel_equals_the_torch_propagation(forest, extra, cut):
+    """bole/ops/forest.py (one launch; the CPU interpreter here) against the reference
+    propagation, also with a max_depth below the trees' depth (both truncate alike)."""
+    from bole.forest import ancestors_from_parents, depths_from_parents
+    from bole.ops.forest import forest_structure
+    T = int(forest.sizes().max()) + extra
+    dense = DenseForest.from_packed(forest, T)
+    parents = torch.where(dense.valid, dense.parents, -1)
+    for D in {dense.max_depth, max(0, dense.max_depth - cut)}:
+        depth, anc = forest_structure(parents.to(DEV), D)
+        assert torch.equal(depth.cpu(), depths_from_parents(parents, D))
+        assert torch.equal(anc.cpu(), ancestors_from_parents(parents, D))

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from bole.models.qwen3_hybrid import HybridModel
 from bole.ops import fused
 from bole.ops.attention import tree_attention
+from bole.ops.topk_softmax import topk_softmax
 
 MTP_LAYER = "mtp.layers.0."
 
@@ -157,7 +158,6 @@ class MTPDrafter:
             out = self._finish(x, o.reshape(R * K, -1))
             m_table.scatter_(1, torch.where(live, f, C)[..., None].expand(R, K, hidden_size),
                              out.view(R, K, -1))
-            probs = torch.softmax(m.lm_head(out), dim=-1)
-            top = torch.topk(probs, topk, dim=-1)
-            return top.indices.view(R, K, topk), top.values.view(R, K, topk)
+            probs, tokens = topk_softmax(m.lm_head(out), topk)
+            return tokens.view(R, K, topk), probs.view(R, K, topk)
         return step

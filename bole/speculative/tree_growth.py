@@ -151,13 +151,20 @@ class TreeGrowth:
     root; budget 1 gives lone roots and never calls ``step_fn``).
     """
 
-    def __init__(self, num_requests: int, topk: int, depth: int, budget: int, device=None):
+    def __init__(self, num_requests: int, topk: int, depth: int, budget: int, device=None,
+                 impl: str = "auto"):
+        """``impl``: how each step updates the table: "torch" (the reference below), "triton"
+        (one launch per step, ``tree_growth_triton.py``: CUDA, or the CPU interpreter) or
+        "auto" (the kernel on CUDA)."""
         if num_requests < 1 or topk < 1 or depth < 0 or budget < 1:
             raise ValueError(f"need num_requests >= 1, topk >= 1, depth >= 0 and budget >= 1; got "
                              f"num_requests={num_requests}, topk={topk}, depth={depth}, "
                              f"budget={budget}")
+        if impl not in ("auto", "torch", "triton"):
+            raise ValueError(f"impl must be auto, torch or triton, got {impl!r}")
         self.num_requests, self.topk, self.depth, self.budget = num_requests, topk, depth, budget
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.fused = impl == "triton" or (impl == "auto" and self.device.type == "cuda")
         self.capacity = node_capacity(topk, depth)
         self.kept = min(budget, self.capacity)       # output slots that can hold a real node
 
@@ -172,14 +179,19 @@ class TreeGrowth:
         limit = self._check_index(depth_limit, "depth_limit").clamp(0, self.depth)
         table = NodeTable.empty(roots, self.capacity)
         if self.budget > 1:
-            frontier = torch.zeros(self.num_requests, 1, dtype=torch.int64, device=self.device)
+            frontier = torch.where(limit[:, None] > 0, 0, -1)
             for step in range(self.depth):
-                frontier = torch.where(limit[:, None] > step, frontier, -1)
                 tokens, probs = step_fn(step, frontier, table)
                 self._check_proposals(step, frontier, tokens, probs)
-                self._add_children(table, step, frontier, tokens.to(self.device, torch.int64),
-                                   probs.to(self.device))
-                frontier = self._next_frontier(table, step)
+                tokens, probs = tokens.to(self.device, torch.int64), probs.to(self.device)
+                if self.fused:
+                    from bole.speculative.tree_growth_triton import grow_step
+                    frontier = grow_step(table, step, step_slots(self.topk, step)[0], frontier,
+                                         tokens, probs, limit, self.topk)
+                else:
+                    self._add_children(table, step, frontier, tokens, probs)
+                    frontier = torch.where(limit[:, None] > step + 1,
+                                           self._next_frontier(table, step), -1)
         return self._rerank(table)
 
     # ---- argument checks (shapes and dtypes only: host metadata, no synchronisation) ----
@@ -241,6 +253,11 @@ class TreeGrowth:
     # ---- rerank ----
     def _rerank(self, table: NodeTable) -> DraftForest:
         """Keep the root and the budget - 1 best nodes; lay them out level by level."""
+        if self.fused:
+            from bole.speculative.tree_growth_triton import rerank
+            tokens, rho, source, parents, valid = rerank(table, self.kept, self.budget, self.depth)
+            forest = DenseForest.from_parents(parents, valid, max_depth=self.depth)
+            return DraftForest(tokens, rho, source, forest, table)
         R, C = table.tokens.shape
         Tk, dev = self.kept, table.tokens.device
         # rank every slot by (-rho, creation order); the root first. Depth needs no key of its

@@ -25,9 +25,9 @@ BATCHES = (1, 2, 4, 8, 16, 64)
 def _tree(kind: str, n: int, rng) -> DraftTree:
     if kind == "chain" or n == 1:
         # the kernel verifies trees of depth <= NEUMANN_MAX_DEPTH_FP32: longer "chains" end in
-        # a star below the deepest allowed node
+        # a star whose leaves sit at that depth (their parent is the chain's second-last node)
         deep = min(n, NEUMANN_MAX_DEPTH_FP32 + 1)
-        return DraftTree.from_parents(list(range(-1, deep - 1)) + [deep - 1] * (n - deep))
+        return DraftTree.from_parents(list(range(-1, deep - 1)) + [deep - 2] * (n - deep))
     if kind == "star":
         return DraftTree.star(n)
     return DraftTree.random(n, min(8, n - 1), rng)

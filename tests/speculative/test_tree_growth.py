@@ -10,6 +10,7 @@ from bole.speculative.draft_tree import build_draft_trees
 from bole.forest import DenseForest
 from bole.speculative.tree_growth import (DraftForest, NodeTable, TreeGrowth, node_capacity,
                                            step_slots)
+from tests.kernel_utils import DEV
 from tests.no_sync import forbid_host_sync
 
 
@@ -71,6 +72,20 @@ def device_step(drafter: FakeDrafter, topk: int, calls: list | None = None):
     return step_fn
 
 
+def grow_on(impl: str, R: int, topk: int, depth: int, budget: int, roots, limits, step_fn):
+    """Grow with ``impl`` ("triton" on the GPU when there is one, else under the interpreter);
+    the result comes back on the CPU."""
+    device = DEV if impl == "triton" else "cpu"
+    out = TreeGrowth(R, topk, depth, budget, device=device, impl=impl).grow(
+        torch.as_tensor(roots), torch.as_tensor(limits), step_fn)
+    f, t = out.forest, out.table
+    return DraftForest(out.tokens.cpu(), out.rho.cpu(), out.source.cpu(),
+                       DenseForest(f.parents.cpu(), f.valid.cpu(), f.depth.cpu(),
+                                   f.ancestors.cpu(), f.max_depth),
+                       NodeTable(*(getattr(t, n).cpu() for n in
+                                   ("tokens", "parents", "depth", "rho", "live", "ancestors"))))
+
+
 def assert_same_as_host(out, host, budget: int) -> None:
     """Device trees == host trees: tokens, parents, rho, order; padding after them."""
     for r, res in enumerate(host):
@@ -92,28 +107,39 @@ def assert_same_as_host(out, host, budget: int) -> None:
        levels=st.sampled_from([2, 3, 50]))
 @settings(max_examples=300)
 def test_device_growth_equals_host(seed, R, topk, depth, extra, data, sparse, levels):
+    _growth_equals_host(seed, R, topk, depth, extra, data, sparse, levels, "torch")
+
+
+@given(seed=st.integers(0, 10_000), R=st.integers(1, 3), topk=st.integers(1, 4),
+       depth=st.integers(0, 4), extra=st.integers(0, 4), data=st.data(), sparse=st.booleans(),
+       levels=st.sampled_from([1, 2, 50]))
+@settings(max_examples=40)
+def test_fused_step_growth_equals_host(seed, R, topk, depth, extra, data, sparse, levels):
+    """The one-launch-per-step kernel (under the interpreter on CPU) builds the host's trees."""
+    _growth_equals_host(seed, R, topk, depth, extra, data, sparse, levels, "triton")
+
+
+def _growth_equals_host(seed, R, topk, depth, extra, data, sparse, levels, impl):
     capacity = node_capacity(topk, depth)
     budget = data.draw(st.integers(1, capacity + extra), label="budget")
     limits = data.draw(st.lists(st.integers(0, depth), min_size=R, max_size=R), label="limits")
     roots = data.draw(st.lists(st.integers(0, 9), min_size=R, max_size=R), label="roots")
     drafter = FakeDrafter(seed, levels=levels, sparse=sparse)
     host = build_draft_trees(roots, drafter.expand_batch, depths=limits, topk=topk, budget=budget)
-    growth = TreeGrowth(R, topk, depth, budget)
-    out = growth.grow(torch.tensor(roots), torch.tensor(limits), device_step(drafter, topk))
+    out = grow_on(impl, R, topk, depth, budget, roots, limits, device_step(drafter, topk))
     assert out.tokens.shape == (R, budget) and out.table.tokens.shape == (R, capacity)
     assert_same_as_host(out, host, budget)
     assert out.forest.max_depth == depth
 
 
-def test_lone_roots_and_clamped_limits():
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_lone_roots_and_clamped_limits(impl):
     drafter = FakeDrafter(3)
     calls = []
-    out = TreeGrowth(2, 2, 3, budget=1).grow(torch.tensor([4, 5]), torch.tensor([3, 3]),
-                                            device_step(drafter, 2, calls))
+    out = grow_on(impl, 2, 2, 3, 1, [4, 5], [3, 3], device_step(drafter, 2, calls))
     assert not calls and out.tokens.tolist() == [[4], [5]] and out.parents.tolist() == [[-1], [-1]]
     # limits beyond depth act as depth, negative ones as 0
-    out = TreeGrowth(2, 2, 3, budget=20).grow(torch.tensor([4, 5]), torch.tensor([9, -2]),
-                                             device_step(drafter, 2))
+    out = grow_on(impl, 2, 2, 3, 20, [4, 5], [9, -2], device_step(drafter, 2))
     host = build_draft_trees([4, 5], drafter.expand_batch, depths=[3, 0], topk=2, budget=20)
     assert_same_as_host(out, host, 20)
     assert out.sizes().tolist() == [host[0].tree.num_nodes, 1]
@@ -153,16 +179,17 @@ def test_frontier_is_the_topk_best_of_the_previous_step(seed, topk, levels):
                     created.append(path + (tok,))
 
 
-def test_ancestors_table():
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_ancestors_table(impl):
     drafter, topk, seen = FakeDrafter(7, levels=2, sparse=True), 3, []
     inner = device_step(drafter, topk)
 
     def step_fn(step, frontier, table):                # what the drafter sees at each step
-        seen.append((step, table.ancestors.clone(), table.live.clone(), table.parents.clone()))
+        seen.append((step, table.ancestors.cpu().clone(), table.live.cpu().clone(),
+                     table.parents.cpu().clone()))
         return inner(step, frontier, table)
 
-    out = TreeGrowth(3, topk, 4, budget=30).grow(torch.tensor([0, 1, 2]), torch.tensor([4, 3, 1]),
-                                                step_fn)
+    out = grow_on(impl, 3, topk, 4, 30, [0, 1, 2], [4, 3, 1], step_fn)
     C, t = out.table.capacity, out.table
     dead = ~t.live
     assert t.live[:, 0].all() and not t.live[:, 0].logical_and(t.parents[:, 0] >= 0).any()

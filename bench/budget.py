@@ -8,8 +8,8 @@ For each model and batch, bole runs with:
     goodput      the budget with the most expected tokens per ms each round, plain decoding
                  when drafting does not pay
 Models: the bundled model with its MTP head (real acceptance) and random-weight presets with the
-replay drafter (acceptance from --profile). Records {model, batch, policy, budget, tokens_per_s,
-mean_accepted_tokens, round_ms} go to bench/results/budget-<date>-<model>.json with a plot.
+replay drafter (acceptance from --profile). Records {model, batch, policy, budget, tokens_per_s
+(decode: tokens after each request's first over the rounds' time), mean_accepted_tokens, round_ms} go to bench/results/budget-<date>-<model>.json with a plot.
 
     python bench/budget.py --models bundled qwen3.5-9b             # on a GPU
     python bench/budget.py --models tiny --batches 1 2 --device cpu --max-tokens 12 --sweep 2 8
@@ -78,9 +78,9 @@ def main(argv=None) -> int:
                 res = run(model, spec, prompts, args.max_tokens, cont, args.device)
                 res.pop("outputs")
                 rec = dict(model=name, batch=batch, policy=policy, budget=budget,
-                           tokens_per_s=res["tokens_per_s"],
+                           tokens_per_s=res["decode_tokens_per_s"],
                            mean_accepted_tokens=res["mean_accepted_tokens"],
-                           round_ms=res["round_ms"], ar_tokens_per_s=ar["tokens_per_s"])
+                           round_ms=res["round_ms"], ar_tokens_per_s=ar["decode_tokens_per_s"])
                 print(json.dumps(rec), flush=True)
                 return rec
             records.append(one("fixed", base, batch * (base.nodes_per_request - 1)))

@@ -149,6 +149,9 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--round-tokens", type=int, default=48)
+    ap.add_argument("--draft-vocab", type=int, default=32768,
+                    help="also time a bole round whose MTP head drafts over this many tokens "
+                         "(EAGLE-3's reduced draft vocabulary; 0: skip)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
@@ -194,18 +197,22 @@ def main(argv=None) -> int:
     del runner
     torch.cuda.empty_cache()
     # a whole bole round at batch 1: MTP drafting, verification, acceptance, commit
-    mtp_bytes = weight_bytes(model, "mtp.")[0] + model.lm_head_weight.numel() * 2
-    for mode in ("ar", "bole"):
-        spec = SpecConfig(mode, "mtp", args.depth, 4, 64)
+    rounds = [("ar", 0), ("bole", 0)] + ([("bole", args.draft_vocab)] if args.draft_vocab else [])
+    for mode, draft_vocab in rounds:
+        spec = SpecConfig(mode, "mtp", args.depth, 4, 64, draft_vocab=draft_vocab)
         engine = Engine(model, spec, max_slots=1, max_len=args.context + args.round_tokens + 80)
         engine.generate([prompt.tolist()], GenerationParams(max_tokens=8), seed=0)
         engine.timings = type(engine.timings)()
         engine.generate([prompt.tolist()], GenerationParams(max_tokens=args.round_tokens), seed=0)
         summary = engine.timings.summary()
-        rec = dict(case=f"round-{mode}", captured=engine.rounds.graphs.enabled, batch=1,
+        head_bytes = (draft_vocab * config.hidden_size * 2 if draft_vocab
+                      else model.lm_head_weight.numel() * 2)
+        step_bytes = weight_bytes(model, "mtp.")[0] + head_bytes
+        rec = dict(case=f"round-{mode}" + (f"-draft-vocab-{draft_vocab}" if draft_vocab else ""),
+                   captured=engine.rounds.graphs.enabled, batch=1, draft_vocab=draft_vocab,
                    nodes=spec.nodes_per_request, total_ms=summary["round_ms"], **summary,
                    eager_fallbacks=engine.rounds.graphs.stats["eager_fallbacks"],
-                   weight_floor_ms=floor["weights_ms"] + (args.depth * mtp_bytes / bw * 1e3
+                   weight_floor_ms=floor["weights_ms"] + (args.depth * step_bytes / bw * 1e3
                                                           if mode == "bole" else 0.0))
         records.append(rec)
         print(json.dumps(rec), flush=True)
@@ -237,7 +244,24 @@ def plot(path: Path) -> Path:
     data = json.loads(path.read_text())
     recs = [r for r in data["records"] if not r["case"].startswith("round")]
     cases = list(dict.fromkeys(r["case"] for r in recs))
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    rounds = [r for r in data["records"] if r["case"].startswith("round")]
+    fig, (ax, rax) = plt.subplots(1, 2, figsize=(13, 3.8), gridspec_kw=dict(width_ratios=[3, 2]))
+    bottom = [0.0] * len(rounds)
+    for key in ("draft_ms", "verify_ms", "accept_commit_ms", "host_ms"):
+        vals = [r[key] for r in rounds]
+        rax.bar(range(len(rounds)), vals, 0.4, bottom=bottom, label=key.removesuffix("_ms"))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    bars = rax.bar([i + 0.4 for i in range(len(rounds))], [r["weight_floor_ms"] for r in rounds],
+                   0.4, color="grey", label="weight floor")
+    rax.bar_label(bars, fmt="%.1f", fontsize=7)
+    for i, r in enumerate(rounds):
+        rax.annotate(f"{r['round_ms']:.1f}", (i, r["round_ms"]), ha="center", va="bottom",
+                     fontsize=7)
+    rax.set_xticks([i + 0.2 for i in range(len(rounds))],
+                   [r["case"].removeprefix("round-").replace("-draft-vocab-", "\ndraft vocab ")
+                    for r in rounds], fontsize=7)
+    rax.set_ylabel("ms per round (batch 1, captured)")
+    rax.legend(fontsize=7)
     for j, (label, pick) in enumerate((("eager", False), ("captured", True))):
         ys = [next(r["total_ms"] for r in recs if r["case"] == c and r["captured"] == pick)
               for c in cases]

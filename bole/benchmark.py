@@ -24,7 +24,9 @@ class ModeResult:
     batch: int
     tokens: int
     seconds: float
-    tokens_per_s: float
+    tokens_per_s: float                 # every token over the whole run, prefills included
+    decode_tokens_per_s: float          # tokens after each request's first over the rounds' time
+    prefill_s: float                    # the run's time outside rounds (admission, prefills)
     rounds: int
     mean_accepted_tokens: float
     round_ms: float
@@ -53,7 +55,7 @@ def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_
               depth: int = 8, topk: int = 4, budget: int = 32, seed: int = 0,
               drafter: str = "ngram", batches: tuple[int, ...] | None = None,
               cuda_graphs: bool | None = None, progress: bool = False,
-              acceptance: str | None = None) -> list[ModeResult]:
+              acceptance: str | None = None, draft_vocab: int = 0) -> list[ModeResult]:
     """Every mode over ``prompts`` at each batch size (the prompts cycled to fill a batch; by
     default one batch of all of them). With the replay drafter, plain decoding runs first and
     its output is every other mode's known continuation."""
@@ -75,7 +77,7 @@ def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_
                 print(f"\r[bole bench] batch {batch}: {mode:<12}", end="", file=sys.stderr,
                       flush=True)
             spec = SpecConfig(mode=mode, drafter=drafter, depth=depth, topk=topk, budget=budget,
-                              acceptance=acceptance)
+                              acceptance=acceptance, draft_vocab=draft_vocab)
             scratch = max(spec.nodes_per_request, depth + 1)
             max_len = max(len(p) for p in work) + max_tokens + scratch + 1
             engine = Engine(model, spec, max_slots=batch, max_len=max_len,
@@ -99,8 +101,11 @@ def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_
             if "ar" in outputs and mode != "ar":
                 agree = sum(a == b for a, b in zip(outputs["ar"], outputs[mode])) / batch
             split = engine.timings.summary()
+            round_s = engine.timings.total / 1e3
             results.append(ModeResult(
-                mode, batch, tokens, elapsed, tokens / elapsed, engine.timings.rounds,
+                mode, batch, tokens, elapsed, tokens / elapsed,
+                (tokens - len(res)) / max(round_s, 1e-9), max(0.0, elapsed - round_s),
+                engine.timings.rounds,
                 accepted / max(1, rounds), split["round_ms"], split["draft_ms"],
                 split["verify_ms"], split["accept_commit_ms"], split["host_ms"],
                 split["gpu_idle_share"], split["syncs_per_round"],
@@ -131,8 +136,8 @@ def write_results(results: list[ModeResult], meta: dict, out_dir: Path,
     modes = list(dict.fromkeys(r.mode for r in results))
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     width = 0.8 / len(modes)
-    for ax, key, label in zip(axes, ("tokens_per_s", "mean_accepted_tokens", "round_ms"),
-                              ("tokens / s", "tokens per round", "ms per round")):
+    for ax, key, label in zip(axes, ("decode_tokens_per_s", "mean_accepted_tokens", "round_ms"),
+                              ("decode tokens / s", "tokens per round", "ms per round")):
         for j, mode in enumerate(modes):
             xs = [i + j * width for i in range(len(batches))]
             ys = [next((getattr(r, key) for r in results if r.mode == mode and r.batch == b), 0)

@@ -62,6 +62,9 @@ class SpecConfig:
     budget_policy: str = "fixed"
     shared_budget: int = 0
     root_floor: int = 1
+    #: the MTP head drafts over this many most frequent tokens (0: the whole vocabulary;
+    #: bole/speculative/draft_vocab.py); verification always uses the whole vocabulary
+    draft_vocab: int = 0
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -71,6 +74,12 @@ class SpecConfig:
         from bole.engine.selection import POLICIES
         if self.budget_policy not in POLICIES:
             raise ValueError(f"budget_policy must be one of {POLICIES}, got {self.budget_policy!r}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got "
+                             f"{self.draft_vocab}")
+        if 0 < self.draft_vocab < self.topk:
+            raise ValueError(f"a draft vocabulary of {self.draft_vocab} tokens cannot give "
+                             f"top-{self.topk} proposals; make it larger than topk")
         if self.root_floor < 0:
             raise ValueError(f"root_floor must be >= 0, got {self.root_floor}")
         if self.drafter == "replay" and self.mode != "ar" and not self.acceptance:

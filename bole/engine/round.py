@@ -162,8 +162,10 @@ class RoundRunner:
         if not self.ar and spec.drafter in ("mtp", "replay"):
             from bole.speculative.tree_growth import node_capacity
             self.growth_capacity = node_capacity(self.topk, self.D)
+            from bole.speculative.draft_vocab import draft_vocab_ids
             self.mtp = MTPDrafter(self.model, max_slots, self.cache.max_len,
-                                  self.growth_capacity)
+                                  self.growth_capacity,
+                                  vocab_ids=draft_vocab_ids(self.model, spec.draft_vocab))
             if spec.drafter == "replay":
                 # the real head runs for its cost; its proposals are replaced by a profile's
                 from bole.speculative.replay import AcceptanceProfile, ReplayDrafter

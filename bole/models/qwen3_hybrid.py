@@ -25,6 +25,8 @@ import contextlib
 import time
 from collections import defaultdict
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -106,6 +108,9 @@ class HybridModel:
         """``tensors`` by checkpoint name (this rank's slices under tensor parallelism, ``tp``:
         :mod:`bole.models.sharding`)."""
         self.config = config
+        #: the checkpoint folder (None for random weights): files beside the weights, such as
+        #: the draft vocabulary's token counts, are looked up there
+        self.folder: Path | None = None
         self.w = dict(tensors)
         embed = self.w[f"{config.weight_prefix}embed_tokens.weight"]
         self.dtype, self.device = embed.dtype, embed.device
@@ -150,7 +155,9 @@ class HybridModel:
             check_divisible(config, tp.world)
         tensors, _ = load_checkpoint(folder, config, dtype=dtype, device=device,
                                      shard=tp.shard if tp is not None and tp.world > 1 else None)
-        return cls(config, tensors, gdn_backend, tp)
+        model = cls(config, tensors, gdn_backend, tp)
+        model.folder = Path(folder)
+        return model
 
     @classmethod
     def random(cls, config: HybridConfig, *, dtype=torch.bfloat16, device="cpu",

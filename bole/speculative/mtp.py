@@ -39,7 +39,10 @@ def write_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: t
 class MTPDrafter:
     """MTP KV pool and last target hidden state per slot; the drafting step and the observe."""
 
-    def __init__(self, model: HybridModel, max_slots: int, max_len: int, scratch: int):
+    def __init__(self, model: HybridModel, max_slots: int, max_len: int, scratch: int,
+                 vocab_ids: torch.Tensor | None = None):
+        """``vocab_ids [V_d]``: the tokens the head drafts over (a reduced draft vocabulary,
+        :mod:`bole.speculative.draft_vocab`); None for the whole vocabulary."""
         missing = [n for n in ("mtp.fc.weight", MTP_LAYER + "self_attn.qkv_proj.weight")
                    if n not in model.w]
         if missing:
@@ -56,6 +59,9 @@ class MTPDrafter:
         self.v = torch.zeros_like(self.k)
         self.last_hidden = torch.zeros(max_slots + 1, c.hidden_size, dtype=model.dtype,
                                        device=model.device)
+        self.vocab_ids = vocab_ids
+        #: the LM head's rows of the draft vocabulary (a copy: one contiguous read per step)
+        self.head = None if vocab_ids is None else model.lm_head_weight[vocab_ids].contiguous()
 
     def reset(self, slot: int) -> None:
         self.last_hidden[slot].zero_()
@@ -158,6 +164,10 @@ class MTPDrafter:
             out = self._finish(x, o.reshape(R * K, -1))
             m_table.scatter_(1, torch.where(live, f, C)[..., None].expand(R, K, hidden_size),
                              out.view(R, K, -1))
-            probs, tokens = topk_softmax(m.lm_head(out), topk)
+            if self.head is None:
+                probs, tokens = topk_softmax(m.lm_head(out), topk)
+            else:
+                probs, rows = topk_softmax(F.linear(out, self.head), topk)
+                tokens = self.vocab_ids[rows]
             return tokens.view(R, K, topk), probs.view(R, K, topk)
         return step

@@ -19,12 +19,21 @@ for tree-serial, per position for chain), confirmed by running one round at tree
 
     python bench/e2e.py                           # on a GPU -> bench/results/e2e-<date>.{json,png}
     python bench/e2e.py --models tiny --batches 1 2 --device cpu --max-tokens 16   # smoke run
+    python bench/e2e.py --tp 2 ...                # tensor parallel: one process per rank
+
+With ``--tp N`` every rank runs the same study on its shard (gloo on the CPU, NCCL on GPUs, one
+GPU per rank; the ``bole --tp`` layout); rank 0's choice of the best shapes is broadcast so the
+ranks run the same configurations, and rank 0 alone prints and writes. Records carry ``tp`` and
+an ``output_digest`` of the generated tokens, to compare runs token for token.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
+import hashlib
+import io
 import json
 import sys
 import time
@@ -36,22 +45,35 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bole import distributed  # noqa: E402
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
 from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.models.config import HybridConfig  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from kernels import save_png  # noqa: E402
 
 
-def load(name: str, device: str, dtype: torch.dtype):
-    """(model, prompts as token ids, drafter, profile) of a study model."""
+def load(name: str, device: str, dtype: torch.dtype, tp=None):
+    """(model, prompts as token ids, drafter, profile) of a study model (this rank's shard
+    under tensor parallelism, ``tp``)."""
     if name == "bundled":
         from tokenizers import Tokenizer
-        model = HybridModel.from_pretrained(BUNDLED_MODEL, dtype=dtype, device=device)
+        model = HybridModel.from_pretrained(BUNDLED_MODEL, dtype=dtype, device=device, tp=tp)
         tok = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
         return model, [tok.encode(p).ids for p in code_prompts()], "mtp", None
-    model = HybridModel.random(preset_config(name), dtype=dtype, device=device, mtp=True)
+    model = HybridModel.random(preset_config(name), dtype=dtype, device=device, mtp=True, tp=tp)
     return model, None, "replay", None
+
+
+def config_of(name: str) -> HybridConfig:
+    return HybridConfig.from_pretrained(BUNDLED_MODEL) if name == "bundled" else \
+        preset_config(name)
+
+
+def digest(outputs: list[list[int]]) -> str:
+    """A short hash of every request's tokens: equal digests, equal outputs."""
+    return hashlib.sha1(json.dumps(outputs).encode()).hexdigest()[:12]
 
 
 def prompts_for(model, given, batch: int, context: int, seed: int) -> list[list[int]]:
@@ -84,14 +106,19 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
     rounds = sum(r.rounds for r in res)
     accepted = sum(sum(r.accepted) for r in res)
     nodes = engine.timings.rounds * len(prompts) * spec.nodes_per_request
-    out = dict(tokens_per_s=tokens / elapsed, mean_accepted_tokens=accepted / max(1, rounds),
+    outputs = [r.token_ids for r in res]
+    round_s = engine.timings.total / 1e3
+    out = dict(tokens_per_s=tokens / elapsed,
+               decode_tokens_per_s=(tokens - len(prompts)) / max(round_s, 1e-9),
+               prefill_s=max(0.0, elapsed - round_s),
+               mean_accepted_tokens=accepted / max(1, rounds),
                tokens_per_verified_node=accepted / max(1, nodes), round_ms=split["round_ms"],
                draft_ms=split["draft_ms"], verify_ms=split["verify_ms"],
                accept_commit_ms=split["accept_commit_ms"], host_ms=split["host_ms"],
                eager_fallbacks=engine.rounds.graphs.stats["eager_fallbacks"],
                peak_mem_gib=(torch.cuda.max_memory_allocated() / 2 ** 30
                              if device == "cuda" else None),
-               outputs=[r.token_ids for r in res])
+               outputs=outputs, output_digest=digest(outputs))
     del engine
     return out
 
@@ -122,10 +149,11 @@ def slot_bytes(model, max_len: int) -> int:
 
 
 def max_batch(model, spec: SpecConfig, context: int, device: str, share: float = 0.8) -> int:
-    """The largest batch whose weights, caches and round state fit ``share`` of the device."""
+    """The largest batch whose weights, caches and round state fit ``share`` of the device
+    (this rank's under tensor parallelism)."""
     if device != "cuda":
         return 0
-    total = torch.cuda.get_device_properties(0).total_memory * share
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory * share
     weights = sum(t.numel() * t.element_size() for t in model.w.values() if t._base is None)
     cache = slot_bytes(model, context + spec.nodes_per_request)
     logits = spec.nodes_per_request * model.config.vocab_size * 4
@@ -145,38 +173,90 @@ def main(argv=None) -> int:
     ap.add_argument("--chain-depths", type=int, nargs="+", default=[2, 3, 4, 6])
     ap.add_argument("--tree-shapes", nargs="+", default=["4,2,8", "6,3,16", "8,4,32", "8,4,64"],
                     help="depth,topk,budget of bole's tree, swept per batch")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="the MTP head drafts over this many most frequent tokens (0: all); the "
+                         "replay drafter keeps its profile's acceptance")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks: one process each (one GPU each on CUDA)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: pass --device cpu for a smoke run", file=sys.stderr)
         return 2
+    if args.tp == 1:
+        study(args)
+        return 0
+    problem = tp_problem(args)
+    if problem:
+        print(f"e2e: {problem}", file=sys.stderr)
+        return 2
+    import torch.multiprocessing as mp
+    if str(ROOT / "bench") not in sys.path:      # the ranks unpickle rank_main from module e2e
+        sys.path.insert(0, str(ROOT / "bench"))
+    mp.spawn(rank_main, args=(args, distributed.free_port()), nprocs=args.tp, join=True)
+    return 0
+
+
+def tp_problem(args) -> str | None:
+    """Why ``--tp`` cannot run here (None when it can)."""
+    if args.tp < 1:
+        return f"--tp must be >= 1, got {args.tp}"
+    if args.device == "cuda" and torch.cuda.device_count() < args.tp:
+        return f"--tp {args.tp} needs {args.tp} GPUs, this machine has {torch.cuda.device_count()}"
+    from bole.models.sharding import check_divisible
+    try:
+        for name in args.models:
+            check_divisible(config_of(name), args.tp)
+    except (ValueError, FileNotFoundError) as exc:
+        return f"{name}: {exc}"
+    return None
+
+
+def rank_main(rank: int, args, port: int) -> None:
+    """One tensor-parallel rank of the study: rank 0 prints and writes, the others are silent."""
+    tp = distributed.init(rank, args.tp, port, args.device)
+    quiet = contextlib.ExitStack()
+    if rank:
+        quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        quiet.enter_context(contextlib.redirect_stderr(io.StringIO()))
+    try:
+        with quiet:
+            study(args, tp)
+    finally:
+        distributed.shutdown()
+
+
+def study(args, tp=None) -> Path | None:
+    """Every model and batch (this rank's part under ``tp``); rank 0 writes the JSON and plot."""
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    device = f"cuda:{tp.rank}" if tp is not None and args.device == "cuda" else args.device
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.tree_shapes]
     records = []
     for name in args.models:
-        model, given, drafter, _ = load(name, args.device, dtype)
+        model, given, drafter, _ = load(name, device, dtype, tp)
         profile = args.profile if drafter == "replay" else None
         for batch in args.batches:
             prompts = prompts_for(model, given, batch, args.context, seed=batch)
-            base = dict(model=name, drafter=drafter, profile=profile, batch=batch)
+            base = dict(model=name, drafter=drafter, profile=profile, batch=batch, tp=args.tp)
             ar = run(model, SpecConfig("ar"), prompts, args.max_tokens, None, args.device)
             cont = ar.pop("outputs")
             records.append(dict(base, mode="ar", shape=None, **ar))
             candidates = {"chain": [], "bole": []}
             for d in args.chain_depths:
-                spec = SpecConfig("chain", drafter, d, 1, d + 1, profile)
+                spec = SpecConfig("chain", drafter, d, 1, d + 1, profile,
+                                  draft_vocab=args.draft_vocab)
                 candidates["chain"].append((spec, run(model, spec, prompts, args.max_tokens,
                                                       cont, args.device)))
             for d, k, b in shapes:
-                spec = SpecConfig("bole", drafter, d, k, b, profile)
+                spec = SpecConfig("bole", drafter, d, k, b, profile, draft_vocab=args.draft_vocab)
                 candidates["bole"].append((spec, run(model, spec, prompts, args.max_tokens,
                                                      cont, args.device)))
-            best = {m: max(c, key=lambda sr: sr[1]["tokens_per_s"]) for m, c in candidates.items()}
+            best = {m: c[fastest(c, model)] for m, c in candidates.items()}
             b_spec = best["bole"][0]
             t_spec = SpecConfig("tree-serial", drafter, b_spec.depth, b_spec.topk, b_spec.budget,
-                                profile)
+                                profile, draft_vocab=args.draft_vocab)
             best["tree-serial"] = (t_spec, run(model, t_spec, prompts, args.max_tokens, cont,
                                                args.device))
             for mode in ("chain", "tree-serial", "bole"):
@@ -190,9 +270,15 @@ def main(argv=None) -> int:
                 print(json.dumps({k: v for k, v in records[-1].items() if k != "outputs"}),
                       flush=True)
         del model
+    if tp is not None and tp.rank:
+        return None
     meta = dict(date=_dt.date.today().isoformat(), device=(torch.cuda.get_device_name()
-                if args.device == "cuda" else "cpu"), torch=torch.__version__,
+                if args.device == "cuda" else "cpu"), torch=torch.__version__, tp=args.tp,
                 context=args.context, max_context=args.max_context, max_tokens=args.max_tokens,
+                draft_vocab=args.draft_vocab,
+                throughput_note=("decode_tokens_per_s: tokens after each request's first over "
+                                 "the rounds' time (the speculative rounds); tokens_per_s: over "
+                                 "the whole run, prefills included"),
                 acceptance_note=("presets: random weights, acceptance replayed from profile "
                                  f"{args.profile!r} (bole/speculative/profiles), not measured"))
     out = Path(args.out)
@@ -200,7 +286,14 @@ def main(argv=None) -> int:
     path = out / f"e2e-{meta['date']}{args.tag}.json"
     path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
     print(path, plot(path))
-    return 0
+    return path
+
+
+def fastest(candidates: list[tuple[SpecConfig, dict]], model) -> int:
+    """Index of the candidate with the most tokens/s: rank 0's pick on every rank (timings
+    differ between ranks, the runs that follow must not)."""
+    i = max(range(len(candidates)), key=lambda j: candidates[j][1]["decode_tokens_per_s"])
+    return model.tp.broadcast_int(i)
 
 
 def plot(path: Path) -> Path:
@@ -212,15 +305,15 @@ def plot(path: Path) -> Path:
     fig, axes = plt.subplots(2, len(models), figsize=(4.5 * len(models), 7), squeeze=False)
     for j, name in enumerate(models):
         recs = [r for r in data["records"] if r["model"] == name]
-        ar = {r["batch"]: r["tokens_per_s"] for r in recs if r["mode"] == "ar"}
+        ar = {r["batch"]: r["decode_tokens_per_s"] for r in recs if r["mode"] == "ar"}
         for mode in ("ar", "chain", "tree-serial", "bole"):
-            pts = sorted((r["batch"], r["tokens_per_s"]) for r in recs if r["mode"] == mode)
+            pts = sorted((r["batch"], r["decode_tokens_per_s"]) for r in recs if r["mode"] == mode)
             if not pts:
                 continue
             axes[0, j].plot(*zip(*pts), marker="o", label=mode)
             axes[1, j].plot([b for b, _ in pts], [t / ar[b] for b, t in pts], marker="o",
                             label=mode)
-        axes[0, j].set_title(f"{name}: tokens/s", fontsize=9)
+        axes[0, j].set_title(f"{name}: decode tokens/s", fontsize=9)
         axes[1, j].set_title(f"{name}: speed-up over ar", fontsize=9)
         for ax in axes[:, j]:
             ax.set_xscale("log", base=2)

@@ -1,4 +1,4 @@
-"""The ``bole`` command line: demo, generate and bench.
+"""The ``bole`` command line: demo, generate, bench, serve, calibrate (and bench-serve).
 
 Arguments are checked before anything is loaded; every failure a user can cause ends with exit
 code 2 and one line naming the problem and what to do (never a traceback).
@@ -78,6 +78,11 @@ def _tree_options(p: argparse.ArgumentParser) -> None:
                    help="draft nodes verified per round across the batch (global policy)")
     p.add_argument("--root-floor", type=int, default=1,
                    help="root children each request keeps whatever the budget")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="the MTP head drafts over this many most frequent tokens (the "
+                        "checkpoint's token_counts.json; random weights: the first ids), as "
+                        "EAGLE-3 does; 0 = the whole vocabulary. Verification always uses the "
+                        "whole vocabulary")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
 
 
@@ -171,7 +176,10 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-len", type=int, default=4096,
                        help="tokens per request (prompt + output + a round's tree), at most the "
                             "model's context")
+    serve.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
+                       help="default: bf16 on a GPU, fp32 on the CPU")
     serve.add_argument("--name", default=None, help="served model name (default: the folder's)")
+    _tp_option(serve)
     cal = sub.add_parser("calibrate", formatter_class=fmt,
                          help="measure how many tree nodes a verify forward takes before it costs "
                               "more than decoding, per batch (the calibrated budget's profile)")
@@ -239,7 +247,7 @@ def _spec(args, drafter: str):
     spec = SpecConfig(args.mode if hasattr(args, "mode") else "bole", drafter, args.depth,
                       args.topk, args.budget, getattr(args, "acceptance", None),
                       getattr(args, "budget_policy", "fixed"), getattr(args, "shared_budget", 0),
-                      getattr(args, "root_floor", 1))
+                      getattr(args, "root_floor", 1), getattr(args, "draft_vocab", 0))
     try:
         spec.validate()
     except ValueError as exc:
@@ -293,7 +301,7 @@ def _bench(args) -> int:
                         topk=args.topk, budget=args.budget, drafter=drafter,
                         batches=tuple(args.batches) if args.batches else None,
                         cuda_graphs=False if args.no_graphs else None, progress=True,
-                        acceptance=args.acceptance)
+                        acceptance=args.acceptance, draft_vocab=args.draft_vocab)
     import triton
     meta = dict(model_name=name, device=torch.cuda.get_device_name() if device.startswith("cuda")
                 else "cpu", torch=torch.__version__, triton=triton.__version__,
@@ -301,15 +309,22 @@ def _bench(args) -> int:
                 prompt_set=prompt_set,
                 prompt_len=args.prompt_len if prompt_set == "repetitive" else None,
                 max_tokens=args.max_tokens, depth=args.depth, topk=args.topk, budget=args.budget,
-                drafter=drafter, acceptance=args.acceptance,
+                drafter=drafter, acceptance=args.acceptance, draft_vocab=args.draft_vocab,
                 cuda_graphs=not args.no_graphs and device.startswith("cuda"))
     path, png = write_results(results, meta, Path(args.out), args.tag)
     print(f"{name}, {meta['dtype']} on {meta['device']}, drafter {drafter}, {prompt_set} prompts")
-    print(f"{'mode':<12} {'batch':>5} {'tok/s':>8} {'tok/rnd':>7} {'rnd ms':>7} {'draft':>6} "
-          f"{'verify':>6} {'acc+cm':>6} {'host':>6} {'syncs':>5} {'eager':>5} {'agree':>5}")
+    print("tok/s: every token over the run, prefills included; decode: tokens after each "
+          "request's first over the rounds' time")
+    print(f"{'mode':<12} {'batch':>5} {'tok/s':>8} {'decode':>8} {'x ar':>5} {'tok/rnd':>7} "
+          f"{'rnd ms':>7} {'draft':>6} {'verify':>6} {'acc+cm':>6} {'host':>6} {'syncs':>5} "
+          f"{'eager':>5} {'agree':>5}")
+    ar_decode = {r.batch: r.decode_tokens_per_s for r in results if r.mode == "ar"}
     for r in results:
         agree = "-" if r.agreement_with_ar is None else f"{100 * r.agreement_with_ar:.0f}%"
-        print(f"{r.mode:<12} {r.batch:>5} {r.tokens_per_s:>8.1f} {r.mean_accepted_tokens:>7.2f} "
+        speedup = (f"{r.decode_tokens_per_s / ar_decode[r.batch]:.2f}" if r.batch in ar_decode
+                   else "-")
+        print(f"{r.mode:<12} {r.batch:>5} {r.tokens_per_s:>8.1f} {r.decode_tokens_per_s:>8.1f} "
+              f"{speedup:>5} {r.mean_accepted_tokens:>7.2f} "
               f"{r.round_ms:>7.2f} {r.draft_ms:>6.2f} {r.verify_ms:>6.2f} "
               f"{r.accept_commit_ms:>6.2f} {r.host_ms:>6.2f} {r.syncs_per_round:>5.1f} "
               f"{r.eager_fallbacks:>5} {agree:>5}")
@@ -404,38 +419,148 @@ def _demo(args) -> int:
     return 0
 
 
-def _serve(args) -> int:
-    import logging
-
-    import torch
-
-    from bole.engine import Engine, default_drafter
+def _serve_checks(args) -> Path:
+    """serve's arguments checked, nothing loaded; the checkpoint folder."""
     from bole.models.config import HybridConfig
-    from bole.models.qwen3_hybrid import HybridModel
-    from bole.server.api import BoleServer, serve
-    from bole.server.chat import ChatTemplate
-
     _positive(max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must lie in 1..65535, got {args.port}")
-    device = _device(args.device)
+    _device(args.device)
     folder = _checkpoint(args.model, need_tokenizer=True)
     _spec(args, args.drafter or "ngram")
     context = HybridConfig.from_pretrained(folder).max_position_embeddings
     if args.max_len > context:
         raise UsageError(f"--max-len {args.max_len} exceeds the model's context of {context}")
+    return folder
+
+
+def _serve_engine(args, folder: Path, tp=None):
+    """The engine ``bole serve`` runs (this rank's shard under tensor parallelism, ``tp``)."""
+    import torch
+
+    from bole.engine import Engine, default_drafter
+    from bole.models.qwen3_hybrid import HybridModel
     tokenizer = _tokenizer(folder)
-    logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = HybridModel.from_pretrained(folder, dtype=dtype, device=device)
+    device = _device(args.device)
+    default = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
+        getattr(args, "dtype", None), default)
+    model = HybridModel.from_pretrained(folder, dtype=dtype, device=device, tp=tp)
     spec = _spec(args, args.drafter or default_drafter(model))
-    engine = Engine(model, spec, max_slots=args.max_batch, max_len=args.max_len,
-                    tokenizer=tokenizer, progress=True)
+    return Engine(model, spec, max_slots=args.max_batch, max_len=args.max_len,
+                  tokenizer=tokenizer, progress=True)
+
+
+def _serve_server(args, folder: Path, engine, channel=None):
+    from bole.server.api import BoleServer
+    from bole.server.chat import ChatTemplate
     name = args.name or ("bundled" if folder.resolve() == BUNDLED_MODEL.resolve() else folder.name)
-    server = BoleServer(engine, name, max_queue=args.max_queue,
-                        chat_template=ChatTemplate.for_checkpoint(folder))
-    serve(server, args.host, args.port)
+    return BoleServer(engine, name, max_queue=args.max_queue,
+                      chat_template=ChatTemplate.for_checkpoint(folder), channel=channel)
+
+
+def _serve(args) -> int:
+    import logging
+
+    from bole.server.api import serve
+
+    folder = _serve_checks(args)
+    logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
+    serve(_serve_server(args, folder, _serve_engine(args, folder)), args.host, args.port)
     return 0
+
+
+def _serve_tp(args, argv: list[str]) -> int:
+    """``serve --tp N``: rank 0 in this process (HTTP, scheduler), ranks 1..N-1 spawned as
+    followers that step in lockstep with it; they stop when it does, and die with it."""
+    import logging
+    import signal
+
+    import torch.multiprocessing as mp
+
+    from bole import distributed
+    from bole.server.api import serve
+    from bole.server.lockstep import Channel
+
+    folder = _serve_checks(args)
+    logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
+    port = distributed.free_port()
+    followers = mp.spawn(_serve_follower, args=(args.tp, port, argv), nprocs=args.tp - 1,
+                         join=False, daemon=True)
+    signal.signal(signal.SIGTERM, _interrupt)           # shut down in order on SIGTERM too
+    channel = None
+    try:
+        _set_rank_device(args, 0)
+        tp = distributed.init(0, args.tp, port, args.device or "cpu")
+        channel = Channel(tp)
+        server = _serve_server(args, folder, _serve_engine(args, folder, tp), channel)
+        serve(server, args.host, args.port,
+              alive=lambda: all(p.is_alive() for p in followers.processes))
+    finally:
+        if channel is not None:
+            channel.close()                             # a no-op once the engine loop sent it
+        _stop_followers(followers.processes, timeout=30 if channel is not None else 0)
+        distributed.shutdown()
+    return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_followers(processes, timeout: float) -> None:
+    """Join the follower processes (``timeout`` seconds in all), then end any still running."""
+    import time
+    deadline = time.monotonic() + timeout
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _serve_follower(i: int, world: int, port: int, argv: list[str]) -> None:
+    """Rank ``i + 1`` of ``serve --tp``: silent, binds no port, steps as rank 0 says until it
+    stops; ignores Ctrl-C (rank 0 stops it) and dies with rank 0's process."""
+    import contextlib
+    import io
+    import signal
+
+    from bole import distributed
+    from bole.server.lockstep import Channel, LockstepScheduler
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    rank = i + 1
+    args = _build_parser().parse_args(argv)
+    _set_rank_device(args, rank)
+    tp = distributed.init(rank, world, port, args.device or "cpu")
+    try:
+        channel = Channel(tp)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            engine = _serve_engine(args, Path(args.model), tp)
+            LockstepScheduler(engine, channel, max_queue=args.max_queue).follow()
+    finally:
+        distributed.shutdown()
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (a no-op elsewhere)."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _set_rank_device(args, rank: int) -> None:
+    """A tensor-parallel rank's device: its own GPU (``cuda:rank``) or the CPU."""
+    if _device(args.device).startswith("cuda"):
+        args.device = f"cuda:{rank}"
 
 
 def _calibrate(args) -> int:
@@ -469,9 +594,7 @@ def _tp_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
 
     from bole import distributed
     args = _build_parser().parse_args(argv)
-    device = _device(args.device)
-    if device.startswith("cuda"):
-        args.device = f"cuda:{rank}"
+    _set_rank_device(args, rank)
     args.tp_group = distributed.init(rank, world, port, args.device or "cpu")
     quiet = contextlib.ExitStack()
     if rank:
@@ -506,6 +629,8 @@ def _run_tp(args, argv: list[str]) -> int:
     else:
         check_divisible(HybridConfig.from_pretrained(_checkpoint(
             args.model or str(BUNDLED_MODEL), need_tokenizer=False)), args.tp)
+    if args.command == "serve":
+        return _serve_tp(args, argv)
     mp.spawn(_tp_worker, args=(args.tp, free_port(), argv), nprocs=args.tp, join=True)
     return 0
 

@@ -82,12 +82,14 @@ def free_port() -> int:
 
 
 def init(rank: int, world: int, port: int, device: str = "cpu") -> TensorParallel:
-    """Join the group of ``world`` processes on 127.0.0.1:``port`` (gloo on the CPU, NCCL on
-    GPUs, one GPU per rank)."""
+    """Join the group of ``world`` processes on 127.0.0.1:``port`` (gloo on the CPU, each rank
+    with its share of the intra-op threads; NCCL on GPUs, one GPU per rank)."""
     os.environ.update(SAFE_ENV)
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    else:                                 # the ranks share the CPU: no oversubscribed cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // world))
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     return TensorParallel(TPShard(rank, world), dist.group.WORLD)

@@ -1,27 +1,58 @@
 """bench/e2e.py runs end to end on a tiny preset (CPU smoke run): every mode's record, the best
-shapes, output equal to plain decoding, the JSON and the plot."""
+shapes, output equal to plain decoding, the JSON and the plot; with ``--tp 2`` (two gloo ranks)
+the same outputs and acceptance, rank 0 writing records marked tp 2."""
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ["--models", "tiny", "--device", "cpu", "--max-tokens", "10", "--context", "16",
+         "--tree-shapes", "3,2,6"]
+
+
+def _e2e():
+    """bench/e2e.py as the module ``e2e`` (registered, so that spawned ranks find it)."""
+    if "e2e" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("e2e", ROOT / "bench" / "e2e.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["e2e"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["e2e"]
+
+
+def _records(out: Path) -> tuple[dict, list[dict]]:
+    data = json.loads(next(out.glob("e2e-*.json")).read_text())
+    return data["meta"], data["records"]
 
 
 def test_e2e_smoke_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("e2e", ROOT / "bench" / "e2e.py")
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
-    assert e2e.main(["--models", "tiny", "--batches", "1", "2", "--device", "cpu",
-                     "--max-tokens", "10", "--context", "16", "--chain-depths", "2", "3",
-                     "--tree-shapes", "3,2,6", "--out", str(tmp_path)]) == 0
-    data = json.loads(next(tmp_path.glob("e2e-*.json")).read_text())
-    recs = data["records"]
+    assert _e2e().main(SMOKE + ["--batches", "1", "2", "--chain-depths", "2", "3",
+                                "--out", str(tmp_path)]) == 0
+    meta, recs = _records(tmp_path)
     assert {(r["mode"], r["batch"]) for r in recs} == {
         (m, b) for m in ("ar", "chain", "tree-serial", "bole") for b in (1, 2)}
     for r in recs:
-        assert r["profile"] == "qwen3-next-mtp" and r["tokens_per_s"] > 0
+        assert r["profile"] == "qwen3-next-mtp" and r["tokens_per_s"] > 0 and r["tp"] == 1
         if r["mode"] != "ar":
             assert r["equal_to_ar"] and r["mean_accepted_tokens"] > 1.0
-    assert "replayed" in data["meta"]["acceptance_note"]
+    assert "replayed" in meta["acceptance_note"]
     assert list(tmp_path.glob("e2e-*.png"))
+
+
+def test_e2e_with_two_ranks_equals_one(tmp_path):
+    """One shape per mode, so that both runs measure the same configurations."""
+    e2e = _e2e()
+    base = SMOKE + ["--batches", "2", "--chain-depths", "2"]
+    assert e2e.main(base + ["--out", str(tmp_path / "tp1")]) == 0
+    assert e2e.main(base + ["--tp", "2", "--out", str(tmp_path / "tp2")]) == 0
+    meta, tp2 = _records(tmp_path / "tp2")
+    _, tp1 = _records(tmp_path / "tp1")
+    assert meta["tp"] == 2 and len(tp2) == len(tp1) == 4
+    for a, b in zip(tp2, tp1):
+        assert a["tp"] == 2 and b["tp"] == 1 and (a["mode"], a["batch"]) == (b["mode"], b["batch"])
+        for key in ("output_digest", "mean_accepted_tokens", "tokens_per_verified_node",
+                    "shape", "equal_to_ar"):
+            assert a.get(key) == b.get(key), (a["mode"], key)
+    assert e2e.main(base + ["--tp", "3", "--out", str(tmp_path / "tp3")]) == 2

@@ -5,7 +5,8 @@ The scheduler runs on one engine thread (:class:`EngineLoop`); a request handler
 request and waits on an asyncio queue that the engine thread feeds after every round. A client
 that disconnects cancels its request, which frees its slot at the next round boundary. Every
 error a client can cause is a 4xx with OpenAI's error body; a full waiting queue is a 503 with
-Retry-After; an unexpected error is a 500 and the server goes on.
+Retry-After; an unexpected error is a 500 and the server goes on. Under tensor parallelism this
+is rank 0; the other ranks step in lockstep with it (:mod:`bole.server.lockstep`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from bole.engine import Engine, GenerationParams
 from bole.engine.scheduler import Handle, QueueFull, Scheduler
 from bole.server.chat import ChatTemplate
+from bole.server.lockstep import Channel, LockstepScheduler
 from bole.server.metrics import ServerMetrics
 from bole.server.protocol import (ChatCompletionRequest, CompletionRequest, completion_body,
                                   completion_chunk, error_body, new_id, usage)
@@ -33,10 +35,12 @@ log = logging.getLogger("bole.server")
 
 
 class EngineLoop:
-    """Runs the scheduler's rounds on a thread of its own until stopped."""
+    """Runs the scheduler's rounds on a thread of its own until stopped; ``on_exit`` runs on that
+    thread as it ends (tensor parallelism: stop the followers)."""
 
-    def __init__(self, scheduler: Scheduler):
+    def __init__(self, scheduler: Scheduler, on_exit: Callable[[], None] | None = None):
         self.scheduler = scheduler
+        self.on_exit = on_exit
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="bole-engine", daemon=True)
         self.error: BaseException | None = None
@@ -50,16 +54,20 @@ class EngineLoop:
         self.thread.join(timeout=30)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self.scheduler.wait_for_work(0.05):
-                continue
-            try:
-                self.scheduler.step()
-            except Exception as exc:                  # keep serving; fail what was running
-                log.exception("a round failed")
-                self.error = exc
-                for h in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self.scheduler.cancel(h)
+        try:
+            while not self._stop.is_set():
+                if not self.scheduler.wait_for_work(0.05):
+                    continue
+                try:
+                    self.scheduler.step()
+                except Exception as exc:              # keep serving; fail what was running
+                    log.exception("a round failed")
+                    self.error = exc
+                    for h in list(self.scheduler.running) + list(self.scheduler.waiting):
+                        self.scheduler.cancel(h)
+        finally:
+            if self.on_exit is not None:
+                self.on_exit()
 
 
 class TextStream:
@@ -87,18 +95,24 @@ class TextStream:
 
 
 class BoleServer:
-    """The app's state: engine, scheduler, metrics and the served model's name."""
+    """The app's state: engine, scheduler, metrics and the served model's name. ``channel``: rank
+    0's link to the other tensor-parallel ranks, which then step in lockstep with it."""
 
     def __init__(self, engine: Engine, model_name: str, *, max_queue: int = 256,
-                 max_batch: int | None = None, chat_template: ChatTemplate | None = None):
+                 max_batch: int | None = None, chat_template: ChatTemplate | None = None,
+                 channel: Channel | None = None):
         if engine.tokenizer is None:
             raise ValueError("the server needs the checkpoint's tokenizer (Engine(tokenizer=...))")
         self.engine, self.model_name = engine, model_name
-        self.scheduler = Scheduler(engine, max_queue=max_queue, max_batch=max_batch)
+        if channel is None:
+            self.scheduler = Scheduler(engine, max_queue=max_queue, max_batch=max_batch)
+        else:
+            self.scheduler = LockstepScheduler(engine, channel, max_queue=max_queue,
+                                               max_batch=max_batch)
         self.metrics = ServerMetrics(self.scheduler)
         self.scheduler.on_round = self.metrics.observe_round
         self.chat = chat_template or ChatTemplate.for_checkpoint("")
-        self.loop = EngineLoop(self.scheduler)
+        self.loop = EngineLoop(self.scheduler, on_exit=channel.close if channel else None)
 
     # ---- requests ----
     def _params(self, req, max_tokens: int) -> GenerationParams:
@@ -283,10 +297,30 @@ def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def serve(server: BoleServer, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run the app with uvicorn until interrupted."""
+def serve(server: BoleServer, host: str = "127.0.0.1", port: int = 8000,
+          alive: Callable[[], bool] | None = None) -> None:
+    """Run the app with uvicorn until interrupted, or until ``alive()`` turns False (checked
+    twice a second: a tensor-parallel rank died)."""
     import uvicorn
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port,
+                                       log_level="info"))
+    if alive is not None:
+        threading.Thread(target=_watch, args=(uv, alive), name="bole-watch", daemon=True).start()
     t0 = time.perf_counter()
     log.info("serving %s on http://%s:%d", server.model_name, host, port)
-    uvicorn.run(create_app(server), host=host, port=port, log_level="info")
+    try:
+        uv.run()
+    except KeyboardInterrupt:                 # uvicorn re-raises the signal it stopped on
+        pass
+    if not uv.started:
+        raise SystemExit(3)                   # as uvicorn.run: the app did not start
     log.info("stopped after %.0f s", time.perf_counter() - t0)
+
+
+def _watch(uv, alive: Callable[[], bool]) -> None:
+    while not uv.should_exit:
+        if not alive():
+            log.error("a tensor-parallel rank exited; stopping the server")
+            uv.should_exit = True
+            return
+        time.sleep(0.5)

@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     for name in args.models:
         model, given, drafter, _ = load(name, args.device, dtype)
         acceptance = args.profile if drafter == "replay" else None
-        base = SpecConfig("bole", drafter, args.depth, args.topk, args.budget, acceptance)
+        base = SpecConfig("bole", drafter, args.depth, args.topk, args.budget, acceptance,
+                          forced_acceptance=drafter == "replay")
         profile = load_or_calibrate(model, base, max(args.batches))
         records = []
         for batch in args.batches:

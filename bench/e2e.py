@@ -176,6 +176,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="the MTP head drafts over this many most frequent tokens (0: all); the "
                          "replay drafter keeps its profile's acceptance")
+    ap.add_argument("--unforced", action="store_true",
+                    help="replay: accept by the target's argmax (random bf16 weights flip near-tied "
+                         "argmaxes between decode and tree verify, which collapses acceptance)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks: one process each (one GPU each on CUDA)")
@@ -237,6 +240,7 @@ def study(args, tp=None) -> Path | None:
     for name in args.models:
         model, given, drafter, _ = load(name, device, dtype, tp)
         profile = args.profile if drafter == "replay" else None
+        forced = drafter == "replay" and not args.unforced
         for batch in args.batches:
             prompts = prompts_for(model, given, batch, args.context, seed=batch)
             base = dict(model=name, drafter=drafter, profile=profile, batch=batch, tp=args.tp)
@@ -246,17 +250,18 @@ def study(args, tp=None) -> Path | None:
             candidates = {"chain": [], "bole": []}
             for d in args.chain_depths:
                 spec = SpecConfig("chain", drafter, d, 1, d + 1, profile,
-                                  draft_vocab=args.draft_vocab)
+                                  draft_vocab=args.draft_vocab, forced_acceptance=forced)
                 candidates["chain"].append((spec, run(model, spec, prompts, args.max_tokens,
                                                       cont, args.device)))
             for d, k, b in shapes:
-                spec = SpecConfig("bole", drafter, d, k, b, profile, draft_vocab=args.draft_vocab)
+                spec = SpecConfig("bole", drafter, d, k, b, profile, draft_vocab=args.draft_vocab,
+                                  forced_acceptance=forced)
                 candidates["bole"].append((spec, run(model, spec, prompts, args.max_tokens,
                                                      cont, args.device)))
             best = {m: c[fastest(c, model)] for m, c in candidates.items()}
             b_spec = best["bole"][0]
             t_spec = SpecConfig("tree-serial", drafter, b_spec.depth, b_spec.topk, b_spec.budget,
-                                profile, draft_vocab=args.draft_vocab)
+                                profile, draft_vocab=args.draft_vocab, forced_acceptance=forced)
             best["tree-serial"] = (t_spec, run(model, t_spec, prompts, args.max_tokens, cont,
                                                args.device))
             for mode in ("chain", "tree-serial", "bole"):
@@ -280,7 +285,9 @@ def study(args, tp=None) -> Path | None:
                                  "the rounds' time (the speculative rounds); tokens_per_s: over "
                                  "the whole run, prefills included"),
                 acceptance_note=("presets: random weights, acceptance replayed from profile "
-                                 f"{args.profile!r} (bole/speculative/profiles), not measured"))
+                                 f"{args.profile!r} (bole/speculative/profiles), not measured"
+                                 + ("" if args.unforced else
+                                    "; greedy acceptance forced to the known continuation")))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"e2e-{meta['date']}{args.tag}.json"

@@ -63,3 +63,22 @@ def test_a_round_synchronises_once(bundled, mode, drafter):
     assert engine.timings.syncs == engine.timings.rounds
     for r in reqs:
         engine.release(r)
+
+
+@pytest.mark.parametrize("policy,shared", [("global", 20), ("fixed", 0)])
+def test_every_width_is_captured_at_start_up(bundled, policy, shared):
+    """A shared budget changes the verify width from round to round: each width's graphs exist
+    before the first round, so no round captures (and output still equals the eager one)."""
+    model, prompts = bundled
+    spec = SpecConfig("bole", "mtp", depth=6, topk=3, budget=16, budget_policy=policy,
+                      shared_budget=shared)
+    outputs = []
+    for graphs in (False, True):
+        engine = Engine(model, spec, max_slots=4, max_len=512, cuda_graphs=graphs)
+        before = set(engine.rounds.graphs.graphs)
+        res = engine.generate(prompts, GenerationParams(max_tokens=40), seed=3)
+        outputs.append([r.token_ids for r in res])
+        if graphs:
+            assert set(engine.rounds.graphs.graphs) == before
+            assert engine.rounds.graphs.stats["eager_fallbacks"] == 0
+    assert outputs[0] == outputs[1]

@@ -65,6 +65,12 @@ class SpecConfig:
     #: the MTP head drafts over this many most frequent tokens (0: the whole vocabulary;
     #: bole/speculative/draft_vocab.py); verification always uses the whole vocabulary
     draft_vocab: int = 0
+    #: benchmarks only, with the replay drafter: greedy acceptance takes the known continuation
+    #: as the target's choice (the verify forward still runs in full). Random weights in bf16
+    #: have near-tied logits whose argmax flips between a decode and a tree verify; one flip
+    #: makes the continuation stale and acceptance collapses. Output then equals plain
+    #: decoding's by construction, so exactness is checked with this off (fp32 tests)
+    forced_acceptance: bool = False
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -74,6 +80,9 @@ class SpecConfig:
         from bole.engine.selection import POLICIES
         if self.budget_policy not in POLICIES:
             raise ValueError(f"budget_policy must be one of {POLICIES}, got {self.budget_policy!r}")
+        if self.forced_acceptance and self.drafter != "replay":
+            raise ValueError("forced_acceptance replays a known continuation: it needs the "
+                             "replay drafter")
         if self.draft_vocab < 0:
             raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got "
                              f"{self.draft_vocab}")

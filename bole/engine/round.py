@@ -199,14 +199,18 @@ class RoundRunner:
         return self.buffers[R]
 
     def capture_all(self, max_slots: int, progress: bool) -> None:
-        """Capture every bucket's greedy round up to ``max_slots`` rows, largest first."""
+        """Capture every bucket's greedy round up to ``max_slots`` rows, largest first, at
+        every verify width the budget policy can pick (a capture inside a timed round costs
+        hundreds of milliseconds)."""
         buckets = [b for b in BUCKETS if b < max_slots] + [bucket_for(max_slots)]
         t0 = time.perf_counter()
         for i, R in enumerate(sorted(set(buckets), reverse=True)):
             if progress:
                 print(f"\r[bole] capturing CUDA graphs: batch {R} ({i + 1}/{len(buckets)})",
                       end="", file=sys.stderr, flush=True)
-            self._capture(R, StaticSampling.flags_for([]), self.policy.width(R, R))
+            widths = self.policy.widths if self.policy.shared else (self.policy.width(R, R),)
+            for W in widths:
+                self._capture(R, StaticSampling.flags_for([]), W)
         if progress:
             print(f"\r[bole] captured {len(self.graphs.graphs)} CUDA graphs for batches up to "
                   f"{max(buckets)} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -265,8 +269,11 @@ class RoundRunner:
     def _accept_commit(self, b: RoundBuffers, batch, out, tokens) -> None:
         R, W = tokens.shape
         logits = out.logits.view(R, W, -1)
+        forced = None
+        if self.spec.forced_acceptance and self.mtp is not None:
+            forced = self.mtp.forced_targets(b.slots, batch.ctx_lens, batch.forest.depth)
         acc = accept(logits, tokens, batch.forest, b.sampling.batch(), b.uniforms,
-                     max_children=self.K)
+                     max_children=self.K, forced=forced)
         path_len = torch.where(b.active, acc.path_len, 0)
         ctx = batch.ctx_lens
         path_global = self.runner.commit(batch, out, acc.path, path_len, kv_in_place=self.ar)

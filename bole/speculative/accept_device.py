@@ -398,28 +398,34 @@ def accept_sampled(probs: torch.Tensor, tokens: torch.Tensor, forest: DenseFores
 # ---------------------------------------------------------------- mixed batches
 
 def accept(logits: torch.Tensor, tokens: torch.Tensor, forest: DenseForest, batch: SamplingBatch,
-           uniforms: torch.Tensor | None = None,
-           max_children: int | None = None) -> DeviceAcceptance:
+           uniforms: torch.Tensor | None = None, max_children: int | None = None,
+           forced: torch.Tensor | None = None) -> DeviceAcceptance:
     """Accept a verified forest: greedy requests by :func:`accept_greedy` on the logits' argmax,
     sampled requests by :func:`accept_sampled` on :func:`target_probs_rows`, merged per request.
 
     logits: ``[R, T, V]`` or ``[R * T, V]`` (any float dtype); tokens: ``[R, T]``; uniforms as for
-    :func:`accept_sampled`, required unless ``batch.all_greedy``.
+    :func:`accept_sampled`, required unless ``batch.all_greedy``. ``forced [R, T]``: a token
+    that greedy rows take as the target's choice after each node instead of the argmax, where
+    it is >= 0 (the replay drafter's known continuation in benchmarks: see
+    ``SpecConfig.forced_acceptance``).
     """
     tokens = _check(tokens, forest)
     R, T = tokens.shape
     if batch.num_requests != R:
         raise ValueError(f"{batch.num_requests} sampling parameters for {R} requests")
     logits = logits.reshape(R, T, logits.shape[-1])
+    argmax = logits.argmax(-1)
+    if forced is not None:
+        argmax = torch.where(forced >= 0, forced, argmax)
     if batch.all_greedy:
-        return _finish(forest, tokens, *_greedy_walk(logits.argmax(-1), tokens, forest))
+        return _finish(forest, tokens, *_greedy_walk(argmax, tokens, forest))
     if uniforms is None:
         raise ValueError("sampled requests need pre-drawn uniforms (draw_uniforms)")
     K = _num_children(forest, uniforms, max_children)
     probs = target_probs_rows(logits, batch)
     accepted, bonus = _sampled_walk(probs, tokens, forest, uniforms.float(), K)
     if batch.any_greedy:
-        g_accepted, g_bonus = _greedy_walk(logits.argmax(-1), tokens, forest)
+        g_accepted, g_bonus = _greedy_walk(argmax, tokens, forest)
         greedy = batch.greedy
         accepted = torch.where(greedy, g_accepted, accepted)
         bonus = torch.where(greedy, g_bonus, bonus)

@@ -312,6 +312,13 @@ class ReplayDrafter:
         key = _stream_key(tokens, start) if request is None else int(request) & _M31
         self.stream[slot] = key
 
+    def forced_targets(self, slots: Tensor, ctx: Tensor, depth: Tensor) -> Tensor:
+        """``[R, T]`` int64: the continuation's token after each node (a node at depth d of a
+        round whose root sits at position ``ctx[r]`` is followed by position ctx + d + 1), -1
+        where unknown. Device code (captured with the acceptance)."""
+        col = (ctx.long()[:, None] + depth + 1).clamp(0, self.width - 1)
+        return self.continuation[slots.long()[:, None], col]
+
     def clear(self, slot: int) -> None:
         """Forget a slot's continuation (at release): all its positions become unknown."""
         self.continuation[slot].fill_(-1)

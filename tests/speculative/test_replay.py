@@ -283,6 +283,32 @@ def test_greedy_output_equals_plain_decoding_in_every_mode(model):
     assert outs == plain
 
 
+def test_forced_acceptance_follows_the_continuation(model):
+    """forced_acceptance (benchmarks of bf16 random weights): in fp32, where the continuation is
+    the target's own greedy output, the same outputs and acceptance as without it; given a
+    continuation that is not the target's, the output follows that continuation instead, so
+    the acceptance is the replay's whatever the target's argmax."""
+    prompts = [[1, 2, 3, 4, 5, 6], [9, 9, 9]]
+    params = GenerationParams(max_tokens=20)
+    plain = [r.token_ids for r in Engine(model, SpecConfig(mode="ar")).generate(
+        prompts, params, seed=0)]
+    profile = "qwen3-next-mtp"
+    runs = {}
+    for forced in (False, True):
+        spec = SpecConfig("bole", "replay", 4, 3, 10, profile, forced_acceptance=forced)
+        res = Engine(model, spec).generate(prompts, params, seed=0, continuations=plain)
+        runs[forced] = ([r.token_ids for r in res], [r.accepted for r in res])
+    assert runs[True] == runs[False] and runs[True][0] == plain
+    vocab = model.config.vocab_size
+    other = [[t if i % 3 else (t + 1) % vocab for i, t in enumerate(c)] for c in plain]
+    other = [[c[0]] + o[1:] for c, o in zip(plain, other)]    # the prefill's token is the model's
+    spec = SpecConfig("bole", "replay", 4, 3, 10, profile, forced_acceptance=True)
+    res = Engine(model, spec).generate(prompts, params, seed=0, continuations=other)
+    assert [r.token_ids for r in res] == other
+    with pytest.raises(ValueError, match="needs the replay drafter"):
+        SpecConfig("bole", "mtp", forced_acceptance=True).validate()
+
+
 # ---------------------------------------------------------------- (3) profiles
 
 def _write(tmp_path, data, name="p.json"):

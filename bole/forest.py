@@ -77,8 +77,8 @@ class DenseForest:
             raise TypeError(f"parents must be int64 and valid bool, got {parents.dtype} and "
                             f"{valid.dtype}")
         parents = torch.where(valid, parents, -1)
-        if parents.is_cuda:              # one launch (bole/ops/forest.py) instead of ~3 per level
-            from bole.ops.forest import forest_structure
+        if parents.is_cuda:              # one launch (bole/forest_kernel.py) instead of ~3 per level
+            from bole.forest_kernel import forest_structure
             return cls(parents, valid, *forest_structure(parents, max_depth), int(max_depth))
         return cls(parents, valid, depths_from_parents(parents, max_depth),
                    ancestors_from_parents(parents, max_depth), int(max_depth))

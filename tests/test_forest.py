@@ -54,10 +54,10 @@ def test_positions_and_global_index():
        cut=st.integers(0, 3))
 @settings(max_examples=40)
 def test_structure_kernel_equals_the_torch_propagation(forest, extra, cut):
-    """bole/ops/forest.py (one launch; the CPU interpreter here) against the reference
+    """bole/forest_kernel.py (one launch; the CPU interpreter here) against the reference
     propagation, also with a max_depth below the trees' depth (both truncate alike)."""
     from bole.forest import ancestors_from_parents, depths_from_parents
-    from bole.ops.forest import forest_structure
+    from bole.forest_kernel import forest_structure
     T = int(forest.sizes().max()) + extra
     dense = DenseForest.from_packed(forest, T)
     parents = torch.where(dense.valid, dense.parents, -1)

@@ -24,6 +24,7 @@ from bole.models.qwen3_hybrid import HybridModel
 from bole.ops import fused
 from bole.ops.attention import tree_attention
 from bole.ops.topk_softmax import topk_softmax
+from bole.speculative.mtp_inputs import frontier_inputs
 
 MTP_LAYER = "mtp.layers.0."
 
@@ -132,7 +133,6 @@ class MTPDrafter:
         its slot's committed MTP rows and its own created ancestors (scratch rows)."""
         m = self.model
         dev = self.k.device
-        slots_l = slots.long()
         hidden_size = m.config.hidden_size
         state: dict[str, torch.Tensor] = {}
 
@@ -142,28 +142,18 @@ class MTPDrafter:
             if "m" not in state:
                 state["m"] = torch.zeros(R, C + 1, hidden_size, dtype=m.dtype, device=dev)
             m_table = state["m"]
-            live = frontier >= 0
-            f = frontier.clamp(min=0)
-            tok = torch.gather(table.tokens, 1, f)
-            parent = torch.gather(table.parents, 1, f)
-            depth = torch.gather(table.depth, 1, f)
-            parent_m = torch.gather(m_table, 1, parent.clamp(min=0)[..., None]
-                                    .expand(R, K, hidden_size))
-            prev = torch.where((parent >= 0)[..., None], parent_m,
-                               self.last_hidden[slots_l][:, None])
-            x = self._input(tok.reshape(-1), prev.reshape(R * K, -1))
-            q, k, v, gate = self._kv(x, (ctx[:, None] + depth).reshape(-1))
-            base = ctx - 1                                        # committed MTP rows
-            rows = torch.where(live, base[:, None] + f, self.junk_row)
+            # tokens, positions, pool rows, masks and parent hidden states: one launch on CUDA
+            inp = frontier_inputs(frontier, table, m_table, self.last_hidden, slots, ctx,
+                                  self.junk_row)
+            x = self._input(inp.tokens, inp.prev)
+            q, k, v, gate = self._kv(x, inp.positions)
             write_rows(self.k, self.v, k.view(R, K, *k.shape[1:]), v.view(R, K, *v.shape[1:]),
-                       slots, rows)
-            mask = torch.gather(table.ancestors, 1, f[..., None].expand(R, K, C))
-            mask = mask & live[..., None]
-            o = tree_attention(q, self.k, self.v, slots, base, mask.reshape(R * K, C),
+                       slots, inp.rows)
+            o = tree_attention(q, self.k, self.v, slots, ctx - 1, inp.mask,
                                scale=m.config.head_dim ** -0.5, gate=gate)
             out = self._finish(x, o.reshape(R * K, -1))
-            m_table.scatter_(1, torch.where(live, f, C)[..., None].expand(R, K, hidden_size),
-                             out.view(R, K, -1))
+            m_table.scatter_(1, torch.where(frontier >= 0, frontier, C)[..., None]
+                             .expand(R, K, hidden_size), out.view(R, K, -1))
             if self.head is None:
                 probs, tokens = topk_softmax(m.lm_head(out), topk)
             else:

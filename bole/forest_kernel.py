@@ -1,4 +1,5 @@
-"""Depths and ancestor masks of a dense forest from its parents, in one Triton launch.
+"""Depths and ancestor masks of a dense forest from its parents, in one Triton launch (the CUDA
+path of :meth:`bole.forest.DenseForest.from_parents`; it sits on the forest's floor, below ops).
 
     forest_structure(parents [R, T] int64, max_depth) -> (depth [R, T] int64, ancestors [R, T, T] bool)
 
@@ -16,11 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bole.ops.triton_utils import fix_interpreter_scalar_index
-
 __all__ = ["forest_structure"]
-
-fix_interpreter_scalar_index()
 
 
 @triton.jit

@@ -30,10 +30,8 @@ an ``output_digest`` of the generated tokens, to compare runs token for token.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import hashlib
-import io
 import json
 import sys
 import time
@@ -220,12 +218,8 @@ def tp_problem(args) -> str | None:
 def rank_main(rank: int, args, port: int) -> None:
     """One tensor-parallel rank of the study: rank 0 prints and writes, the others are silent."""
     tp = distributed.init(rank, args.tp, port, args.device)
-    quiet = contextlib.ExitStack()
-    if rank:
-        quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
-        quiet.enter_context(contextlib.redirect_stderr(io.StringIO()))
     try:
-        with quiet:
+        with distributed.quiet_unless_rank0(rank):
             study(args, tp)
     finally:
         distributed.shutdown()

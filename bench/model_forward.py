@@ -197,7 +197,8 @@ def main(argv=None) -> int:
     del runner
     torch.cuda.empty_cache()
     # a whole bole round at batch 1: MTP drafting, verification, acceptance, commit
-    rounds = [("ar", 0), ("bole", 0)] + ([("bole", args.draft_vocab)] if args.draft_vocab else [])
+    reduced = 0 < args.draft_vocab < config.vocab_size      # else the head drafts over all
+    rounds = [("ar", 0), ("bole", 0)] + ([("bole", args.draft_vocab)] if reduced else [])
     for mode, draft_vocab in rounds:
         spec = SpecConfig(mode, "mtp", args.depth, 4, 64, draft_vocab=draft_vocab)
         engine = Engine(model, spec, max_slots=1, max_len=args.context + args.round_tokens + 80)

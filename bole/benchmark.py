@@ -55,7 +55,8 @@ def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_
               depth: int = 8, topk: int = 4, budget: int = 32, seed: int = 0,
               drafter: str = "ngram", batches: tuple[int, ...] | None = None,
               cuda_graphs: bool | None = None, progress: bool = False,
-              acceptance: str | None = None, draft_vocab: int = 0) -> list[ModeResult]:
+              acceptance: str | None = None, draft_vocab: int = 0,
+              forced_acceptance: bool = False) -> list[ModeResult]:
     """Every mode over ``prompts`` at each batch size (the prompts cycled to fill a batch; by
     default one batch of all of them). With the replay drafter, plain decoding runs first and
     its output is every other mode's known continuation."""
@@ -77,7 +78,8 @@ def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_
                 print(f"\r[bole bench] batch {batch}: {mode:<12}", end="", file=sys.stderr,
                       flush=True)
             spec = SpecConfig(mode=mode, drafter=drafter, depth=depth, topk=topk, budget=budget,
-                              acceptance=acceptance, draft_vocab=draft_vocab)
+                              acceptance=acceptance, draft_vocab=draft_vocab,
+                              forced_acceptance=forced_acceptance and mode != "ar")
             scratch = max(spec.nodes_per_request, depth + 1)
             max_len = max(len(p) for p in work) + max_tokens + scratch + 1
             engine = Engine(model, spec, max_slots=batch, max_len=max_len,

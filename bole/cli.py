@@ -142,6 +142,10 @@ def _build_parser() -> argparse.ArgumentParser:
                             "lookup; replay: a preset's random MTP head with the proposals of "
                             "--acceptance (plain decoding runs first to know the continuation)")
     _acceptance_option(bench)
+    bench.add_argument("--forced-acceptance", action="store_true",
+                       help="replay only: greedy acceptance takes the known continuation as the "
+                            "target's choice (random bf16 weights flip near-tied argmaxes between "
+                            "a decode and a tree verify, which collapses the replay's acceptance)")
     bench.add_argument("--prompt-set", default=None, choices=["code", "repetitive"],
                        help="code: the bundled Python prompts (needs the checkpoint's tokenizer; "
                             "default then); repetitive: repeated random phrases (default for presets)")
@@ -275,6 +279,9 @@ def _bench(args) -> int:
     device = _device(args.device)
     args.mode = "bole"
     spec = _spec(args, args.drafter or "ngram")
+    if args.forced_acceptance and spec.drafter != "replay":
+        raise UsageError("--forced-acceptance replays a known continuation: it needs "
+                         "--drafter replay")
     if spec.drafter == "replay":
         from bole.speculative.replay import AcceptanceProfile
         try:
@@ -301,7 +308,8 @@ def _bench(args) -> int:
                         topk=args.topk, budget=args.budget, drafter=drafter,
                         batches=tuple(args.batches) if args.batches else None,
                         cuda_graphs=False if args.no_graphs else None, progress=True,
-                        acceptance=args.acceptance, draft_vocab=args.draft_vocab)
+                        acceptance=args.acceptance, draft_vocab=args.draft_vocab,
+                        forced_acceptance=args.forced_acceptance)
     import triton
     meta = dict(model_name=name, device=torch.cuda.get_device_name() if device.startswith("cuda")
                 else "cpu", torch=torch.__version__, triton=triton.__version__,
@@ -310,6 +318,7 @@ def _bench(args) -> int:
                 prompt_len=args.prompt_len if prompt_set == "repetitive" else None,
                 max_tokens=args.max_tokens, depth=args.depth, topk=args.topk, budget=args.budget,
                 drafter=drafter, acceptance=args.acceptance, draft_vocab=args.draft_vocab,
+                forced_acceptance=args.forced_acceptance,
                 cuda_graphs=not args.no_graphs and device.startswith("cuda"))
     path, png = write_results(results, meta, Path(args.out), args.tag)
     print(f"{name}, {meta['dtype']} on {meta['device']}, drafter {drafter}, {prompt_set} prompts")
@@ -589,19 +598,12 @@ def _calibrate(args) -> int:
 
 def _tp_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
     """One tensor-parallel rank of a command: rank 0 prints, the others stay silent."""
-    import contextlib
-    import io
-
     from bole import distributed
     args = _build_parser().parse_args(argv)
     _set_rank_device(args, rank)
     args.tp_group = distributed.init(rank, world, port, args.device or "cpu")
-    quiet = contextlib.ExitStack()
-    if rank:
-        quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
-        quiet.enter_context(contextlib.redirect_stderr(io.StringIO()))
     try:
-        with quiet:
+        with distributed.quiet_unless_rank0(rank):
             rc = {"generate": _generate, "bench": _bench}[args.command](args)
     finally:
         distributed.shutdown()

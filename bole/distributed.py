@@ -10,6 +10,8 @@ decisions (its generators seeded alike). NVLink multicast stays off in every pro
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import socket
 from dataclasses import dataclass
@@ -98,3 +100,13 @@ def init(rank: int, world: int, port: int, device: str = "cpu") -> TensorParalle
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def quiet_unless_rank0(rank: int) -> contextlib.ExitStack:
+    """A context in which a rank other than 0 prints nothing (stdout and stderr swallowed), so
+    that a command run by every rank reports once."""
+    quiet = contextlib.ExitStack()
+    if rank:
+        quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        quiet.enter_context(contextlib.redirect_stderr(io.StringIO()))
+    return quiet

@@ -65,3 +65,17 @@ def test_structure_kernel_equals_the_torch_propagation(forest, extra, cut):
         depth, anc = forest_structure(parents.to(DEV), D)
         assert torch.equal(depth.cpu(), depths_from_parents(parents, D))
         assert torch.equal(anc.cpu(), ancestors_from_parents(parents, D))
+
+
+def test_structure_kernel_over_several_row_blocks():
+    """T = 130 (several row blocks a request): a long chain and a wide star, both truncated and
+    not."""
+    from bole.forest import ancestors_from_parents, depths_from_parents
+    from bole.forest_kernel import forest_structure
+    chain = torch.arange(-1, 129)
+    star = torch.tensor([-1] + [0] * 64 + list(range(1, 66)))
+    parents = torch.stack([chain, star])
+    for D in (129, 40):
+        depth, anc = forest_structure(parents.to(DEV), D)
+        assert torch.equal(depth.cpu(), depths_from_parents(parents, D))
+        assert torch.equal(anc.cpu(), ancestors_from_parents(parents, D))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -25,13 +24,6 @@ sys.path.insert(0, str(ROOT))
 
 from bole.assets import BUNDLED_MODEL  # noqa: E402
 from bole.speculative.draft_vocab import COUNTS_FILE, frequent_ids  # noqa: E402
-
-
-def _bundled_training():
-    spec = importlib.util.spec_from_file_location("bundled_model", ROOT / "train" / "bundled_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def count(ids: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -48,10 +40,11 @@ def coverage(counts: torch.Tensor, held: torch.Tensor, sizes) -> dict[int, float
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint folder (tokenizer.json)")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="checkpoint folder (tokenizer.json)")
+    src.add_argument("--bundled", action="store_true",
+                     help="the bundled model over its own training split")
     ap.add_argument("--corpus", nargs="+", default=[], help="text files to count")
-    ap.add_argument("--bundled", action="store_true",
-                    help="the bundled model over its own training split")
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     ap.add_argument("--out", default=None, help=f"default: MODEL/{COUNTS_FILE}")
     args = ap.parse_args(argv)
@@ -61,7 +54,8 @@ def main(argv=None) -> int:
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     held = None
     if args.bundled:
-        bm = _bundled_training()
+        sys.path.insert(0, str(ROOT / "train"))
+        import bundled_model as bm                 # its corpus split and tokenisation
         train_files, held_files = bm.split_modules(bm.stdlib_files())
         ids = bm.token_stream(tok, bm.read(train_files))
         held = bm.token_stream(tok, bm.read(held_files))

@@ -88,7 +88,10 @@ class SpecConfig:
                              f"{self.draft_vocab}")
         if 0 < self.draft_vocab < self.topk:
             raise ValueError(f"a draft vocabulary of {self.draft_vocab} tokens cannot give "
-                             f"top-{self.topk} proposals; make it larger than topk")
+                             f"top-{self.topk} proposals; make it at least topk")
+        if self.draft_vocab and self.drafter not in ("mtp", "replay"):
+            raise ValueError(f"draft_vocab restricts the MTP head's proposals; the "
+                             f"{self.drafter} drafter has none (leave it at 0)")
         if self.root_floor < 0:
             raise ValueError(f"root_floor must be >= 0, got {self.root_floor}")
         if self.drafter == "replay" and self.mode != "ar" and not self.acceptance:

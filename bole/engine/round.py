@@ -209,6 +209,8 @@ class RoundRunner:
                 print(f"\r[bole] capturing CUDA graphs: batch {R} ({i + 1}/{len(buckets)})",
                       end="", file=sys.stderr, flush=True)
             widths = self.policy.widths if self.policy.shared else (self.policy.width(R, R),)
+            if self.policy.policy == "goodput":
+                widths = (1,) + widths                # its plain rounds verify the roots alone
             for W in widths:
                 self._capture(R, StaticSampling.flags_for([]), W)
         if progress:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
-from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index, interpreting
+from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index
 
 fix_interpreter_scalar_index()          # the kernel loops up to the loaded context length
 

@@ -3,7 +3,8 @@
     topk_softmax(logits [M, V], k) -> (probs [M, k] float32, tokens [M, k] int64)
 
 ``probs`` are the k largest of ``softmax(logits.float())`` in descending order and ``tokens`` their
-columns; among equal logits the lower column comes first. The reference (``impl="torch"``) is
+columns, distinct; among equal logits the lower column comes first (``-inf`` logits included, so a
+row with fewer than k finite logits still gets k distinct columns). NaN logits are not supported. The reference (``impl="torch"``) is
 ``torch.topk`` on the fp32 logits followed by ``exp(l - logsumexp(l))``. The kernel
 (``impl="triton"``) never forms the [M, V] probabilities: it is two launches whatever M, V and k,
 
@@ -36,26 +37,31 @@ _CHUNK = 4096
 
 @triton.jit
 def _chunk_topk_kernel(logits, stride, V, cand_val, cand_idx, chunk_max, chunk_sum, NCHUNK,
-                       K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr):
+                       K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                       NONE: tl.constexpr):
     """Program (row, chunk): the chunk's max, sum of exp(l - max), and k largest (value, column),
     largest first, ties by lower column."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(logits + row * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    inside = cols < V
+    x = tl.load(logits + row * stride + cols, mask=inside, other=float("-inf")).to(tl.float32)
     m = tl.max(x, 0)
-    s = tl.sum(tl.exp(x - m), 0)
+    # a chunk of -inf logits adds nothing (exp(-inf - -inf) would be NaN)
+    s = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), 0)
     out = (row * NCHUNK + chunk) * KP
     slot = tl.arange(0, KP)
     vals = tl.full([KP], float("-inf"), tl.float32)
-    idxs = tl.full([KP], 0, tl.int64)
+    idxs = tl.full([KP], NONE, tl.int64)
+    taken = cols < 0
     for j in tl.static_range(K):
-        best = tl.max(x, 0)
-        # the lowest column holding the maximum
-        at = tl.min(tl.where(x == best, cols, V + BLOCK), 0)
+        free = tl.where(taken, float("-inf"), x)
+        best = tl.max(free, 0)
+        # the lowest column not yet taken holding the maximum (NONE when the chunk has no more)
+        at = tl.min(tl.where((free == best) & ~taken & inside, cols, NONE), 0)
         vals = tl.where(slot == j, best, vals)
         idxs = tl.where(slot == j, at.to(tl.int64), idxs)
-        x = tl.where(cols == at, float("-inf"), x)
+        taken = taken | (cols == at)
     tl.store(cand_val + out + slot, vals)
     tl.store(cand_idx + out + slot, idxs)
     tl.store(chunk_max + row * NCHUNK + chunk, m)
@@ -65,7 +71,7 @@ def _chunk_topk_kernel(logits, stride, V, cand_val, cand_idx, chunk_max, chunk_s
 @triton.jit
 def _merge_topk_kernel(cand_val, cand_idx, chunk_max, chunk_sum, probs, tokens, NCHUNK,
                        K: tl.constexpr, KP: tl.constexpr, CBLOCK: tl.constexpr,
-                       NBLOCK: tl.constexpr):
+                       NBLOCK: tl.constexpr, NONE: tl.constexpr):
     """Program per row: log-sum-exp over the chunks, then the k best of NCHUNK * KP candidates.
     Candidates sit chunk-major and largest-first within a chunk, so among equal values the lowest
     position holds the lowest column."""
@@ -74,19 +80,22 @@ def _merge_topk_kernel(cand_val, cand_idx, chunk_max, chunk_sum, probs, tokens, 
     cm = tl.load(chunk_max + row * NCHUNK + c, mask=c < NCHUNK, other=float("-inf"))
     cs = tl.load(chunk_sum + row * NCHUNK + c, mask=c < NCHUNK, other=0.0)
     gmax = tl.max(cm, 0)
-    total = tl.sum(tl.where(c < NCHUNK, cs * tl.exp(cm - gmax), 0.0), 0)
+    scale = tl.where(cm == float("-inf"), 0.0, tl.exp(cm - gmax))     # empty chunks add nothing
+    total = tl.sum(tl.where(c < NCHUNK, cs * scale, 0.0), 0)
     p = tl.arange(0, CBLOCK)
     n = NCHUNK * KP
     v = tl.load(cand_val + row * n + p, mask=p < n, other=float("-inf"))
-    ix = tl.load(cand_idx + row * n + p, mask=p < n, other=0)
-    slot = tl.arange(0, KP)
+    ix = tl.load(cand_idx + row * n + p, mask=p < n, other=NONE)
+    taken = p < 0
     for j in tl.static_range(K):
-        best = tl.max(v, 0)
-        at = tl.min(tl.where(v == best, p, CBLOCK), 0)
-        col = tl.sum(tl.where(p == at, ix, 0), 0)
+        free = tl.where(taken, float("-inf"), v)
+        best = tl.max(free, 0)
+        # among equal values the lowest column (real columns before the NONE placeholders)
+        col = tl.min(tl.where((free == best) & ~taken, ix, NONE), 0)
+        at = tl.min(tl.where((free == best) & ~taken & (ix == col), p, CBLOCK), 0)
         tl.store(probs + row * K + j, tl.exp(best - gmax) / total)
         tl.store(tokens + row * K + j, col)
-        v = tl.where(p == at, float("-inf"), v)
+        taken = taken | (p == at)
 
 
 def _reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +120,8 @@ def topk_softmax(logits: torch.Tensor, k: int, impl: str = "auto",
     if impl == "torch" or (impl == "auto" and logits.device.type != "cuda"):
         return _reference(logits, k)
     check_kernel_device(logits.device, "topk_softmax")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     dev = logits.device
@@ -125,10 +136,11 @@ def topk_softmax(logits: torch.Tensor, k: int, impl: str = "auto",
     tokens = torch.empty(M, k, dtype=torch.int64, device=dev)
     if M == 0:
         return probs, tokens
+    none = 2 ** 31 - 1                           # "no column": past every real one
     _chunk_topk_kernel[(M, nchunk)](logits, logits.stride(0), V, cand_val, cand_idx, chunk_max,
-                                    chunk_sum, nchunk, K=k, KP=kp, BLOCK=block,
+                                    chunk_sum, nchunk, K=k, KP=kp, BLOCK=block, NONE=none,
                                     num_warps=8 if block >= 2048 else 4)
     _merge_topk_kernel[(M,)](cand_val, cand_idx, chunk_max, chunk_sum, probs, tokens, nchunk,
                              K=k, KP=kp, CBLOCK=triton.next_power_of_2(nchunk * kp),
-                             NBLOCK=triton.next_power_of_2(nchunk), num_warps=4)
+                             NBLOCK=triton.next_power_of_2(nchunk), NONE=none, num_warps=4)
     return probs, tokens

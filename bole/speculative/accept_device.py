@@ -414,9 +414,13 @@ def accept(logits: torch.Tensor, tokens: torch.Tensor, forest: DenseForest, batc
     if batch.num_requests != R:
         raise ValueError(f"{batch.num_requests} sampling parameters for {R} requests")
     logits = logits.reshape(R, T, logits.shape[-1])
-    argmax = logits.argmax(-1)
-    if forced is not None:
-        argmax = torch.where(forced >= 0, forced, argmax)
+    if forced is not None and forced.shape != (R, T):
+        raise ValueError(f"forced must be [R, T] = [{R}, {T}], got {tuple(forced.shape)}")
+    argmax = None
+    if batch.any_greedy or batch.all_greedy:
+        argmax = logits.argmax(-1)
+        if forced is not None:
+            argmax = torch.where(forced >= 0, forced, argmax)
     if batch.all_greedy:
         return _finish(forest, tokens, *_greedy_walk(argmax, tokens, forest))
     if uniforms is None:

@@ -316,8 +316,7 @@ class ReplayDrafter:
         """``[R, T]`` int64: the continuation's token after each node (a node at depth d of a
         round whose root sits at position ``ctx[r]`` is followed by position ctx + d + 1), -1
         where unknown. Device code (captured with the acceptance)."""
-        col = (ctx.long()[:, None] + depth + 1).clamp(0, self.width - 1)
-        return self.continuation[slots.long()[:, None], col]
+        return self._lookup(slots.long() * self.width, ctx.long()[:, None] + depth + 1)
 
     def clear(self, slot: int) -> None:
         """Forget a slot's continuation (at release): all its positions become unknown."""

@@ -101,8 +101,9 @@ class NodeTable:
 #: nodes created before this step (it is updated in place after the call).
 #: Returns ``tokens [R, K, topk]`` int64 and ``probs [R, K, topk]`` float: each frontier node's
 #: proposals in descending probability (what ``torch.topk(softmax(logits), topk)`` gives), distinct
-#: tokens in ``[0, 1]`` probability. A negative token marks a missing proposal (a drafter with
-#: fewer than ``topk`` continuations). Entries of -1 frontier slots are ignored, NaNs included.
+#: tokens in ``[0, 1]`` probability. A negative token or a NaN probability marks a missing proposal
+#: (a drafter with fewer than ``topk`` continuations); probabilities are clamped to [0, 1].
+#: Entries of -1 frontier slots are ignored, NaNs included.
 StepFn = Callable[[int, Tensor, NodeTable], "tuple[Tensor, Tensor]"]
 
 
@@ -225,7 +226,10 @@ class TreeGrowth:
         lo, n = step_slots(self.topk, step)
         parent = frontier[:, :, None].expand(-1, -1, self.topk).reshape(R, n)
         tokens, probs = tokens.reshape(R, n), probs.reshape(R, n)
-        live = (parent >= 0) & (tokens >= 0)
+        # a NaN probability is a missing proposal; the rest are clamped to [0, 1], so that rho
+        # never grows down a path and the kept nodes stay connected to the root
+        live = (parent >= 0) & (tokens >= 0) & ~torch.isnan(probs)
+        probs = torch.nan_to_num(probs, nan=0.0).clamp(0.0, 1.0)
         safe = parent.clamp(min=0)
         # rho in float64 of the float32 probabilities, as the host multiplies Python floats
         rho = torch.gather(table.rho, 1, safe) * probs.to(torch.float64)

@@ -33,7 +33,9 @@ def _grow_step_kernel(front, tok_in, prob_in, limit, next_front,
     parent = tl.load(front + r * K + j // TOPK, mask=valid, other=-1)
     tok = tl.load(tok_in + r * n + j, mask=valid, other=-1)
     prob = tl.load(prob_in + r * n + j, mask=valid, other=0.0)
-    live = valid & (parent >= 0) & (tok >= 0)
+    # a NaN probability is a missing proposal; the rest are clamped to [0, 1] (as in torch)
+    live = valid & (parent >= 0) & (tok >= 0) & (prob == prob)
+    prob = tl.minimum(tl.maximum(tl.where(prob == prob, prob, 0.0), 0.0), 1.0)
     safe = tl.maximum(parent, 0)
     # rho in float64 of the float32 probabilities, as the host multiplies Python floats
     rho = tl.load(t_rho + r * C + safe, mask=valid, other=0.0) * prob.to(tl.float64)
@@ -83,6 +85,17 @@ def grow_step(table, step: int, lo: int, frontier: torch.Tensor, tokens: torch.T
 
 
 @triton.jit
+def _rank_key(t_live, t_rho, base, i, n):
+    """Ascending rank key of slots ``i``: -rho of created nodes, +inf for the rest (NaN too),
+    -inf for the root."""
+    m = i < n
+    key = tl.where(tl.load(t_live + base + i, mask=m, other=0) != 0,
+                   0.0 - tl.load(t_rho + base + i, mask=m, other=0.0), float("inf"))
+    key = tl.where(key == key, key, float("inf"))
+    return tl.where(i == 0, float("-inf"), key)
+
+
+@triton.jit
 def _rerank_kernel(t_tok, t_par, t_dep, t_rho, t_live, C, scratch, inv, keys,
                    o_tok, o_rho, o_src, o_par, o_valid,
                    TK: tl.constexpr, B: tl.constexpr, D: tl.constexpr, TB: tl.constexpr,
@@ -95,16 +108,12 @@ def _rerank_kernel(t_tok, t_par, t_dep, t_rho, t_live, C, scratch, inv, keys,
     for i0 in range(0, C, CB):
         i = i0 + tl.arange(0, CB)
         im = i < C
-        ki = tl.where(tl.load(t_live + tb + i, mask=im, other=0) != 0,
-                      0.0 - tl.load(t_rho + tb + i, mask=im, other=0.0), float("inf"))
-        ki = tl.where(i == 0, float("-inf"), ki)
+        ki = _rank_key(t_live, t_rho, tb, i, C)
         rank = tl.zeros([CB], dtype=tl.int32)
         for j0 in range(0, C, CB):
             j = j0 + tl.arange(0, CB)
             jm = j < C
-            kj = tl.where(tl.load(t_live + tb + j, mask=jm, other=0) != 0,
-                          0.0 - tl.load(t_rho + tb + j, mask=jm, other=0.0), float("inf"))
-            kj = tl.where(j == 0, float("-inf"), kj)
+            kj = _rank_key(t_live, t_rho, tb, j, C)
             before = (kj[None, :] < ki[:, None]) | ((kj[None, :] == ki[:, None])
                                                     & (j[None, :] < i[:, None]))
             rank += tl.sum((before & jm[None, :]).to(tl.int32), 1)
@@ -166,7 +175,7 @@ def rerank(table, kept: int, budget: int, depth: int):
     tb = triton.next_power_of_2(kept)
     i64 = dict(dtype=torch.int64, device=dev)
     scratch = torch.empty(R, kept, **i64)
-    inv = torch.empty(R, C, **i64)
+    inv = torch.full((R, C), -1, **i64)           # a parent not kept reads -1 (no parent)
     keys = torch.empty(R, tb, **i64)
     tokens, source, parents = (torch.empty(R, budget, **i64) for _ in range(3))
     rho = torch.empty(R, budget, dtype=torch.float64, device=dev)

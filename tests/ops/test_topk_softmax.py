@@ -66,3 +66,22 @@ def test_strided_rows_and_empty_batch():
 def test_bad_arguments(bad, k, match):
     with pytest.raises(ValueError, match=match):
         topk_softmax(torch.randn(*bad), k)
+
+
+def test_minus_inf_chunks_and_rows_with_few_finite_logits():
+    """A chunk of -inf logits adds nothing to the normaliser (it made the row NaN), and a row with
+    fewer finite logits than k still gets k distinct columns, the -inf ones lowest column first."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(5))
+    logits[0, 64:128] = float("-inf")                 # a whole chunk masked
+    logits[1, :] = float("-inf")
+    logits[1, [70, 5]] = torch.tensor([1.0, 0.5])     # two finite logits, k = 4
+    logits[2, 200:] = float("-inf")                   # the last chunks masked
+    logits = logits.to(DEV)
+    probs, cols = topk_softmax(logits, 4, impl="triton", chunk=64)
+    want_p, want_c = _softmax_topk(logits.cpu(), 4)
+    assert torch.isfinite(probs).all()
+    assert torch.equal(cols.cpu(), want_c)
+    assert cols[1].tolist() == [70, 5, 0, 1]
+    torch.testing.assert_close(probs.cpu().double(), want_p, rtol=2e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="power of two"):
+        topk_softmax(logits, 2, impl="triton", chunk=48)

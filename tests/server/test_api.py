@@ -2,7 +2,6 @@
 chat, streaming, stop strings, errors, metrics, disconnects, and a bounded soak test."""
 
 import asyncio
-import json
 import socket
 import threading
 import time

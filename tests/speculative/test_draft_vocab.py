@@ -80,7 +80,9 @@ def test_engine_output_equals_ar_with_a_reduced_draft_vocabulary(model):
     ar = Engine(model, SpecConfig(mode="ar")).generate(prompts, params, seed=0)
     for mode in ("bole", "chain"):
         spec = SpecConfig(mode=mode, drafter="mtp", depth=3, topk=2, budget=6, draft_vocab=40)
-        res = Engine(model, spec).generate(prompts, params, seed=0)
+        engine = Engine(model, spec)
+        assert engine.rounds.mtp.vocab_ids.tolist() == list(range(40))   # wired in
+        res = engine.generate(prompts, params, seed=0)
         assert [r.token_ids for r in res] == [r.token_ids for r in ar]
 
 
@@ -98,7 +100,9 @@ def test_counts_file_errors(tmp_path, model):
     assert draft_vocab_ids(model, 0) is None and draft_vocab_ids(model, 10 ** 6) is None
     assert draft_vocab_ids(model, 5).tolist() == list(range(5))    # random weights: first ids
     with pytest.raises(ValueError, match="cannot give top-4"):
-        SpecConfig(topk=4, draft_vocab=3).validate()
+        SpecConfig(drafter="mtp", topk=4, draft_vocab=3).validate()
+    with pytest.raises(ValueError, match="the ngram drafter has none"):
+        SpecConfig(drafter="ngram", draft_vocab=100).validate()
 
 
 def test_the_bundled_model_ships_its_counts():

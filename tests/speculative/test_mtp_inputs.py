@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bole.speculative.mtp_inputs import frontier_inputs, frontier_inputs_torch
-from bole.speculative.tree_growth import NodeTable, TreeGrowth, node_capacity
+from bole.speculative.tree_growth import NodeTable, TreeGrowth
 from tests.kernel_utils import DEV
 
 

@@ -329,3 +329,29 @@ def test_grow_captures_in_a_cuda_graph(R, topk, depth, budget):
         graph.replay()
         torch.cuda.synchronize()
         check(captured)
+
+
+def test_nan_and_out_of_range_probabilities():
+    """A NaN probability is a missing proposal and others are clamped to [0, 1], in both
+    implementations alike (the fused rerank once read unwritten scratch on such input)."""
+    gen = torch.Generator().manual_seed(0)
+    R, topk, depth, budget = 2, 3, 4, 12
+
+    def step_fn(step, frontier, table):
+        K = frontier.shape[1]
+        probs = torch.rand(R, K, topk, generator=gen) * 1.6 - 0.1      # some < 0, some > 1
+        probs[torch.rand(R, K, topk, generator=gen) < 0.2] = float("nan")
+        tokens = torch.arange(topk).repeat(R, K, 1) + 10 * step
+        return tokens, probs
+    outs = {}
+    for impl in ("torch", "triton"):
+        gen.manual_seed(0)
+        outs[impl] = grow_on(impl, R, topk, depth, budget, [1, 2], [4, 3], step_fn)
+    a, b = outs["torch"], outs["triton"]
+    for name in ("tokens", "rho", "source", "parents", "valid"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.isfinite(a.rho).all() and (a.rho <= 1).all() and (a.rho >= 0).all()
+    # kept nodes hang from kept parents
+    for r in range(R):
+        n = int(a.valid[r].sum())
+        assert (a.parents[r, 1:n] >= 0).all() and (a.parents[r, 1:n] < torch.arange(1, n)).all()

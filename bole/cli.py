@@ -428,144 +428,6 @@ def _demo(args) -> int:
     return 0
 
 
-def _serve_checks(args) -> Path:
-    """serve's arguments checked, nothing loaded; the checkpoint folder."""
-    from bole.models.config import HybridConfig
-    _positive(max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len)
-    if not 0 < args.port < 65536:
-        raise UsageError(f"--port must lie in 1..65535, got {args.port}")
-    _device(args.device)
-    folder = _checkpoint(args.model, need_tokenizer=True)
-    _spec(args, args.drafter or "ngram")
-    context = HybridConfig.from_pretrained(folder).max_position_embeddings
-    if args.max_len > context:
-        raise UsageError(f"--max-len {args.max_len} exceeds the model's context of {context}")
-    return folder
-
-
-def _serve_engine(args, folder: Path, tp=None):
-    """The engine ``bole serve`` runs (this rank's shard under tensor parallelism, ``tp``)."""
-    import torch
-
-    from bole.engine import Engine, default_drafter
-    from bole.models.qwen3_hybrid import HybridModel
-    tokenizer = _tokenizer(folder)
-    device = _device(args.device)
-    default = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
-        getattr(args, "dtype", None), default)
-    model = HybridModel.from_pretrained(folder, dtype=dtype, device=device, tp=tp)
-    spec = _spec(args, args.drafter or default_drafter(model))
-    return Engine(model, spec, max_slots=args.max_batch, max_len=args.max_len,
-                  tokenizer=tokenizer, progress=True)
-
-
-def _serve_server(args, folder: Path, engine, channel=None):
-    from bole.server.api import BoleServer
-    from bole.server.chat import ChatTemplate
-    name = args.name or ("bundled" if folder.resolve() == BUNDLED_MODEL.resolve() else folder.name)
-    return BoleServer(engine, name, max_queue=args.max_queue,
-                      chat_template=ChatTemplate.for_checkpoint(folder), channel=channel)
-
-
-def _serve(args) -> int:
-    import logging
-
-    from bole.server.api import serve
-
-    folder = _serve_checks(args)
-    logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
-    serve(_serve_server(args, folder, _serve_engine(args, folder)), args.host, args.port)
-    return 0
-
-
-def _serve_tp(args, argv: list[str]) -> int:
-    """``serve --tp N``: rank 0 in this process (HTTP, scheduler), ranks 1..N-1 spawned as
-    followers that step in lockstep with it; they stop when it does, and die with it."""
-    import logging
-    import signal
-
-    import torch.multiprocessing as mp
-
-    from bole import distributed
-    from bole.server.api import serve
-    from bole.server.lockstep import Channel
-
-    folder = _serve_checks(args)
-    logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
-    port = distributed.free_port()
-    followers = mp.spawn(_serve_follower, args=(args.tp, port, argv), nprocs=args.tp - 1,
-                         join=False, daemon=True)
-    signal.signal(signal.SIGTERM, _interrupt)           # shut down in order on SIGTERM too
-    channel = None
-    try:
-        _set_rank_device(args, 0)
-        tp = distributed.init(0, args.tp, port, args.device or "cpu")
-        channel = Channel(tp)
-        server = _serve_server(args, folder, _serve_engine(args, folder, tp), channel)
-        serve(server, args.host, args.port,
-              alive=lambda: all(p.is_alive() for p in followers.processes))
-    finally:
-        if channel is not None:
-            channel.close()                             # a no-op once the engine loop sent it
-        _stop_followers(followers.processes, timeout=30 if channel is not None else 0)
-        distributed.shutdown()
-    return 0
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-def _stop_followers(processes, timeout: float) -> None:
-    """Join the follower processes (``timeout`` seconds in all), then end any still running."""
-    import time
-    deadline = time.monotonic() + timeout
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-            p.join(5)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-def _serve_follower(i: int, world: int, port: int, argv: list[str]) -> None:
-    """Rank ``i + 1`` of ``serve --tp``: silent, binds no port, steps as rank 0 says until it
-    stops; ignores Ctrl-C (rank 0 stops it) and dies with rank 0's process."""
-    import contextlib
-    import io
-    import signal
-
-    from bole import distributed
-    from bole.server.lockstep import Channel, LockstepScheduler
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    rank = i + 1
-    args = _build_parser().parse_args(argv)
-    _set_rank_device(args, rank)
-    tp = distributed.init(rank, world, port, args.device or "cpu")
-    try:
-        channel = Channel(tp)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            engine = _serve_engine(args, Path(args.model), tp)
-            LockstepScheduler(engine, channel, max_queue=args.max_queue).follow()
-    finally:
-        distributed.shutdown()
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (a no-op elsewhere)."""
-    import ctypes
-    import signal
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _set_rank_device(args, rank: int) -> None:
     """A tensor-parallel rank's device: its own GPU (``cuda:rank``) or the CPU."""
     if _device(args.device).startswith("cuda"):
@@ -632,7 +494,8 @@ def _run_tp(args, argv: list[str]) -> int:
         check_divisible(HybridConfig.from_pretrained(_checkpoint(
             args.model or str(BUNDLED_MODEL), need_tokenizer=False)), args.tp)
     if args.command == "serve":
-        return _serve_tp(args, argv)
+        from bole.cli_serve import serve_tp
+        return serve_tp(args, argv)
     mp.spawn(_tp_worker, args=(args.tp, free_port(), argv), nprocs=args.tp, join=True)
     return 0
 
@@ -646,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         except (UsageError, ValueError, FileNotFoundError) as exc:
             print(f"bole {args.command}: {exc}", file=sys.stderr)
             return 2
-    commands = {"demo": _demo, "generate": _generate, "bench": _bench, "serve": _serve,
+    from bole.cli_serve import serve
+    commands = {"demo": _demo, "generate": _generate, "bench": _bench, "serve": serve,
                 "calibrate": _calibrate}
     if args.command == "bench-serve":
         from bole.server.loadgen import main as bench_serve

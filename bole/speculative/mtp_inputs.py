@@ -78,8 +78,9 @@ def _frontier_kernel(frontier, t_tok, t_par, t_dep, t_anc, m_table, last_hidden,
         cols = lo + tl.arange(0, HB)
         hm = cols < H
         from_m = (cols * 0 + parent) >= 0           # the scalar test as a vector (for masks)
+        from_h = (cols * 0 + parent) < 0
         pm = tl.load(src_m + cols, mask=hm & from_m, other=0.0)
-        ph = tl.load(src_h + cols, mask=hm & (from_m == 0), other=0.0)
+        ph = tl.load(src_h + cols, mask=hm & from_h, other=0.0)
         val = tl.where(from_m, pm, ph.to(pm.dtype))
         tl.store(o_prev + i * H + cols, val, mask=hm)
 

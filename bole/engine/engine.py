@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from bole.engine.round import RoundRunner, RoundTimings
-from bole.engine.runner import ModelRunner
+from bole.engine.runner import PREFILL_BATCH_MAX, ModelRunner
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.accept_device import sample_rows
 from bole.speculative.sampling import SamplingParams, target_probs
@@ -268,15 +268,33 @@ class Engine:
 
     def admit(self, r: Request) -> None:
         """Give a request a slot, prefill its prompt there and emit its first token."""
+        self.admit_many([r])
+
+    def admit_many(self, requests: Sequence[Request]) -> None:
+        """Admit requests together: a slot each, the short prompts (up to
+        :data:`~bole.engine.runner.PREFILL_BATCH_MAX` tokens) prefilled in one forward, longer
+        ones chunk by chunk; each emits its first token. On an error the caller releases them."""
         t0 = time.perf_counter()
-        r.started = t0
-        r.slot = self.cache.allocate(len(r.prompt) + r.params.max_tokens + self.scratch)
-        logits, hidden = self.runner.prefill(r.slot, torch.tensor(r.prompt),
-                                             on_chunk=self.on_prefill_chunk)
-        self.rounds.on_prefill(r.slot, torch.tensor(r.prompt), hidden, r.continuation)
-        first = self._sample_one(logits, r.params.sampling, r.gen)
-        r.prefill_s = time.perf_counter() - t0
-        self._emit(r, [first], rounds=0)
+        for r in requests:
+            r.started = t0
+            r.slot = self.cache.allocate(len(r.prompt) + r.params.max_tokens + self.scratch)
+        short = [r for r in requests if len(r.prompt) <= PREFILL_BATCH_MAX]
+        prefilled = {}
+        if len(short) > 1:
+            logits, hidden = self.runner.prefill_batch(
+                [r.slot for r in short], [torch.tensor(r.prompt) for r in short])
+            prefilled = {id(r): (logits[i], hidden[i]) for i, r in enumerate(short)}
+        for r in requests:
+            prompt = torch.tensor(r.prompt)
+            if id(r) in prefilled:
+                logits, hidden = prefilled[id(r)]
+            else:
+                logits, hidden = self.runner.prefill(r.slot, prompt,
+                                                     on_chunk=self.on_prefill_chunk)
+            self.rounds.on_prefill(r.slot, prompt, hidden, r.continuation)
+            first = self._sample_one(logits, r.params.sampling, r.gen)
+            r.prefill_s = time.perf_counter() - t0
+            self._emit(r, [first], rounds=0)
 
     def release(self, r: Request) -> None:
         """Free a request's slot (and its drafter state)."""

@@ -24,6 +24,8 @@ from bole.ops.gdn.dense import commit_factored_paths, commit_snapshots
 #: tree path does (its cost grows with the chunk squared)
 PREFILL_CHUNK_FLA = 1024
 PREFILL_CHUNK_TREE = 64
+#: prompts up to this many tokens are prefilled together, one row each, by the tree path
+PREFILL_BATCH_MAX = 64
 
 
 class ModelRunner:
@@ -160,6 +162,40 @@ class ModelRunner:
             if on_chunk is not None:
                 on_chunk(min(lo + chunk, P), P)
         return logits, torch.cat(hidden)
+
+    def prefill_batch(self, slots: list[int],
+                      prompts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Commit several short prompts (at most :data:`PREFILL_BATCH_MAX` tokens each) into
+        fresh ``slots`` in one forward: one chain per row, padded to the longest, GDN by the
+        closed form (the verify path). Returns each prompt's last logits ``[R, V]`` and its
+        final-norm hidden states (``[P_r, H]`` each). Equal to :meth:`prefill` of each alone."""
+        slots = self.cache.check_slots(slots)
+        if len(prompts) != len(slots) or not prompts:
+            raise ValueError(f"{len(prompts)} prompts for {len(slots)} slots")
+        lengths = [int(p.numel()) for p in prompts]
+        if min(lengths) < 1 or max(lengths) > PREFILL_BATCH_MAX:
+            raise ValueError(f"prefill_batch takes prompts of 1 to {PREFILL_BATCH_MAX} tokens, "
+                             f"got lengths {lengths}")
+        if any(self.cache.host_lengths[s] for s in slots):
+            raise ValueError("prefill_batch fills fresh slots (no committed tokens)")
+        R, T, dev = len(slots), max(lengths), self.device
+        tokens = torch.zeros(R, T, dtype=torch.int64)
+        for r, p in enumerate(prompts):
+            tokens[r, :lengths[r]] = p
+        self._check_tokens(tokens)
+        length_t = torch.tensor(lengths, device=dev)
+        node = torch.arange(T, device=dev)
+        valid = node[None, :] < length_t[:, None]
+        forest = DenseForest.from_parents((node - 1).expand(R, T).contiguous(), valid, T - 1)
+        slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)
+        gdn = "triton" if dev.type == "cuda" else "torch"
+        batch = self.make_batch(tokens.reshape(-1).to(dev), forest, slot_t, gdn)
+        out = self.model.forward(self.cache, batch, logits=False)
+        self.commit(batch, out, node.expand(R, T), length_t, kv_in_place=True)
+        self.cache.advance(slots, lengths)
+        hidden = out.hidden.view(R, T, -1)
+        last = hidden[torch.arange(R, device=dev), length_t - 1]
+        return self.model.lm_head(last), [hidden[r, :n] for r, n in enumerate(lengths)]
 
     # ---- one-off forwards (tests, the draft-model drafter) ----
     def verify(self, slots: list[int], trees, tokens: torch.Tensor,

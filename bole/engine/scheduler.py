@@ -140,20 +140,28 @@ class Scheduler:
             pass
 
     def _admit(self) -> None:
-        while len(self.running) < self.max_batch and self.engine.cache.num_free:
+        """Admit as many waiting requests as slots allow, prefilled together."""
+        admitted = []
+        room = min(self.max_batch - len(self.running), self.engine.cache.num_free)
+        while len(admitted) < room:
             with self._lock:
                 if not self.waiting:
-                    return
+                    break
                 handle = self.waiting.popleft()
             if handle.cancelled:
                 self._finish(handle)
-                continue
-            try:
-                self.engine.admit(handle.request)
-            except Exception:
-                self.engine.release(handle.request)
-                self._finish(handle)
-                raise
+            else:
+                admitted.append(handle)
+        if not admitted:
+            return
+        try:
+            self.engine.admit_many([h.request for h in admitted])
+        except Exception:
+            for h in admitted:
+                self.engine.release(h.request)
+                self._finish(h)
+            raise
+        for handle in admitted:
             self._deliver(handle)
             if handle.request.result is not None:
                 self.engine.release(handle.request)

@@ -279,22 +279,25 @@ class Engine:
             r.started = t0
             r.slot = self.cache.allocate(len(r.prompt) + r.params.max_tokens + self.scratch)
         short = [r for r in requests if len(r.prompt) <= PREFILL_BATCH_MAX]
-        prefilled = {}
-        if len(short) > 1:
-            logits, hidden = self.runner.prefill_batch(
-                [r.slot for r in short], [torch.tensor(r.prompt) for r in short])
-            prefilled = {id(r): (logits[i], hidden[i]) for i, r in enumerate(short)}
-        for r in requests:
-            prompt = torch.tensor(r.prompt)
-            if id(r) in prefilled:
-                logits, hidden = prefilled[id(r)]
+        together = {id(r) for r in short} if len(short) > 1 else set()
+        groups = ([short] if together else []) + [[r] for r in requests if id(r) not in together]
+        for group in groups:
+            prompts = [torch.tensor(r.prompt) for r in group]
+            if len(group) > 1:
+                logits, hidden = self.runner.prefill_batch([r.slot for r in group], prompts)
             else:
-                logits, hidden = self.runner.prefill(r.slot, prompt,
-                                                     on_chunk=self.on_prefill_chunk)
-            self.rounds.on_prefill(r.slot, prompt, hidden, r.continuation)
-            first = self._sample_one(logits, r.params.sampling, r.gen)
-            r.prefill_s = time.perf_counter() - t0
-            self._emit(r, [first], rounds=0)
+                last, states = self.runner.prefill(group[0].slot, prompts[0],
+                                                   on_chunk=self.on_prefill_chunk)
+                logits, hidden = last[None], [states]
+            self.rounds.on_prefill([r.slot for r in group], prompts, hidden,
+                                   [r.continuation for r in group])
+            # the greedy first tokens in one read; sampled ones from each request's generator
+            greedy = logits.argmax(-1).tolist()
+            for i, r in enumerate(group):
+                first = greedy[i] if r.params.sampling.greedy else \
+                    self._sample_one(logits[i], r.params.sampling, r.gen)
+                r.prefill_s = time.perf_counter() - t0
+                self._emit(r, [first], rounds=0)
 
     def release(self, r: Request) -> None:
         """Free a request's slot (and its drafter state)."""

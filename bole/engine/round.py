@@ -290,16 +290,22 @@ class RoundRunner:
         b.remaining.sub_(path_len)
 
     # ---- the host side of a round ----
-    def on_prefill(self, slot: int, prompt: torch.Tensor, hidden: torch.Tensor,
-                   continuation: list[int] | None = None) -> None:
-        """A request was prefilled into ``slot``; ``continuation`` is plain decoding's output
-        for it (the replay drafter's known future, from its first token on)."""
+    def on_prefill(self, slots: list[int], prompts: list[torch.Tensor],
+                   hidden: list[torch.Tensor], continuations: list | None = None) -> None:
+        """Requests were prefilled into ``slots`` (prompts ``[P_r]``, final-norm hidden states
+        ``[P_r, H]``); ``continuations``: plain decoding's output for each (the replay drafter's
+        known future, from its first token on), or None."""
+        continuations = continuations or [None] * len(slots)
         if self.mtp is not None:
-            self.mtp.observe_prompt(slot, prompt, hidden)
-        if self.spec.drafter == "replay" and self.mtp is not None:
-            self.mtp.set_continuation(slot, continuation or [], start=prompt.numel())
-        if self.draft is not None:
-            self.draft.start(slot, prompt.tolist())
+            if len(slots) == 1:
+                self.mtp.observe_prompt(slots[0], prompts[0], hidden[0])
+            else:
+                self.mtp.observe_prompts(slots, prompts, hidden)
+        for slot, prompt, cont in zip(slots, prompts, continuations):
+            if self.spec.drafter == "replay" and self.mtp is not None:
+                self.mtp.set_continuation(slot, cont or [], start=prompt.numel())
+            if self.draft is not None:
+                self.draft.start(slot, prompt.tolist())
 
     def on_release(self, slot: int) -> None:
         for b in self.buffers.values():         # a later request may reuse the slot: rewrite rows

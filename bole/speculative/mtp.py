@@ -124,6 +124,27 @@ class MTPDrafter:
                          torch.ones(1, dtype=torch.int64, device=dev),
                          torch.tensor([P - 1], device=dev))
 
+    @torch.no_grad()
+    def observe_prompts(self, slots: list[int], prompts: list[torch.Tensor],
+                        hidden: list[torch.Tensor]) -> None:
+        """:meth:`observe_prompt` of several fresh slots in one layer call (prompts ``[P_r]``,
+        hidden ``[P_r, H]``; rows padded to the longest, the padding written to the junk row)."""
+        R, dev = len(slots), self.k.device
+        lengths = [int(p.numel()) for p in prompts]
+        slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)
+        self.last_hidden[slot_t.long()] = torch.stack([h[0] for h in hidden]).to(
+            self.last_hidden.dtype)
+        P = max(lengths) - 1
+        if P < 1:
+            return
+        tokens = torch.zeros(R, P, dtype=torch.int64, device=dev)
+        states = torch.zeros(R, P, hidden[0].shape[-1], dtype=hidden[0].dtype, device=dev)
+        for r, (p, h) in enumerate(zip(prompts, hidden)):
+            tokens[r, :lengths[r] - 1] = p[1:].to(dev)
+            states[r, :lengths[r] - 1] = h[1:]
+        self.observe(slot_t, tokens, states, torch.ones(R, dtype=torch.int64, device=dev),
+                     torch.tensor(lengths, device=dev) - 1)
+
     # ---- drafting ----
     def step_fn(self, slots: torch.Tensor, ctx: torch.Tensor, topk: int):
         """The tree growth's drafter step for one round over ``slots [R]`` whose targets hold

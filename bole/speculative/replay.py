@@ -333,6 +333,11 @@ class ReplayDrafter:
         """:meth:`MTPDrafter.observe_prompt` of the wrapped head."""
         self.mtp.observe_prompt(slot, tokens, hidden)
 
+    def observe_prompts(self, slots: list[int], prompts: list[Tensor],
+                        hidden: list[Tensor]) -> None:
+        """:meth:`MTPDrafter.observe_prompts` of the wrapped head."""
+        self.mtp.observe_prompts(slots, prompts, hidden)
+
     def reset(self, slot: int) -> None:
         """:meth:`MTPDrafter.reset` of the wrapped head, and :meth:`clear`."""
         self.mtp.reset(slot)

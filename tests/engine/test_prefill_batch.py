@@ -64,3 +64,21 @@ def test_engine_outputs_with_batched_admission_equal_one_by_one(model, mode):
     together = Engine(model, spec, max_slots=5, max_len=160).generate(prompts, params, seed=0)
     one_by_one = Engine(model, spec, max_slots=1, max_len=160).generate(prompts, params, seed=0)
     assert [r.token_ids for r in together] == [r.token_ids for r in one_by_one]
+
+
+def test_mtp_observes_prompts_together_as_one_at_a_time(model):
+    from bole.speculative.mtp import MTPDrafter
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (5, 1, 17)]
+    hidden = [torch.randn(p.numel(), model.config.hidden_size, generator=gen) for p in prompts]
+    alone, together = (MTPDrafter(model, 4, 64, 8) for _ in range(2))
+    for s, (p, h) in enumerate(zip(prompts, hidden)):
+        alone.observe_prompt(s, p, h)
+    together.observe_prompts([0, 1, 2], prompts, hidden)
+    for s, p in enumerate(prompts):
+        n = p.numel() - 1                      # position 0 has no MTP row
+        torch.testing.assert_close(together.k[s, :n], alone.k[s, :n], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(together.v[s, :n], alone.v[s, :n], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(together.last_hidden[s], alone.last_hidden[s])
+        assert not alone.k[s, n:-1].any()      # nothing past the prompt in either pool
+        assert not together.k[s, n:-1].any()

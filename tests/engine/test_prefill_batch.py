@@ -82,3 +82,24 @@ def test_mtp_observes_prompts_together_as_one_at_a_time(model):
         torch.testing.assert_close(together.last_hidden[s], alone.last_hidden[s])
         assert not alone.k[s, n:-1].any()      # nothing past the prompt in either pool
         assert not together.k[s, n:-1].any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton prefill path needs a GPU")
+def test_batched_prefill_on_the_gpu_agrees_with_chunked_prefill():
+    """On a GPU the batch goes through the Triton closed form and a lone prompt through fla's
+    chunk kernel (where installed): the same states to fp32 rounding (tf32 products inside)."""
+    m = HybridModel.random(preset_config("tiny"), dtype=torch.float32, mtp=True, seed=3,
+                           device="cuda")
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (40, 3, 64)]
+    alone = ModelRunner(m, m.new_cache(3, 96), "triton")
+    together = ModelRunner(m, m.new_cache(3, 96), "triton")
+    slots_a = [alone.cache.allocate(80) for _ in prompts]
+    slots_t = [together.cache.allocate(80) for _ in prompts]
+    want = [alone.prefill(s, p) for s, p in zip(slots_a, prompts)]
+    logits, hidden = together.prefill_batch(slots_t, prompts)
+    for r, (lg, hd) in enumerate(want):
+        torch.testing.assert_close(logits[r], lg, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(hidden[r], hd, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(together.cache.gdn_state[:, slots_t[r]],
+                                   alone.cache.gdn_state[:, slots_a[r]], rtol=2e-3, atol=2e-3)

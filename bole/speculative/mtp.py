@@ -83,9 +83,10 @@ class MTPDrafter:
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Attention output ``o [n, H_q * hd]`` (gated) -> the layer's normalised output m."""
         m, w, eps = self.model, self.model.w, self.model.config.rms_norm_eps
-        x = x + m.tp.all_reduce(F.linear(o, w[MTP_LAYER + "self_attn.o_proj.weight"],
-                                         w.get(MTP_LAYER + "self_attn.o_proj.bias")))
-        a, x = fused.add_rms_norm(x, w[MTP_LAYER + "post_attention_layernorm.weight"], eps)
+        attn = m.tp.all_reduce(F.linear(o, w[MTP_LAYER + "self_attn.o_proj.weight"],
+                                        w.get(MTP_LAYER + "self_attn.o_proj.bias")))
+        # the residual add inside the norm's kernel
+        a, x = fused.add_rms_norm(attn, w[MTP_LAYER + "post_attention_layernorm.weight"], eps, x)
         return fused.add_rms_norm(m.mlp(0, a, prefix=MTP_LAYER), w["mtp.norm.weight"], eps, x)[0]
 
     # ---- keeping the MTP pool in step with the target ----

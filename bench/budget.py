@@ -96,12 +96,13 @@ def main(argv=None) -> int:
             records.append(one("calibrated", replace(base, budget_policy="calibrated"),
                                verification_budget(profile, batch)))
             records.append(one("goodput", replace(base, budget_policy="goodput"), -1))
-        meta = dict(date=date, model=name, drafter=drafter, acceptance=acceptance,
-                    device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                    torch=torch.__version__, profile_gpu=profile.gpu, eps=profile.eps,
-                    b_ver=dict(zip(profile.batches, profile.b_ver)))
-        path = out / f"budget-{date}-{name}.json"
-        path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+            # rewritten after every batch: a run cut short keeps its finished batches
+            meta = dict(date=date, model=name, drafter=drafter, acceptance=acceptance,
+                        device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                        torch=torch.__version__, profile_gpu=profile.gpu, eps=profile.eps,
+                        b_ver=dict(zip(profile.batches, profile.b_ver)))
+            path = out / f"budget-{date}-{name}.json"
+            path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
         paths += [path, plot(path)]
         del model
     print(*paths, sep="\n")

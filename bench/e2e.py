@@ -268,9 +268,19 @@ def study(args, tp=None) -> Path | None:
                                                                    args.device), **res))
                 print(json.dumps({k: v for k, v in records[-1].items() if k != "outputs"}),
                       flush=True)
+            if tp is None or not tp.rank:
+                write(args, records)
         del model
     if tp is not None and tp.rank:
         return None
+    path = write(args, records)
+    print(path, plot(path))
+    return path
+
+
+def write(args, records: list[dict]) -> Path:
+    """The study's JSON (rewritten after every batch, so that a run cut short keeps its
+    finished batches)."""
     meta = dict(date=_dt.date.today().isoformat(), device=(torch.cuda.get_device_name()
                 if args.device == "cuda" else "cpu"), torch=torch.__version__, tp=args.tp,
                 context=args.context, max_context=args.max_context, max_tokens=args.max_tokens,
@@ -286,7 +296,6 @@ def study(args, tp=None) -> Path | None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"e2e-{meta['date']}{args.tag}.json"
     path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
-    print(path, plot(path))
     return path
 
 

@@ -16,15 +16,22 @@ def model():
                               gdn_backend="torch")
 
 
-def test_batched_prefill_equals_one_at_a_time(model):
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (7, 1, 19, 12)]
-    alone = ModelRunner(model, model.new_cache(4, 64), "torch")
-    together = ModelRunner(model, model.new_cache(4, 64), "torch")
-    slots_a = [alone.cache.allocate(40) for _ in prompts]
-    slots_t = [together.cache.allocate(40) for _ in prompts]
+def _both_ways(model, lengths, seed, backend, max_len):
+    """The same prompts prefilled one at a time and together, in two runners: (prompts, the
+    lone prefills' results, (logits, hidden) of the batch, both runners and their slots)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in lengths]
+    alone, together = (ModelRunner(model, model.new_cache(len(lengths), max_len), backend)
+                       for _ in range(2))
+    slots_a = [alone.cache.allocate(max_len - 16) for _ in prompts]
+    slots_t = [together.cache.allocate(max_len - 16) for _ in prompts]
     want = [alone.prefill(s, p) for s, p in zip(slots_a, prompts)]
-    logits, hidden = together.prefill_batch(slots_t, prompts)
+    return prompts, want, together.prefill_batch(slots_t, prompts), alone, together, slots_a, slots_t
+
+
+def test_batched_prefill_equals_one_at_a_time(model):
+    prompts, want, (logits, hidden), alone, together, slots_a, slots_t = _both_ways(
+        model, (7, 1, 19, 12), 0, "torch", 64)
     for r, (p, (lg, hd)) in enumerate(zip(prompts, want)):
         n = p.numel()
         torch.testing.assert_close(logits[r], lg, rtol=1e-5, atol=1e-5)
@@ -90,14 +97,8 @@ def test_batched_prefill_on_the_gpu_agrees_with_chunked_prefill():
     chunk kernel (where installed): the same states to fp32 rounding (tf32 products inside)."""
     m = HybridModel.random(preset_config("tiny"), dtype=torch.float32, mtp=True, seed=3,
                            device="cuda")
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (40, 3, 64)]
-    alone = ModelRunner(m, m.new_cache(3, 96), "triton")
-    together = ModelRunner(m, m.new_cache(3, 96), "triton")
-    slots_a = [alone.cache.allocate(80) for _ in prompts]
-    slots_t = [together.cache.allocate(80) for _ in prompts]
-    want = [alone.prefill(s, p) for s, p in zip(slots_a, prompts)]
-    logits, hidden = together.prefill_batch(slots_t, prompts)
+    _, want, (logits, hidden), alone, together, slots_a, slots_t = _both_ways(
+        m, (40, 3, 64), 4, "triton", 96)
     for r, (lg, hd) in enumerate(want):
         torch.testing.assert_close(logits[r], lg, rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(hidden[r], hd, rtol=2e-3, atol=2e-3)

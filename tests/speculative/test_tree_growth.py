@@ -102,18 +102,22 @@ def assert_same_as_host(out, host, budget: int) -> None:
         assert torch.equal(out.table.depth[r, src], out.depth[r, :n])
 
 
-@given(seed=st.integers(0, 10_000), R=st.integers(1, 4), topk=st.integers(1, 4),
-       depth=st.integers(0, 6), extra=st.integers(0, 4), data=st.data(), sparse=st.booleans(),
-       levels=st.sampled_from([2, 3, 50]))
-@settings(max_examples=300)
+def growth_cases(max_requests: int, max_depth: int, levels: list[int], examples: int):
+    """Hypothesis cases of a growth: requests, top-k, depth, budget slack, proposals' sparsity and
+    probability levels (few levels: many ties)."""
+    cases = given(seed=st.integers(0, 10_000), R=st.integers(1, max_requests),
+                  topk=st.integers(1, 4), depth=st.integers(0, max_depth),
+                  extra=st.integers(0, 4), data=st.data(), sparse=st.booleans(),
+                  levels=st.sampled_from(levels))
+    return lambda test: settings(max_examples=examples)(cases(test))
+
+
+@growth_cases(4, 6, [2, 3, 50], examples=300)
 def test_device_growth_equals_host(seed, R, topk, depth, extra, data, sparse, levels):
     _growth_equals_host(seed, R, topk, depth, extra, data, sparse, levels, "torch")
 
 
-@given(seed=st.integers(0, 10_000), R=st.integers(1, 3), topk=st.integers(1, 4),
-       depth=st.integers(0, 4), extra=st.integers(0, 4), data=st.data(), sparse=st.booleans(),
-       levels=st.sampled_from([1, 2, 50]))
-@settings(max_examples=40)
+@growth_cases(3, 4, [1, 2, 50], examples=40)
 def test_fused_step_growth_equals_host(seed, R, topk, depth, extra, data, sparse, levels):
     """The one-launch-per-step kernel (under the interpreter on CPU) builds the host's trees."""
     _growth_equals_host(seed, R, topk, depth, extra, data, sparse, levels, "triton")

@@ -105,10 +105,9 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
     accepted = sum(sum(r.accepted) for r in res)
     nodes = engine.timings.rounds * len(prompts) * spec.nodes_per_request
     outputs = [r.token_ids for r in res]
-    round_s = engine.timings.total / 1e3
+    decode_rate, prefill_s = engine.timings.decode_split(tokens - len(prompts), elapsed)
     out = dict(tokens_per_s=tokens / elapsed,
-               decode_tokens_per_s=(tokens - len(prompts)) / max(round_s, 1e-9),
-               prefill_s=max(0.0, elapsed - round_s),
+               decode_tokens_per_s=decode_rate, prefill_s=prefill_s,
                mean_accepted_tokens=accepted / max(1, rounds),
                tokens_per_verified_node=accepted / max(1, nodes), round_ms=split["round_ms"],
                draft_ms=split["draft_ms"], verify_ms=split["verify_ms"],

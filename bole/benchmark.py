@@ -103,10 +103,9 @@ def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_
             if "ar" in outputs and mode != "ar":
                 agree = sum(a == b for a, b in zip(outputs["ar"], outputs[mode])) / batch
             split = engine.timings.summary()
-            round_s = engine.timings.total / 1e3
             results.append(ModeResult(
                 mode, batch, tokens, elapsed, tokens / elapsed,
-                (tokens - len(res)) / max(round_s, 1e-9), max(0.0, elapsed - round_s),
+                *engine.timings.decode_split(tokens - len(res), elapsed),
                 engine.timings.rounds,
                 accepted / max(1, rounds), split["round_ms"], split["draft_ms"],
                 split["verify_ms"], split["accept_commit_ms"], split["host_ms"],

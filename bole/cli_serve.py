@@ -119,8 +119,6 @@ def _stop_followers(processes, timeout: float) -> None:
 def _serve_follower(i: int, world: int, port: int, argv: list[str]) -> None:
     """Rank ``i + 1`` of ``serve --tp``: silent, binds no port, steps as rank 0 says until it
     stops; ignores Ctrl-C (rank 0 stops it) and dies with rank 0's process."""
-    import contextlib
-    import io
     import signal
 
     from bole import distributed
@@ -133,7 +131,7 @@ def _serve_follower(i: int, world: int, port: int, argv: list[str]) -> None:
     tp = distributed.init(rank, world, port, args.device or "cpu")
     try:
         channel = Channel(tp)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with distributed.quiet_unless_rank0(rank):
             engine = _serve_engine(args, Path(args.model), tp)
             LockstepScheduler(engine, channel, max_queue=args.max_queue).follow()
     finally:

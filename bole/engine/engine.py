@@ -279,8 +279,9 @@ class Engine:
             r.started = t0
             r.slot = self.cache.allocate(len(r.prompt) + r.params.max_tokens + self.scratch)
         short = [r for r in requests if len(r.prompt) <= PREFILL_BATCH_MAX]
-        together = {id(r) for r in short} if len(short) > 1 else set()
-        groups = ([short] if together else []) + [[r] for r in requests if id(r) not in together]
+        batched = len(short) > 1
+        groups = ([short] if batched else []) + [
+            [r] for r in requests if not batched or len(r.prompt) > PREFILL_BATCH_MAX]
         for group in groups:
             prompts = [torch.tensor(r.prompt) for r in group]
             if len(group) > 1:

@@ -63,6 +63,12 @@ class RoundTimings:
         for k in ("draft", "verify", "accept_commit", "host", "total", "syncs"):
             setattr(self, k, getattr(self, k) + t[k])
 
+    def decode_split(self, decoded_tokens: int, elapsed_s: float) -> tuple[float, float]:
+        """``(decoded_tokens`` over the rounds' time in tokens/s, the seconds of a run of
+        ``elapsed_s`` spent outside rounds: admissions and prefills)."""
+        round_s = self.total / 1e3
+        return decoded_tokens / max(round_s, 1e-9), max(0.0, elapsed_s - round_s)
+
     def summary(self) -> dict:
         n = max(1, self.rounds)
         return dict(round_ms=self.total / n, draft_ms=self.draft / n, verify_ms=self.verify / n,
@@ -297,10 +303,7 @@ class RoundRunner:
         known future, from its first token on), or None."""
         continuations = continuations or [None] * len(slots)
         if self.mtp is not None:
-            if len(slots) == 1:
-                self.mtp.observe_prompt(slots[0], prompts[0], hidden[0])
-            else:
-                self.mtp.observe_prompts(slots, prompts, hidden)
+            self.mtp.observe_prompts(slots, prompts, hidden)
         for slot, prompt, cont in zip(slots, prompts, continuations):
             if self.spec.drafter == "replay" and self.mtp is not None:
                 self.mtp.set_continuation(slot, cont or [], start=prompt.numel())

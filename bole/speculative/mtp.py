@@ -116,14 +116,7 @@ class MTPDrafter:
     @torch.no_grad()
     def observe_prompt(self, slot: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:
         """After a prefill of ``tokens [P]`` (hidden ``[P, H]``) into a fresh slot."""
-        P = tokens.numel()
-        dev = self.k.device
-        slot_t = torch.tensor([slot], dtype=torch.int32, device=dev)
-        self.last_hidden[slot] = hidden[0]
-        if P > 1:
-            self.observe(slot_t, tokens[1:].to(dev)[None], hidden[1:][None],
-                         torch.ones(1, dtype=torch.int64, device=dev),
-                         torch.tensor([P - 1], device=dev))
+        self.observe_prompts([slot], [tokens], [hidden])
 
     @torch.no_grad()
     def observe_prompts(self, slots: list[int], prompts: list[torch.Tensor],

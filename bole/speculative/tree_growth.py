@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from bole.forest import DenseForest
+from bole.speculative.tree_growth_triton import grow_step, rerank
 
 __all__ = ["NodeTable", "DraftForest", "StepFn", "TreeGrowth", "node_capacity", "step_slots"]
 
@@ -186,7 +187,6 @@ class TreeGrowth:
                 self._check_proposals(step, frontier, tokens, probs)
                 tokens, probs = tokens.to(self.device, torch.int64), probs.to(self.device)
                 if self.fused:
-                    from bole.speculative.tree_growth_triton import grow_step
                     frontier = grow_step(table, step, step_slots(self.topk, step)[0], frontier,
                                          tokens, probs, limit, self.topk)
                 else:
@@ -258,7 +258,6 @@ class TreeGrowth:
     def _rerank(self, table: NodeTable) -> DraftForest:
         """Keep the root and the budget - 1 best nodes; lay them out level by level."""
         if self.fused:
-            from bole.speculative.tree_growth_triton import rerank
             tokens, rho, source, parents, valid = rerank(table, self.kept, self.budget, self.depth)
             forest = DenseForest.from_parents(parents, valid, max_depth=self.depth)
             return DraftForest(tokens, rho, source, forest, table)

@@ -34,6 +34,7 @@ import datetime as _dt
 import hashlib
 import json
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -329,8 +330,9 @@ def plot(path: Path) -> Path:
             ax.set_xlabel("batch")
         axes[0, j].legend(fontsize=7)
     m = data["meta"]
-    fig.suptitle(f"{m['device']}, torch {m['torch']}, {m['date']}; {m['acceptance_note']}",
-                 fontsize=8)
+    title = f"{m['device']}, torch {m['torch']}, {m['date']}; {m['acceptance_note']}"
+    fig.suptitle(textwrap.fill(title, 160), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     return save_png(fig, path)
 
 

@@ -16,6 +16,7 @@ from bole.cache import HybridCache
 from bole.forest import DenseForest
 from bole.models.batch import GDN_BACKENDS, ForwardBatch, ForwardOutput
 from bole.models.qwen3_hybrid import HybridModel
+from bole.ops.commit_rows import commit_conv_state, move_kv_rows
 from bole.ops.fused import conv_windows_from_parents
 from bole.ops.gdn.closed_form import TreeFactors
 from bole.ops.gdn.dense import commit_factored_paths, commit_snapshots
@@ -70,8 +71,12 @@ class ModelRunner:
         cache, forest = self.cache, batch.forest
         slots = batch.slots.long()
         path_len = path_len.to(torch.int64)
+        fused = self.device.type == "cuda"
         if not kv_in_place and cache.k.shape[0]:
-            self._move_kv(slots, batch.ctx_lens, path)
+            if fused:                  # one launch each (bole/ops/commit_rows.py)
+                move_kv_rows(cache.k, cache.v, slots, batch.ctx_lens, path, path_len)
+            else:
+                self._move_kv(slots, batch.ctx_lens, path)
         path_global = forest.global_index(path)
         last = torch.gather(path_global, 1, (path_len - 1).clamp(min=0)[:, None])[:, 0]
         if out.final_states:                                      # fla's chunked prefill
@@ -95,7 +100,10 @@ class ModelRunner:
                                                  target.to(torch.int32), last)
             else:
                 commit_snapshots(out.snapshots, cache.gdn_state, target, last)
-        if out.conv_inputs:
+        if out.conv_inputs and fused:
+            commit_conv_state(cache.conv_state, torch.stack(out.conv_inputs),
+                              batch.conv_windows[last][:, 1:], slots, path_len)
+        elif out.conv_inputs:
             self._commit_conv(batch, torch.stack(out.conv_inputs), slots, last, path_len)
         cache.lengths.index_add_(0, slots, path_len)
         return path_global

@@ -38,7 +38,7 @@ from bole.models.loader import load_checkpoint
 from bole.models.sharding import check_divisible, shard_tensors
 from bole.models.weights import FP32_SUFFIXES, mtp_specs, text_model_specs
 from bole.ops import fused
-from bole.ops.attention import prefill_attention, tree_attention, write_kv
+from bole.ops.attention import prefill_attention, tree_attention
 from bole.ops.gdn.common import gates_from_raw
 from bole.ops.gdn.dense import tree_gdn_closed_form_dense, tree_gdn_serial_dense
 from bole.ops.triton_utils import check_kernel_device
@@ -226,29 +226,33 @@ class HybridModel:
         return f"{self.config.weight_prefix}layers.{layer}."
 
     # ---- layers ----
-    def attention_qkv(self, prefix: str, x: torch.Tensor, positions: torch.Tensor):
+    def attention_qkv(self, prefix: str, x: torch.Tensor, positions: torch.Tensor, pool=None):
         """Projections of a gated full-attention layer: ``(q [N, H, hd], k, v [N, H_kv, hd],
-        gate [N, H * hd])``, q and k normalised and rotated at ``positions``."""
+        gate [N, H, hd])``, q and k normalised and rotated at ``positions``.
+
+        ``pool = (k_pool, v_pool, slots, ctx_lens, rows)``: k and v go straight into those pool
+        rows instead (:func:`bole.ops.fused.qk_norm_rope_to_pool`) and come back as None."""
         c, w = self.config, self.w
         N, hd = x.shape[0], c.head_dim
         Hq, Hkv = self.n_heads, self.n_kv
         qkv = F.linear(x, w[prefix + "qkv_proj.weight"], w.get(prefix + "qkv_proj.bias"))
         q_gate, k, v = torch.split(qkv, [2 * Hq * hd, Hkv * hd, Hkv * hd], dim=-1)
         q, gate = q_gate.view(N, Hq, 2 * hd).chunk(2, dim=-1)
-        eps = c.rms_norm_eps
-        q = fused.qk_norm_rope(q, w[prefix + "q_norm.weight"], positions, self.inv_freq,
-                               c.rotary_dim, eps)
-        k = fused.qk_norm_rope(k.view(N, Hkv, hd), w[prefix + "k_norm.weight"], positions,
-                               self.inv_freq, c.rotary_dim, eps)
-        return q, k, v.reshape(N, Hkv, hd), gate.reshape(N, Hq * hd)
+        k, v = k.view(N, Hkv, hd), v.view(N, Hkv, hd)
+        norms = (w[prefix + "q_norm.weight"], w[prefix + "k_norm.weight"], positions,
+                 self.inv_freq, c.rotary_dim, c.rms_norm_eps)
+        if pool is not None:
+            return fused.qk_norm_rope_to_pool(q, k, v, *norms, *pool), None, None, gate
+        q, k = fused.qk_norm_rope_pair(q, k, *norms)
+        return q, k, v, gate                                 # gate: a [N, Hq, hd] view
 
     def attention(self, prefix: str, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   batch: ForwardBatch) -> torch.Tensor:
         """A gated attention layer over a KV pool: the nodes' keys/values go to the pool's scratch
         rows, then every node attends to its request's context and its tree ancestors."""
         c, w = self.config, self.w
-        q, k, v, gate = self.attention_qkv(prefix, x, batch.positions)
-        write_kv(k_pool, v_pool, k, v, batch.slots, batch.ctx_lens)
+        q, _, _, gate = self.attention_qkv(prefix, x, batch.positions,
+                                           (k_pool, v_pool, batch.slots, batch.ctx_lens, None))
         scale = c.head_dim ** -0.5
         if batch.prefill is not None:
             slot, ctx = batch.prefill

@@ -13,8 +13,9 @@ reserves the scratch positions); :func:`tree_attention` clamps lengths into that
 read leaves the slot, and :func:`write_kv` relies on torch's index bounds check.
 
 Scores are fp32 (``scale * q.k``), GQA query head h reads kv head ``h // (Hq // Hkv)``, and a row
-that sees no key at all yields zeros. The optional ``gate [N, Hq * D]`` is the model's sigmoid
-output gate: ``(o.to(q.dtype).reshape(N, -1) * sigmoid(gate)).view(N, Hq, D)``.
+that sees no key at all yields zeros. The optional ``gate [N, Hq * D]`` (or ``[N, Hq, D]``, any
+row and head strides: a view into the q projection) is the model's sigmoid output gate:
+``(o.to(q.dtype).reshape(N, -1) * sigmoid(gate)).view(N, Hq, D)``.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def _check_gate(gate: torch.Tensor | None, q: torch.Tensor) -> None:
         return
     _need_tensor(gate, "gate")
     N, Hq, D = q.shape
-    if tuple(gate.shape) != (N, Hq * D):
-        raise ValueError(f"gate must be [N, Hq * D] = {(N, Hq * D)}, got {tuple(gate.shape)}")
+    if tuple(gate.shape) not in ((N, Hq * D), (N, Hq, D)):
+        raise ValueError(f"gate must be [N, Hq * D] = {(N, Hq * D)} or [N, Hq, D], got "
+                         f"{tuple(gate.shape)}")
     if gate.dtype != q.dtype or gate.device != q.device:
         raise TypeError(f"gate ({gate.dtype}, {gate.device}) must match q ({q.dtype}, {q.device})")
 
@@ -126,6 +128,7 @@ def _apply_gate(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     """``o [N, Hq, D]`` (already in q's dtype) times ``sigmoid(gate [N, Hq * D])``."""
     if gate is None:
         return o
+    gate = gate.reshape(o.shape[0], -1)
     return (o.reshape(o.shape[0], -1) * torch.sigmoid(gate)).view(o.shape)
 
 
@@ -248,14 +251,15 @@ def _attend_block(acc, m_i, l_i, q, k_base, v_base, pos, key_ok, visible, s_km, 
 
 
 @triton.jit
-def _finish(o_ptr, gate_ptr, acc, l_i, n, h, d, row_ok, d_ok, s_gn,
+def _finish(o_ptr, gate_ptr, acc, l_i, n, h, d, row_ok, d_ok, s_gn, s_gh,
             HQ: tl.constexpr, D: tl.constexpr, HAS_GATE: tl.constexpr):
     """Normalise ``acc [BM, BD]`` by ``l_i``, cast to the output dtype, gate, and store rows
     ``(n, h)`` of ``o [N, HQ, D]``. A row with ``l_i == 0`` saw nothing and has ``acc == 0``."""
     o = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(o_ptr.dtype.element_ty)
     omask = row_ok[:, None] & d_ok[None, :]
     if HAS_GATE:      # torch's (o.to(dtype) * sigmoid(gate)): both factors rounded to the dtype
-        g = tl.load(gate_ptr + n[:, None] * s_gn + h[:, None] * D + d[None, :], mask=omask, other=0.0)
+        g = tl.load(gate_ptr + n[:, None] * s_gn + h[:, None] * s_gh + d[None, :], mask=omask,
+                    other=0.0)
         sg = tl.sigmoid(g.to(tl.float32)).to(o_ptr.dtype.element_ty)
         o = (o.to(tl.float32) * sg.to(tl.float32)).to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + (n[:, None] * HQ + h[:, None]) * D + d[None, :], o, mask=omask)
@@ -264,7 +268,7 @@ def _finish(o_ptr, gate_ptr, acc, l_i, n, h, d, row_ok, d_ok, s_gn,
 @triton.jit
 def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, ctx_ptr, mask_ptr, gate_ptr, o_ptr,
                       po_ptr, pml_ptr, s_qn, s_qh, s_ks, s_km, s_kh, s_vs, s_vm, s_vh, s_mn, s_mj,
-                      s_gn, N, Tq, Tk, M_ctx, chunk, NQB, qk_scale,
+                      s_gn, s_gh, N, Tq, Tk, M_ctx, chunk, NQB, qk_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
                       BQ: tl.constexpr, GP: tl.constexpr, BD: tl.constexpr, BLOCK_N: tl.constexpr,
                       SPLIT: tl.constexpr, HAS_GATE: tl.constexpr, IEEE: tl.constexpr):
@@ -325,11 +329,11 @@ def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, ctx_ptr, mask_ptr, gate_pt
         tl.store(pml_ptr + row * 2, m_i, mask=row_ok)
         tl.store(pml_ptr + row * 2 + 1, l_i, mask=row_ok)
     else:
-        _finish(o_ptr, gate_ptr, acc, l_i, n, h, d, row_ok, d_ok, s_gn, HQ, D, HAS_GATE)
+        _finish(o_ptr, gate_ptr, acc, l_i, n, h, d, row_ok, d_ok, s_gn, s_gh, HQ, D, HAS_GATE)
 
 
 @triton.jit
-def _merge_kernel(po_ptr, pml_ptr, gate_ptr, o_ptr, NH, s_gn, NUM_SPLITS: tl.constexpr,
+def _merge_kernel(po_ptr, pml_ptr, gate_ptr, o_ptr, NH, s_gn, s_gh, NUM_SPLITS: tl.constexpr,
                   HQ: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
                   HAS_GATE: tl.constexpr):
     """Merge the splits' partials of BR rows ``n * HQ + h``: weights ``exp2(m_s - max m)``."""
@@ -349,7 +353,8 @@ def _merge_kernel(po_ptr, pml_ptr, gate_ptr, o_ptr, NH, s_gn, NUM_SPLITS: tl.con
         l_i += w * tl.load(pml_ptr + row * 2 + 1, mask=ok, other=0.0)
         part = tl.load(po_ptr + row[:, None] * D + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
         acc += w[:, None] * part
-    _finish(o_ptr, gate_ptr, acc, l_i, rows // HQ, rows % HQ, d, ok, d_ok, s_gn, HQ, D, HAS_GATE)
+    _finish(o_ptr, gate_ptr, acc, l_i, rows // HQ, rows % HQ, d, ok, d_ok, s_gn, s_gh, HQ, D,
+            HAS_GATE)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,7 +400,9 @@ def _tree_attention_triton(q, k_pool, v_pool, slots, ctx_lens, tree_mask, scale,
     if k_pool.stride(3) != 1 or v_pool.stride(3) != 1:
         raise ValueError("k_pool and v_pool need a contiguous last (head-dim) axis")
     q = q if q.stride(2) == 1 else q.contiguous()
-    gate = gate if gate is None or gate.stride(1) == 1 else gate.contiguous()
+    if gate is not None:                  # read as [N, Hq, D] with any row and head strides
+        gate = gate.reshape(N, Hq, D)
+        gate = gate if gate.stride(2) == 1 else gate.contiguous()
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
     tile = _tile(Tq, Hq // Hkv, D)
     nqb = triton.cdiv(Tq, tile["BQ"])
@@ -412,17 +419,17 @@ def _tree_attention_triton(q, k_pool, v_pool, slots, ctx_lens, tree_mask, scale,
     else:
         part_o = part_ml = o                                   # unused
     g_arg = q if gate is None else gate
-    s_gn = 0 if gate is None else gate.stride(0)
+    s_gn, s_gh = (0, 0) if gate is None else gate.stride()[:2]
     _tree_attn_kernel[(R * Hkv * nqb, splits)](
         q, k_pool, v_pool, slots, ctx_lens, mask, g_arg, o, part_o, part_ml,
         q.stride(0), q.stride(1), *k_pool.stride()[:3], *v_pool.stride()[:3],
-        mask.stride(0), mask.stride(1), s_gn, N, Tq, Tk, M_ctx, chunk, nqb, scale * LOG2E,
+        mask.stride(0), mask.stride(1), s_gn, s_gh, N, Tq, Tk, M_ctx, chunk, nqb, scale * LOG2E,
         HQ=Hq, HKV=Hkv, GROUP=Hq // Hkv, D=D, SPLIT=splits > 1, HAS_GATE=gate is not None,
         IEEE=q.dtype == torch.float32, **tile)
     if splits > 1:
         BR = 16
         _merge_kernel[(triton.cdiv(N * Hq, BR),)](
-            part_o, part_ml, g_arg, o, N * Hq, s_gn, NUM_SPLITS=splits, HQ=Hq, D=D, BR=BR,
+            part_o, part_ml, g_arg, o, N * Hq, s_gn, s_gh, NUM_SPLITS=splits, HQ=Hq, D=D, BR=BR,
             BD=tile["BD"], HAS_GATE=gate is not None, num_warps=1 if _interpreting() else 4)
     return o
 

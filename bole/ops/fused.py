@@ -4,6 +4,8 @@
     gated_rms_norm    GDN output norm w * x / rms(x) * silu(z)
     silu_mul          silu(gate) * up of the fused gate|up projection rows
     qk_norm_rope      per-head zero-centred RMSNorm of q or k, then partial rotary embedding
+                      (qk_norm_rope_pair: q and k in one launch; qk_norm_rope_to_pool: k and v
+                      written straight into KV pool rows)
     tree_conv1d_pool  depthwise causal conv + SiLU of a draft forest, conv state read from the pool
 
 Each torch reference spells out the layers' unfused torch code op for op (the same roundings, bit
@@ -25,8 +27,8 @@ from triton.language.extra import libdevice
 
 from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index, interpreting
 
-__all__ = ["IMPLS", "add_rms_norm", "gated_rms_norm", "silu_mul", "qk_norm_rope",
-           "tree_conv1d_pool", "conv_windows_from_parents"]
+__all__ = ["IMPLS", "add_rms_norm", "gated_rms_norm", "silu_mul", "qk_norm_rope", "qk_norm_rope_pair",
+           "qk_norm_rope_to_pool", "tree_conv1d_pool", "conv_windows_from_parents"]
 
 fix_interpreter_scalar_index()
 
@@ -64,12 +66,12 @@ def _store_normed(o_row, w, s, rstd, o, m):
 
 
 @triton.jit
-def _add_rms_norm_kernel(x, res, w, out, summed, H, stride_x, stride_r, eps,
+def _add_rms_norm_kernel(x, res, w, out, summed, H, stride_x, stride_r, stride_o, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """One program per row of H: ``s = x + res``, ``out = s / rms(s) * (1 + w)``."""
     row = tl.program_id(0).to(tl.int64)
     x_row, r_row = x + row * stride_x, res + row * stride_r
-    s_row, o_row = summed + row * H, out + row * H
+    s_row, o_row = summed + row * H, out + row * stride_o
     if ONE_BLOCK:       # the whole row stays in registers
         o = tl.arange(0, BLOCK)
         s = _row_sum(x_row, r_row, s_row, o, o < H, HAS_RES, True)
@@ -121,12 +123,10 @@ def _silu_mul_kernel(gu, out, I, stride_row, n_blocks, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _qk_norm_rope_kernel(x, w, pos, inv_freq, out, heads, D, sxn, sxh, eps, n_hblocks,
-                         ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                         LIBDEVICE: tl.constexpr):
-    """One program per (token, BLOCK_H heads): per-head RMSNorm, then rope on dims < ROT."""
-    pid = tl.program_id(0)
-    n, h = (pid // n_hblocks).to(tl.int64), (pid % n_hblocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _norm_rope_rows(x, w, pos, inv_freq, out, n, h, heads, D, sxn, sxh, eps,
+                    ROT: tl.constexpr, BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """Heads ``h [BLOCK_H]`` of token n: per-head RMSNorm, then rope on dims < ROT; head h goes
+    to ``out + h * D`` (out: the token's output row)."""
     HALF: tl.constexpr = ROT // 2
     d = tl.arange(0, BLOCK_D)
     mask_d = d < D
@@ -154,7 +154,54 @@ def _qk_norm_rope_kernel(x, w, pos, inv_freq, out, heads, D, sxn, sxh, eps, n_hb
     # each product and the sum rounded to x's dtype, as torch's rot * cos + rotate_half(rot) * sin
     rotated = (y * c).to(dt).to(tl.float32) + (yp * s).to(dt).to(tl.float32)
     res = tl.where(in_rot[None, :], rotated, y)
-    tl.store(out + (n * heads + h.to(tl.int64))[:, None] * D + d[None, :], res.to(dt), mask=m)
+    tl.store(out + h.to(tl.int64)[:, None] * D + d[None, :], res.to(dt), mask=m)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(x, w, pos, inv_freq, out, heads, D, sxn, sxh, eps, n_hblocks,
+                         ROT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                         LIBDEVICE: tl.constexpr):
+    """One program per (token, BLOCK_H heads)."""
+    pid = tl.program_id(0)
+    n, h = (pid // n_hblocks).to(tl.int64), (pid % n_hblocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    _norm_rope_rows(x, w, pos, inv_freq, out + n * heads * D, n, h, heads, D, sxn, sxh, eps, ROT,
+                    BLOCK_D, LIBDEVICE)
+
+
+@triton.jit
+def _qk_pair_kernel(q, wq, qo, hq, sqn, sqh, nqb, k, wk, ko, hk, skn, skh, nkb, pos, inv_freq,
+                    D, eps, v, svn, svh, k_pool, v_pool, slots, ctx, rows, T, s_ps, s_pm, M,
+                    ROT: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+                    BLOCK_D: tl.constexpr, LIBDEVICE: tl.constexpr, POOL: tl.constexpr,
+                    ROWS_GIVEN: tl.constexpr):
+    """Programs ``[0, N * nqb)`` take q's heads, the rest k's: both in one launch. With POOL,
+    k's heads (and v's) go to pool row ``(slots[n // T], rows[n] or ctx[n // T] + n % T)``
+    instead of ``ko``; rows outside ``[0, M)`` are not written."""
+    pid = tl.program_id(0)
+    per = nqb + nkb
+    n, b = (pid // per).to(tl.int64), pid % per
+    if b < nqb:
+        _norm_rope_rows(q, wq, pos, inv_freq, qo + n * hq * D, n, b * BQ + tl.arange(0, BQ), hq,
+                        D, sqn, sqh, eps, ROT, BLOCK_D, LIBDEVICE)
+    else:
+        h = (b - nqb) * BK + tl.arange(0, BK)
+        if POOL:
+            r = n // T
+            if ROWS_GIVEN:
+                row = tl.load(rows + n).to(tl.int64)
+            else:
+                row = tl.load(ctx + r).to(tl.int64) + n % T
+            heads = tl.where((row >= 0) & (row < M), hk, 0)    # nothing to write off the pool
+            base = tl.load(slots + r).to(tl.int64) * s_ps + row * s_pm
+            _norm_rope_rows(k, wk, pos, inv_freq, k_pool + base, n, h, heads, D, skn, skh, eps,
+                            ROT, BLOCK_D, LIBDEVICE)
+            d = tl.arange(0, BLOCK_D)
+            m = (h < heads)[:, None] & (d < D)[None, :]
+            vals = tl.load(v + n * svn + h.to(tl.int64)[:, None] * svh + d[None, :], mask=m)
+            tl.store(v_pool + base + h.to(tl.int64)[:, None] * D + d[None, :], vals, mask=m)
+        else:
+            _norm_rope_rows(k, wk, pos, inv_freq, ko + n * hk * D, n, h, hk, D, skn, skh, eps,
+                            ROT, BLOCK_D, LIBDEVICE)
 
 
 @triton.jit
@@ -268,13 +315,14 @@ def _tree_conv_ref(x, weight, conv_pool, slots, windows) -> torch.Tensor:
 # ---- public ops ----
 
 def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None, *,
+                 residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
                  impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + zero-centred RMSNorm: ``s = x + residual``, ``s / rms(s) * (1 + weight)``.
 
     x, residual: ``[N, H]`` of one dtype, last dim contiguous (rows may be strided); weight ``[H]``
     (any float dtype). ``s`` is rounded to x's dtype as ``x + residual`` is, and is ``x`` itself
-    without a residual. Returns ``(normed [N, H], s [N, H])``, both in x's dtype.
+    without a residual. ``out``: where the normed rows go (``[N, H]`` in x's dtype, rows may be
+    strided: half of a wider buffer). Returns ``(normed [N, H], s [N, H])``, both in x's dtype.
     """
     what = "add_rms_norm"
     _check(what, "x", x, (None, None), "[N, H]", rows=True)
@@ -283,17 +331,22 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         _check(what, "residual", residual, (N, H), "[N, H]", device=x.device, dtype=x.dtype,
                rows=True)
+    if out is not None:
+        _check(what, "out", out, (N, H), "[N, H]", device=x.device, dtype=x.dtype, rows=True)
     if not _use_triton(impl, what, x, weight):
         s = x if residual is None else x + residual
-        return _rms_norm_ref(s, weight, eps), s
-    out = torch.empty((N, H), dtype=x.dtype, device=x.device)
+        normed = _rms_norm_ref(s, weight, eps)
+        return (normed if out is None else out.copy_(normed)), s
+    if out is None:
+        out = torch.empty((N, H), dtype=x.dtype, device=x.device)
     summed = x if residual is None else torch.empty_like(out)
     res = x if residual is None else residual
     one = triton.next_power_of_2(H) <= _MAX_ROW_BLOCK
     block = triton.next_power_of_2(H) if one else _LOOP_BLOCK
     if N:
         _add_rms_norm_kernel[(N,)](
-            x, res, weight.contiguous(), out, summed, H, x.stride(0), res.stride(0), float(eps),
+            x, res, weight.contiguous(), out, summed, H, x.stride(0), res.stride(0), out.stride(0),
+            float(eps),
             HAS_RES=residual is not None, BLOCK=block, ONE_BLOCK=one, num_warps=_num_warps(block))
     return out, summed
 
@@ -379,6 +432,103 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
             x.stride(0), x.stride(1), float(eps), n_hblocks, ROT=rotary_dim, BLOCK_H=per,
             BLOCK_D=block, LIBDEVICE=not interpreting(), num_warps=_num_warps(per * block))
     return out
+
+
+def qk_norm_rope_pair(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                      k_weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                      rotary_dim: int, eps: float, *,
+                      impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`qk_norm_rope` of q ``[N, Hq, hd]`` and k ``[N, Hkv, hd]`` (each with its own
+    weight) in one launch; the same values as two calls."""
+    if not _pair_kernel(impl, q, k, q_weight, k_weight):
+        return (qk_norm_rope(q, q_weight, positions, inv_freq, rotary_dim, eps, impl=impl),
+                qk_norm_rope(k, k_weight, positions, inv_freq, rotary_dim, eps, impl=impl))
+    return _launch_pair(q, k, q_weight, k_weight, positions, inv_freq, rotary_dim, eps)
+
+
+def qk_norm_rope_to_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         q_weight: torch.Tensor, k_weight: torch.Tensor, positions: torch.Tensor,
+                         inv_freq: torch.Tensor, rotary_dim: int, eps: float,
+                         k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                         ctx_lens: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                         *, impl: str = "auto") -> torch.Tensor:
+    """:func:`qk_norm_rope_pair` with the normed, rotated keys and the values ``v [N, Hkv, hd]``
+    written straight into the pools ``[S, M, Hkv, hd]`` (one launch, no k output).
+
+    Token ``n`` of request ``r = n // T`` (``T = N // len(slots)``) goes to row
+    ``(slots[r], rows[n])``, or ``(slots[r], ctx_lens[r] + n % T)`` without ``rows`` (the tree's
+    scratch rows, as :func:`bole.ops.attention.write_kv`). The caller keeps rows inside the pool
+    (the kernel skips any outside it; the torch path raises). Returns q ``[N, Hq, hd]``."""
+    from bole.ops.attention import write_kv
+    if (rows is None) == (ctx_lens is None):
+        raise ValueError("qk_norm_rope_to_pool takes either ctx_lens or rows")
+    N, R = q.shape[0], slots.shape[0]
+    if R == 0 or N % R:
+        raise ValueError(f"{N} tokens are not a multiple of the {R} slots")
+    pool_ok = (k_pool.dtype == v_pool.dtype == k.dtype == v.dtype and k_pool.shape == v_pool.shape
+               and k_pool.dim() == 4 and tuple(k_pool.shape[2:]) == tuple(k.shape[1:])
+               and k_pool.stride()[2:] == (k.shape[2], 1) and v_pool.stride() == k_pool.stride()
+               and v.shape == k.shape and v.stride(2) == 1)
+    if not (pool_ok and _pair_kernel(impl, q, k, q_weight, k_weight)):
+        qo, ko = qk_norm_rope_pair(q, k, q_weight, k_weight, positions, inv_freq, rotary_dim, eps,
+                                   impl=impl)
+        if rows is None:
+            write_kv(k_pool, v_pool, ko, v, slots, ctx_lens)
+        else:
+            index = (slots.long().repeat_interleave(N // R), rows.reshape(-1).long())
+            k_pool[index] = ko
+            v_pool[index] = v.to(v_pool.dtype)
+        return qo
+    return _launch_pair(q, k, q_weight, k_weight, positions, inv_freq, rotary_dim, eps,
+                        pool=(v, k_pool, v_pool, slots, ctx_lens, rows))[0]
+
+
+def _pair_kernel(impl: str, q, k, q_weight, k_weight) -> bool:
+    return _use_triton(impl, "qk_norm_rope_pair", q, k, q_weight, k_weight) and \
+        q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and q.dtype == k.dtype
+
+
+def _launch_pair(q, k, q_weight, k_weight, positions, inv_freq, rotary_dim, eps, pool=None):
+    what = "qk_norm_rope"
+    for name, x, w in (("q", q, q_weight), ("k", k, k_weight)):
+        _check(what, name, x, (None, None, None), "[N, heads, head_dim]", rows=True)
+        _check(what, f"{name}_weight", w, (x.shape[2],), "[head_dim]", device=x.device)
+    N, Hq, hd = q.shape
+    Hkv = k.shape[1]
+    if not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2 or rotary_dim > hd:
+        raise ValueError(f"{what}: rotary_dim must be an even int in [2, head_dim={hd}], "
+                         f"got {rotary_dim!r}")
+    _check(what, "positions", positions, (N,), "[N]", kind="int", device=q.device)
+    _check(what, "inv_freq", inv_freq, (rotary_dim // 2,), "[rotary_dim / 2]", device=q.device)
+    if inv_freq.dtype != torch.float32:
+        raise TypeError(f"{what}: inv_freq must be fp32, got {inv_freq.dtype}")
+    qo = torch.empty((N, Hq, hd), dtype=q.dtype, device=q.device)
+    if pool is None:
+        ko = torch.empty((N, Hkv, hd), dtype=k.dtype, device=k.device)
+        v = k_pool = v_pool = slots = ctx = rows = ko         # unused
+        svn = svh = s_ps = s_pm = M = 0
+        T = 1
+    else:
+        v, k_pool, v_pool, slots, ctx, rows = pool
+        ko = None
+        T = N // slots.shape[0]
+        svn, svh = v.stride(0), v.stride(1)
+        s_ps, s_pm, M = k_pool.stride(0), k_pool.stride(1), k_pool.shape[1]
+        ctx = slots if ctx is None else ctx.contiguous()
+        rows = slots if rows is None else rows.reshape(-1).contiguous()
+    bq, block = _row_tile(what, Hq, hd)
+    bk, _ = _row_tile(what, Hkv, hd)
+    nqb, nkb = triton.cdiv(Hq, bq), triton.cdiv(Hkv, bk)
+    if N and Hq and Hkv:
+        _qk_pair_kernel[(N * (nqb + nkb),)](
+            q, q_weight.contiguous(), qo, Hq, q.stride(0), q.stride(1), nqb,
+            k, k_weight.contiguous(), ko if ko is not None else qo, Hkv, k.stride(0), k.stride(1),
+            nkb, positions.contiguous(), inv_freq.contiguous(), hd, float(eps),
+            v, svn, svh, k_pool, v_pool, slots, ctx, rows, T, s_ps, s_pm, M,
+            ROT=rotary_dim, BQ=bq, BK=bk, BLOCK_D=block, LIBDEVICE=not interpreting(),
+            POOL=pool is not None, ROWS_GIVEN=pool is not None and pool[5] is not None,
+            num_warps=_num_warps(max(bq, bk) * block))
+    return qo, ko
 
 
 def tree_conv1d_pool(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,

@@ -417,6 +417,10 @@ def accept(logits: torch.Tensor, tokens: torch.Tensor, forest: DenseForest, batc
     if forced is not None and forced.shape != (R, T):
         raise ValueError(f"forced must be [R, T] = [{R}, {T}], got {tuple(forced.shape)}")
     argmax = None
+    if batch.all_greedy and tokens.is_cuda:       # one launch (accept_kernel.py)
+        from bole.speculative.accept_kernel import greedy_accept_fused
+        return greedy_accept_fused(logits.argmax(-1), tokens, forest.parents, forest.valid,
+                                   forest.max_depth, forced)
     if batch.any_greedy or batch.all_greedy:
         argmax = logits.argmax(-1)
         if forced is not None:

@@ -29,14 +29,6 @@ from bole.speculative.mtp_inputs import frontier_inputs
 MTP_LAYER = "mtp.layers.0."
 
 
-def write_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """``k, v [R, P, H, D]`` into pool rows ``rows [R, P]`` of slots ``slots [R]``."""
-    index = slots.long()[:, None]
-    k_pool[index, rows] = k.to(k_pool.dtype)
-    v_pool[index, rows] = v.to(v_pool.dtype)
-
-
 class MTPDrafter:
     """MTP KV pool and last target hidden state per slot; the drafting step and the observe."""
 
@@ -71,14 +63,24 @@ class MTPDrafter:
     def _input(self, tokens: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         """fc over the normalised embedding and hidden state: ``[n, H]``."""
         m, w, eps = self.model, self.model.w, self.model.config.rms_norm_eps
-        e = fused.add_rms_norm(m.embed(tokens), w["mtp.pre_fc_norm_embedding.weight"], eps)[0]
-        h = fused.add_rms_norm(prev_hidden.to(e.dtype), w["mtp.pre_fc_norm_hidden.weight"], eps)[0]
-        return F.linear(torch.cat([e, h], dim=-1), w["mtp.fc.weight"])
+        H = m.config.hidden_size
+        # both norms write their halves of fc's input (no concatenation)
+        both = torch.empty(tokens.shape[0], 2 * H, dtype=m.dtype, device=tokens.device)
+        fused.add_rms_norm(m.embed(tokens), w["mtp.pre_fc_norm_embedding.weight"], eps,
+                           out=both[:, :H])
+        fused.add_rms_norm(prev_hidden.to(m.dtype), w["mtp.pre_fc_norm_hidden.weight"], eps,
+                           out=both[:, H:])
+        return F.linear(both, w["mtp.fc.weight"])
 
-    def _kv(self, x: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             rows: torch.Tensor):
+        """The layer's query and gate ``[n, H_q, hd]``; its keys and values go to pool rows
+        ``rows [R, P]`` of ``slots [R]`` (n = R * P)."""
         m, eps = self.model, self.model.config.rms_norm_eps
         a = fused.add_rms_norm(x, m.w[MTP_LAYER + "input_layernorm.weight"], eps)[0]
-        return m.attention_qkv(MTP_LAYER + "self_attn.", a, positions)
+        q, _, _, gate = m.attention_qkv(MTP_LAYER + "self_attn.", a, positions,
+                                        (self.k, self.v, slots, None, rows))
+        return q, gate
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Attention output ``o [n, H_q * hd]`` (gated) -> the layer's normalised output m."""
@@ -103,10 +105,8 @@ class MTPDrafter:
         j = torch.arange(P, device=tokens.device)
         positions = start[:, None] + j
         x = self._input(tokens.reshape(-1), prev.reshape(R * P, -1))
-        _, k, v, _ = self._kv(x, positions.reshape(-1))
         rows = torch.where(j[None] < count[:, None], positions - 1, self.junk_row)
-        write_rows(self.k, self.v, k.view(R, P, *k.shape[1:]), v.view(R, P, *v.shape[1:]),
-                   slots, rows)
+        self._qkv(x, positions.reshape(-1), slots, rows)
         last = torch.gather(hidden, 1, (count - 1).clamp(min=0)[:, None, None]
                             .expand(R, 1, hidden.shape[-1]))[:, 0]
         keep = (count > 0)[:, None]
@@ -161,9 +161,7 @@ class MTPDrafter:
             inp = frontier_inputs(frontier, table, m_table, self.last_hidden, slots, ctx,
                                   self.junk_row)
             x = self._input(inp.tokens, inp.prev)
-            q, k, v, gate = self._kv(x, inp.positions)
-            write_rows(self.k, self.v, k.view(R, K, *k.shape[1:]), v.view(R, K, *v.shape[1:]),
-                       slots, inp.rows)
+            q, gate = self._qkv(x, inp.positions, slots, inp.rows)
             o = tree_attention(q, self.k, self.v, slots, ctx - 1, inp.mask,
                                scale=m.config.head_dim ** -0.5, gate=gate)
             out = self._finish(x, o.reshape(R * K, -1))

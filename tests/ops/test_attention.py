@@ -58,6 +58,22 @@ def test_matches_reference(impl, group, num_splits, gate):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_gate_as_a_strided_head_view(impl, num_splits):
+    """The gate straight from the q projection ([N, Hq, D] with a head stride of 2 D, as
+    attention_qkv returns it) gives the flattened gate's output."""
+    args, kw = make_case(11, group=2, gate=True, arbitrary=True)
+    N, Hq, D = args[0].shape
+    wide = torch.zeros(N, Hq, 2 * D, dtype=kw["gate"].dtype, device=DEV)
+    wide[..., D:] = kw["gate"].view(N, Hq, D)
+    strided = wide[..., D:]
+    assert not strided.is_contiguous()
+    want = tree_attention(*args, **kw, num_splits=num_splits, impl=impl)
+    got = tree_attention(*args, scale=kw["scale"], gate=strided, num_splits=num_splits, impl=impl)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_more_scratch_keys_than_nodes_uint8_mask_and_head_dim_32(impl):
     args, kw = make_case(7, R=2, Tq=4, Tk=7, group=2, D=32, M=48, gate=True, arbitrary=True)
     args[-1] = args[-1].to(torch.uint8)

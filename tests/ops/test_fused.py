@@ -123,6 +123,18 @@ def test_add_rms_norm_kernel(dtype, H, residual):
     assert torch.equal(s, ref_s) and (residual or s is x)
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_add_rms_norm_into_half_of_a_wider_buffer(impl):
+    """``out=``: the normed rows land in a strided view (the MTP head's fc input) and nowhere
+    else; the same values as a fresh output."""
+    x, w = rnd(4, 24), rnd(24, seed=2, scale=0.2)
+    wide = torch.full((4, 48), 7.0, device=DEV)
+    got, _ = fused.add_rms_norm(x, w, EPS, out=wide[:, 24:], impl=impl)
+    want, _ = fused.add_rms_norm(x, w, EPS, impl=impl)
+    assert torch.equal(wide[:, 24:], want) and torch.equal(got, want)
+    assert (wide[:, :24] == 7.0).all()
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_add_rms_norm_kernel_streams_long_rows(dtype, monkeypatch):
     monkeypatch.setattr(fused, "_MAX_ROW_BLOCK", 16)      # rows of 37 take the two-pass loop
@@ -164,6 +176,56 @@ def test_qk_norm_rope_kernel(dtype, heads, hd, rd, tile, monkeypatch):
     inv = inv_freq(rd)
     check_kernel(fused.qk_norm_rope(q, w, pos, inv, rd, EPS, impl="triton"),
                  fused.qk_norm_rope(q, w, pos, inv, rd, EPS, impl="torch"))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("hq, hkv, hd, rd, tile", [(4, 2, 16, 16, 32), (6, 1, 13, 6, 2048),
+                                                   (8, 2, 64, 16, 64)])
+def test_qk_norm_rope_pair_equals_two_calls(dtype, hq, hkv, hd, rd, tile, monkeypatch):
+    """q and k in one launch: bit for bit the two single launches (same kernel body)."""
+    monkeypatch.setattr(fused, "_TILE", tile)
+    qkv = rnd(5, 2 * hq * hd + 2 * hkv * hd, dtype=dtype, scale=2.0)
+    q = qkv[:, :2 * hq * hd].view(5, hq, 2 * hd)[..., :hd]           # q of q_gate: strided
+    k = qkv[:, 2 * hq * hd:2 * hq * hd + hkv * hd].view(5, hkv, hd)
+    wq, wk = rnd(hd, seed=1, scale=0.2).to(dtype), rnd(hd, seed=2, scale=0.2).to(dtype)
+    pos = torch.tensor([0, 1, 77, 4095, 9], device=DEV)
+    inv = inv_freq(rd)
+    qo, ko = fused.qk_norm_rope_pair(q, k, wq, wk, pos, inv, rd, EPS, impl="triton")
+    assert torch.equal(qo, fused.qk_norm_rope(q, wq, pos, inv, rd, EPS, impl="triton"))
+    assert torch.equal(ko, fused.qk_norm_rope(k, wk, pos, inv, rd, EPS, impl="triton"))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("given_rows", [False, True])
+def test_qk_norm_rope_to_pool_equals_the_pair_and_index_put(dtype, given_rows):
+    """k (normed, rotated) and v land in the pool rows the torch path's index_put writes, and
+    nowhere else; q equals the pair's q. Rows are the scratch rows ctx + j, or given per token."""
+    R, T, hq, hkv, hd, rd, S, M = 3, 4, 4, 2, 16, 8, 5, 20
+    N = R * T
+    qkv = rnd(N, 2 * hq * hd + 2 * hkv * hd, dtype=dtype, scale=2.0)
+    q = qkv[:, :2 * hq * hd].view(N, hq, 2 * hd)[..., :hd]
+    k = qkv[:, 2 * hq * hd:2 * hq * hd + hkv * hd].view(N, hkv, hd)
+    v = qkv[:, 2 * hq * hd + hkv * hd:].view(N, hkv, hd)
+    wq, wk = rnd(hd, seed=1, scale=0.2).to(dtype), rnd(hd, seed=2, scale=0.2).to(dtype)
+    pos = torch.arange(N, device=DEV) * 7
+    inv = inv_freq(rd)
+    slots = torch.tensor([4, 0, 2], device=DEV, dtype=torch.int32)
+    ctx = torch.tensor([0, 9, 16], device=DEV)
+    rows = (torch.randperm(M - 1)[:N] + 1).to(DEV) if given_rows else None
+    kw = dict(rows=rows) if given_rows else dict(ctx_lens=ctx)
+    pools = {}
+    for impl in ("triton", "torch"):
+        kp = torch.zeros(S, M, hkv, hd, dtype=dtype, device=DEV)
+        vp = torch.zeros_like(kp)
+        qo = fused.qk_norm_rope_to_pool(q, k, v, wq, wk, pos, inv, rd, EPS, kp, vp, slots, **kw,
+                                        impl=impl)
+        pools[impl] = (qo, kp, vp)
+    (qt, kt, vt), (qr, kr, vr) = pools["triton"], pools["torch"]
+    assert torch.equal(qt, fused.qk_norm_rope_pair(q, k, wq, wk, pos, inv, rd, EPS,
+                                                   impl="triton")[0])
+    check_kernel(qt, qr)
+    check_kernel(kt, kr)
+    assert torch.equal(vt, vr) and int((vt != 0).any(-1).any(-1).sum()) == N
 
 
 def test_kernels_accept_empty_batches():

@@ -115,6 +115,37 @@ def test_greedy_matches_accept_forest(forest, extra, seed):
     assert torch.equal(mixed.emitted, acc.emitted) and torch.equal(mixed.path, acc.path)
 
 
+@settings(max_examples=60, derandomize=True)
+@given(forest=forests(max_requests=4, max_nodes=24), extra=st.integers(0, 3),
+       seed=st.integers(0, 2**31 - 1), use_forced=st.booleans())
+def test_fused_greedy_kernel_equals_the_torch_walk(forest, extra, seed, use_forced):
+    """bole/speculative/accept_kernel.py (one launch; the CPU interpreter here) against
+    _greedy_walk + _finish: same accepted node, path (padding included), length, bonus and
+    emitted row, with and without forced targets."""
+    from bole.speculative.accept_kernel import greedy_accept_fused
+    forest = with_single_node_request(forest)
+    dense = DenseForest.from_packed(forest, int(forest.sizes().max()) + extra)
+    R, T = dense.parents.shape
+    V = 5
+    gen = torch.Generator().manual_seed(seed)
+    argmax = torch.randint(0, V, (R, T), generator=gen)
+    tokens = torch.randint(0, V, (R, T), generator=gen)
+    rng = np.random.default_rng(seed)
+    for r in range(R):
+        for node, kids in children_lists(dense, r).items():
+            if kids and rng.random() < 0.8:
+                tokens[r, kids[rng.integers(len(kids))]] = argmax[r, node]
+    forced = None
+    if use_forced:
+        forced = torch.where(torch.rand(R, T, generator=gen) < 0.5,
+                             torch.randint(0, V, (R, T), generator=gen), -1)
+    want = accept_greedy(argmax if forced is None else torch.where(forced >= 0, forced, argmax),
+                         tokens, dense)
+    got = greedy_accept_fused(argmax, tokens, dense.parents, dense.valid, dense.max_depth, forced)
+    for name in ("accepted", "path", "path_len", "bonus", "emitted", "num_emitted"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
 def test_greedy_accepts_every_path_length():
     """A chain whose argmax runs out at each possible depth."""
     T, V = 6, 7

@@ -141,9 +141,12 @@ def test_fused_greedy_kernel_equals_the_torch_walk(forest, extra, seed, use_forc
                              torch.randint(0, V, (R, T), generator=gen), -1)
     want = accept_greedy(argmax if forced is None else torch.where(forced >= 0, forced, argmax),
                          tokens, dense)
-    got = greedy_accept_fused(argmax, tokens, dense.parents, dense.valid, dense.max_depth, forced)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = greedy_accept_fused(argmax.to(dev), tokens.to(dev), dense.parents.to(dev),
+                              dense.valid.to(dev), dense.max_depth,
+                              None if forced is None else forced.to(dev))
     for name in ("accepted", "path", "path_len", "bonus", "emitted", "num_emitted"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
 
 
 def test_greedy_accepts_every_path_length():

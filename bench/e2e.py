@@ -15,7 +15,8 @@ model drafts with its own MTP head (real acceptance). Per model and batch:
 tree-serial runs bole's best shape, so the two see the same trees. Memory: peak device memory
 per run, and the largest batch that fits 80% of the device at --max-context tokens per request
 (weights + per-slot cache + the round's transient state: factors for bole, a snapshot per node
-for tree-serial, per position for chain), confirmed by running one round at tree-serial's limit.
+for tree-serial, per position for chain); ``--confirm-max-batch`` runs tree-serial's limit for
+a few rounds to check it (``max_batch_confirmed`` in the JSON).
 
     python bench/e2e.py                           # on a GPU -> bench/results/e2e-<date>.{json,png}
     python bench/e2e.py --models tiny --batches 1 2 --device cpu --max-tokens 16   # smoke run
@@ -159,6 +160,34 @@ def max_batch(model, spec: SpecConfig, context: int, device: str, share: float =
     return max(0, int((total - weights) // per_request))
 
 
+def confirm(model, spec: SpecConfig, context: int, batch: int, device: str) -> dict:
+    """Run ``batch`` requests of ``context`` prompt tokens for a few rounds of ``spec``: does a
+    computed max batch really fit? Returns what happened (``ok``, peak memory, the error)."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist()
+    scratch = max(spec.nodes_per_request, spec.depth + 1)
+    rec = dict(mode=spec.mode, shape=dict(depth=spec.depth, topk=spec.topk, budget=spec.budget),
+               batch=batch, context=context)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    engine = None
+    t0 = time.perf_counter()
+    try:
+        engine = Engine(model, spec, max_slots=batch, max_len=context + 4 + scratch + 1)
+        res = engine.generate([prompt] * batch, GenerationParams(max_tokens=4), seed=0)
+        rec.update(ok=True, tokens=sum(len(r.token_ids) for r in res))
+    except torch.OutOfMemoryError as exc:
+        rec.update(ok=False, error=str(exc).splitlines()[0])
+    rec["seconds"] = time.perf_counter() - t0
+    if device == "cuda":
+        rec.update(peak_mem_gib=torch.cuda.max_memory_allocated() / 2 ** 30,
+                   device_gib=torch.cuda.get_device_properties(
+                       torch.cuda.current_device()).total_memory / 2 ** 30)
+    del engine
+    return rec
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -177,6 +206,11 @@ def main(argv=None) -> int:
     ap.add_argument("--unforced", action="store_true",
                     help="replay: accept by the target's argmax (random bf16 weights flip near-tied "
                          "argmaxes between decode and tree verify, which collapses acceptance)")
+    ap.add_argument("--confirm-max-batch", action="store_true",
+                    help="after each model, run tree-serial's computed max batch at "
+                         "--max-context for a few rounds (minutes on a 9B: 8k-token prefills)")
+    ap.add_argument("--confirm-batch", type=int, default=0,
+                    help="the batch to confirm instead of the computed one (smoke runs)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks: one process each (one GPU each on CUDA)")
@@ -230,7 +264,7 @@ def study(args, tp=None) -> Path | None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     device = f"cuda:{tp.rank}" if tp is not None and args.device == "cuda" else args.device
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.tree_shapes]
-    records = []
+    records, confirmations = [], []
     for name in args.models:
         model, given, drafter, _ = load(name, device, dtype, tp)
         profile = args.profile if drafter == "replay" else None
@@ -269,18 +303,25 @@ def study(args, tp=None) -> Path | None:
                 print(json.dumps({k: v for k, v in records[-1].items() if k != "outputs"}),
                       flush=True)
             if tp is None or not tp.rank:
-                write(args, records)
+                write(args, records, confirmations)
+        if args.confirm_max_batch and args.tp == 1:
+            spec = best["tree-serial"][0]
+            n = args.confirm_batch or max_batch(model, spec, args.max_context, args.device)
+            confirmations.append(dict(model=name, computed=max_batch(
+                model, spec, args.max_context, args.device), **confirm(
+                    model, spec, args.max_context, n, args.device)))
+            print(json.dumps(confirmations[-1]), flush=True)
         del model
     if tp is not None and tp.rank:
         return None
-    path = write(args, records)
+    path = write(args, records, confirmations)
     print(path, plot(path))
     return path
 
 
-def write(args, records: list[dict]) -> Path:
+def write(args, records: list[dict], confirmations: list[dict]) -> Path:
     """The study's JSON (rewritten after every batch, so that a run cut short keeps its
-    finished batches)."""
+    finished batches); ``confirmations``: the max-batch runs (:func:`confirm`)."""
     meta = dict(date=_dt.date.today().isoformat(), device=(torch.cuda.get_device_name()
                 if args.device == "cuda" else "cpu"), torch=torch.__version__, tp=args.tp,
                 context=args.context, max_context=args.max_context, max_tokens=args.max_tokens,
@@ -295,7 +336,8 @@ def write(args, records: list[dict]) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"e2e-{meta['date']}{args.tag}.json"
-    path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+    path.write_text(json.dumps(dict(meta=meta, records=records,
+                                    max_batch_confirmed=confirmations), indent=1))
     return path
 
 

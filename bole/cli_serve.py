@@ -40,8 +40,11 @@ def _serve_engine(args, folder: Path, tp=None):
         getattr(args, "dtype", None), default)
     model = HybridModel.from_pretrained(folder, dtype=dtype, device=device, tp=tp)
     spec = _spec(args, args.drafter or default_drafter(model))
-    return Engine(model, spec, max_slots=args.max_batch, max_len=args.max_len,
-                  tokenizer=tokenizer, progress=True)
+    engine = Engine(model, spec, max_slots=args.max_batch, max_len=args.max_len,
+                    tokenizer=tokenizer, progress=True)
+    if device.startswith("cuda"):             # compile the admission path before any request
+        engine.warm_up()
+    return engine
 
 
 def _serve_server(args, folder: Path, engine, channel=None):

@@ -6,7 +6,8 @@ path of :meth:`bole.forest.DenseForest.from_parents`; it sits on the forest's fl
 The torch reference (:func:`bole.forest.depths_from_parents` and
 :func:`bole.forest.ancestors_from_parents`) propagates whole [R, T, T] masks ``max_depth`` times,
 two to three launches a step; here one program per (request, block of rows) walks each row's
-parent chain ``max_depth`` steps up with gathers, marking every node it meets. The same result:
+parent chain ``max_depth`` steps up with gathers (a runtime bound: one compiled kernel for every
+depth), marking every node it meets. The same result:
 exact for trees no deeper than ``max_depth``, roots and padding (parent -1) of depth 0 holding
 only themselves.
 """
@@ -20,8 +21,8 @@ import triton.language as tl
 __all__ = ["forest_structure"]
 
 
-@triton.jit
-def _forest_kernel(parents, depth, anc, T, D: tl.constexpr, RB: tl.constexpr, TB: tl.constexpr):
+@triton.jit(do_not_specialize=["T", "D"])
+def _forest_kernel(parents, depth, anc, T, D, RB: tl.constexpr, TB: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * RB + tl.arange(0, RB)
     rm = rows < T
@@ -51,5 +52,5 @@ def forest_structure(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tenso
     tb = triton.next_power_of_2(T)
     rb = max(1, min(tb, 4096 // tb))
     _forest_kernel[(R, triton.cdiv(T, rb))](parents, depth, anc.view(torch.uint8), T,
-                                            D=max(0, int(max_depth)), RB=rb, TB=tb, num_warps=4)
+                                            max(0, int(max_depth)), RB=rb, TB=tb, num_warps=4)
     return depth, anc

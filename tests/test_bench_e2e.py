@@ -56,3 +56,15 @@ def test_e2e_with_two_ranks_equals_one(tmp_path):
                     "shape", "equal_to_ar"):
             assert a.get(key) == b.get(key), (a["mode"], key)
     assert e2e.main(base + ["--tp", "3", "--out", str(tmp_path / "tp3")]) == 2
+
+
+def test_confirm_max_batch_runs_the_batch_and_records_it(tmp_path):
+    """--confirm-max-batch runs tree-serial's best shape at the (here given) batch and
+    --max-context, and the JSON records whether it fit."""
+    assert _e2e().main(SMOKE + ["--batches", "1", "--chain-depths", "2", "--max-context", "24",
+                                "--confirm-max-batch", "--confirm-batch", "3",
+                                "--out", str(tmp_path)]) == 0
+    data = json.loads(next(tmp_path.glob("e2e-*.json")).read_text())
+    [c] = data["max_batch_confirmed"]
+    assert c["model"] == "tiny" and c["mode"] == "tree-serial" and c["batch"] == 3
+    assert c["context"] == 24 and c["ok"] and c["tokens"] == 3 * 4

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from bole.engine.round import RoundRunner, RoundTimings
-from bole.engine.runner import PREFILL_BATCH_MAX, ModelRunner
+from bole.engine.runner import PREFILL_BATCH_MAX, ModelRunner, prefill_bucket
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.accept_device import sample_rows
 from bole.speculative.sampling import SamplingParams, target_probs
@@ -266,6 +266,24 @@ class Engine:
         scheduler.run_until_idle()
         return [h.request.result for h in handles]
 
+    def warm_up(self) -> None:
+        """Run the admission path once per batched-prefill width (16, 32, 64 tokens) with one
+        and two rows, so that its kernels compile at start-up rather than under load (a server's
+        first admissions otherwise stall on Triton's compiler). The cache ends as it began."""
+        for T in sorted({prefill_bucket(n) for n in range(1, PREFILL_BATCH_MAX + 1)}):
+            for R in (1, 2):
+                if self.cache.max_len < T + self.scratch or self.cache.num_free < R:
+                    continue
+                slots = [self.cache.allocate(T + self.scratch) for _ in range(R)]
+                try:
+                    prompts = [torch.zeros(T, dtype=torch.int64) for _ in range(R)]
+                    _, hidden = self.runner.prefill_batch(slots, prompts)
+                    self.rounds.on_prefill(slots, prompts, hidden)
+                finally:
+                    for slot in slots:
+                        self.rounds.on_release(slot)
+                        self.cache.free(slot)
+
     def admit(self, r: Request) -> None:
         """Give a request a slot, prefill its prompt there and emit its first token."""
         self.admit_many([r])
@@ -279,12 +297,11 @@ class Engine:
             r.started = t0
             r.slot = self.cache.allocate(len(r.prompt) + r.params.max_tokens + self.scratch)
         short = [r for r in requests if len(r.prompt) <= PREFILL_BATCH_MAX]
-        batched = len(short) > 1
-        groups = ([short] if batched else []) + [
-            [r] for r in requests if not batched or len(r.prompt) > PREFILL_BATCH_MAX]
+        groups = ([short] if short else []) + [
+            [r] for r in requests if len(r.prompt) > PREFILL_BATCH_MAX]
         for group in groups:
             prompts = [torch.tensor(r.prompt) for r in group]
-            if len(group) > 1:
+            if len(group[0].prompt) <= PREFILL_BATCH_MAX:
                 logits, hidden = self.runner.prefill_batch([r.slot for r in group], prompts)
             else:
                 last, states = self.runner.prefill(group[0].slot, prompts[0],

@@ -29,6 +29,12 @@ PREFILL_CHUNK_TREE = 64
 PREFILL_BATCH_MAX = 64
 
 
+def prefill_bucket(n: int) -> int:
+    """The row width of a batched prefill of prompts up to ``n`` tokens: a power of two from
+    16 to :data:`PREFILL_BATCH_MAX`."""
+    return min(PREFILL_BATCH_MAX, max(16, 1 << (n - 1).bit_length()))
+
+
 class ModelRunner:
     """Forward batches and commits of one model over one cache, with one GDN backend."""
 
@@ -174,7 +180,8 @@ class ModelRunner:
     def prefill_batch(self, slots: list[int],
                       prompts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Commit several short prompts (at most :data:`PREFILL_BATCH_MAX` tokens each) into
-        fresh ``slots`` in one forward: one chain per row, padded to the longest, GDN by the
+        fresh ``slots`` in one forward: one chain per row, padded to :func:`prefill_bucket` of the
+        longest, GDN by the
         closed form (the verify path). Returns each prompt's last logits ``[R, V]`` and its
         final-norm hidden states (``[P_r, H]`` each). Equal to :meth:`prefill` of each alone."""
         slots = self.cache.check_slots(slots)
@@ -186,7 +193,11 @@ class ModelRunner:
                              f"got lengths {lengths}")
         if any(self.cache.host_lengths[s] for s in slots):
             raise ValueError("prefill_batch fills fresh slots (no committed tokens)")
-        R, T, dev = len(slots), max(lengths), self.device
+        # rows padded to a bucket (16, 32, 64 tokens; no wider than a slot): a few shapes,
+        # compiled once each
+        longest = max(lengths)
+        R, dev = len(slots), self.device
+        T = max(longest, min(prefill_bucket(longest), self.cache.max_len))
         tokens = torch.zeros(R, T, dtype=torch.int64)
         for r, p in enumerate(prompts):
             tokens[r, :lengths[r]] = p

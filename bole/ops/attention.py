@@ -265,7 +265,7 @@ def _finish(o_ptr, gate_ptr, acc, l_i, n, h, d, row_ok, d_ok, s_gn, s_gh,
     tl.store(o_ptr + (n[:, None] * HQ + h[:, None]) * D + d[None, :], o, mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "Tq", "Tk", "M_ctx", "chunk", "NQB"])
 def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, ctx_ptr, mask_ptr, gate_ptr, o_ptr,
                       po_ptr, pml_ptr, s_qn, s_qh, s_ks, s_km, s_kh, s_vs, s_vm, s_vh, s_mn, s_mj,
                       s_gn, s_gh, N, Tq, Tk, M_ctx, chunk, NQB, qk_scale,
@@ -332,7 +332,7 @@ def _tree_attn_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, ctx_ptr, mask_ptr, gate_pt
         _finish(o_ptr, gate_ptr, acc, l_i, n, h, d, row_ok, d_ok, s_gn, s_gh, HQ, D, HAS_GATE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NH"])
 def _merge_kernel(po_ptr, pml_ptr, gate_ptr, o_ptr, NH, s_gn, s_gh, NUM_SPLITS: tl.constexpr,
                   HQ: tl.constexpr, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
                   HAS_GATE: tl.constexpr):

@@ -37,7 +37,7 @@ def _move_rows(pool, base, src, dst, pm, E, EB: tl.constexpr):
 
 @triton.jit
 def _move_kv_kernel(k_pool, v_pool, slots, ctx, path, path_len, stride_layer, stride_slot, E,
-                    R, P: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr):
+                    P: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr):
     r = tl.program_id(0)
     lw = tl.program_id(1)                      # layer * 2 + (0: keys, 1: values)
     n = tl.load(path_len + r)
@@ -68,7 +68,7 @@ def move_kv_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor
     _move_kv_kernel[(R, 2 * L)](
         k_pool, v_pool, slots.to(torch.int64).contiguous(), ctx.to(torch.int64).contiguous(),
         path.to(torch.int64).contiguous(), path_len.to(torch.int64).contiguous(),
-        k_pool.stride(0), k_pool.stride(1), E, R, P=P, PB=triton.next_power_of_2(P),
+        k_pool.stride(0), k_pool.stride(1), E, P=P, PB=triton.next_power_of_2(P),
         EB=min(1024, triton.next_power_of_2(E)), num_warps=4)
 
 
@@ -86,7 +86,7 @@ def move_kv_rows_reference(k_pool, v_pool, slots, ctx, path, path_len) -> None:
 
 @triton.jit
 def _conv_commit_kernel(pool, inputs, code, slots, path_len, stride_layer, stride_slot,
-                        stride_in_layer, C, R, W: tl.constexpr, WB: tl.constexpr,
+                        stride_in_layer, C, W: tl.constexpr, WB: tl.constexpr,
                         CB: tl.constexpr):
     r = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
@@ -126,7 +126,7 @@ def commit_conv_state(pool: torch.Tensor, inputs: torch.Tensor, code: torch.Tens
     _conv_commit_kernel[(R, L)](
         pool, inputs, code.contiguous(), slots.to(torch.int64).contiguous(),
         path_len.to(torch.int64).contiguous(), pool.stride(0), pool.stride(1), inputs.stride(0),
-        C, R, W=W, WB=triton.next_power_of_2(W), CB=min(256, triton.next_power_of_2(C)),
+        C, W=W, WB=triton.next_power_of_2(W), CB=min(256, triton.next_power_of_2(C)),
         num_warps=4)
 
 

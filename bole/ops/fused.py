@@ -89,7 +89,7 @@ def _add_rms_norm_kernel(x, res, w, out, summed, H, stride_x, stride_r, stride_o
             _store_normed(o_row, w, s, rstd, o, o < H)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _gated_rms_norm_kernel(x, z, w, out, rows, Hv, D, sxn, sxh, szn, szh, eps,
                            ROUND_PROD: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """ROWS rows of D per program: ``w * round(x / rms(x)) * silu(z)``."""
@@ -168,7 +168,7 @@ def _qk_norm_rope_kernel(x, w, pos, inv_freq, out, heads, D, sxn, sxh, eps, n_hb
                     BLOCK_D, LIBDEVICE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "M"])
 def _qk_pair_kernel(q, wq, qo, hq, sqn, sqh, nqb, k, wk, ko, hk, skn, skh, nkb, pos, inv_freq,
                     D, eps, v, svn, svh, k_pool, v_pool, slots, ctx, rows, T, s_ps, s_pm, M,
                     ROT: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,

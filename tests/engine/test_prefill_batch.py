@@ -104,3 +104,32 @@ def test_batched_prefill_on_the_gpu_agrees_with_chunked_prefill():
         torch.testing.assert_close(hidden[r], hd, rtol=2e-3, atol=2e-3)
         torch.testing.assert_close(together.cache.gdn_state[:, slots_t[r]],
                                    alone.cache.gdn_state[:, slots_a[r]], rtol=2e-3, atol=2e-3)
+
+
+def test_rows_pad_to_a_bucket_no_wider_than_a_slot(model):
+    """A 5-token prompt runs as a row of 16 slots (of 12 when the slot holds only 12), and the
+    padding changes nothing: the result equals the lone prefill."""
+    from bole.engine.runner import prefill_bucket
+    assert [prefill_bucket(n) for n in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+    prompt = torch.arange(5) + 3
+    for max_len in (12, 64):
+        alone = ModelRunner(model, model.new_cache(1, max_len), "torch")
+        together = ModelRunner(model, model.new_cache(1, max_len), "torch")
+        lg, hd = alone.prefill(alone.cache.allocate(8), prompt)
+        logits, hidden = together.prefill_batch([together.cache.allocate(8)], [prompt])
+        torch.testing.assert_close(logits[0], lg, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hidden[0], hd, rtol=1e-5, atol=1e-5)
+
+
+def test_warm_up_leaves_the_cache_as_it_was(model):
+    """Engine.warm_up runs the admission path per bucket and frees every slot it took; the
+    engine then generates what a fresh one does."""
+    spec = SpecConfig("bole", "mtp", 3, 2, 6)
+    fresh = Engine(model, spec, max_slots=3, max_len=160)
+    warmed = Engine(model, spec, max_slots=3, max_len=160)
+    warmed.warm_up()
+    assert warmed.cache.num_free == 3 and not warmed.cache.used_slots
+    prompts = [[5, 6, 7], list(range(20, 45))]
+    params = GenerationParams(max_tokens=6)
+    assert [r.token_ids for r in warmed.generate(prompts, params)] == \
+        [r.token_ids for r in fresh.generate(prompts, params)]

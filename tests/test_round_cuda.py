@@ -42,8 +42,9 @@ def test_captured_rounds_equal_eager_rounds(bundled, mode, drafter, temperature)
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.parametrize("prelaunch", [False, True])
 @pytest.mark.parametrize("mode,drafter", CASES)
-def test_a_round_synchronises_once(bundled, mode, drafter):
+def test_a_round_synchronises_once(bundled, mode, drafter, prelaunch):
     model, prompts = bundled
     engine = Engine(model, SpecConfig(mode, drafter, depth=6, topk=3, budget=16), max_slots=4,
                     max_len=512)
@@ -57,7 +58,7 @@ def test_a_round_synchronises_once(bundled, mode, drafter):
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(4):
-            engine.step(reqs)
+            engine.step(reqs, prelaunch=prelaunch)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert engine.timings.syncs == engine.timings.rounds

@@ -324,10 +324,11 @@ class Engine:
             self.cache.free(r.slot)
         r.slot = -1
 
-    def step(self, running: list[Request]) -> dict:
+    def step(self, running: list[Request], prelaunch: bool = False) -> dict:
         """One speculative round over ``running``; their new tokens are appended. Returns the
-        round's timings (ms)."""
-        new_tokens, timing = self.rounds.run(running)
+        round's timings (ms). ``prelaunch``: the same requests are expected next round, so
+        that round's draft may be queued now (:meth:`RoundRunner.run`)."""
+        new_tokens, timing = self.rounds.run(running, prelaunch=prelaunch)
         self.timings.add(timing)
         for r, new in zip(running, new_tokens):
             self._emit(r, new, rounds=1)

@@ -182,6 +182,10 @@ class RoundRunner:
                                            self.cache.max_len, scratch=self.scratch)
         self.buffers: dict[int, RoundBuffers] = {}
         self.growth: dict[int, TreeGrowth] = {}
+        #: the next round's draft, launched at the end of the last one (see :meth:`run`): its
+        #: buffers and the marks around it
+        self._pending: RoundBuffers | None = None
+        self._pending_marks: tuple = ()
         self.graphs = GraphRunner(self.device, cuda_graphs and self.model.graph_safe)
         if cuda_graphs and not self.model.graph_safe and self.device.type == "cuda":
             log.warning("MoE routing syncs the host: rounds of this model run eagerly")
@@ -228,6 +232,7 @@ class RoundRunner:
         ``flags``. The warm-up runs execute, so every row first points at the dummy slot."""
         b = self._buffers(R)
         b.rows = ()
+        self._pending = None
         b.slots.fill_(self.cache.dummy_slot)
         b.active.zero_()
         b.roots.zero_()
@@ -318,11 +323,12 @@ class RoundRunner:
         if self.draft is not None:
             self.draft.finish(slot)
 
-    def _write_rows(self, b: RoundBuffers, requests) -> None:
-        """Per-row inputs after the batch changed: one upload of slots, roots, budgets, params."""
+    def _write_rows(self, b: RoundBuffers, requests) -> bool:
+        """Per-row inputs after the batch changed: one upload of slots, roots, budgets, params.
+        Returns whether anything was written."""
         rows = tuple((r.index, r.slot) for r in requests)
         if rows == b.rows:
-            return
+            return False
         n, dummy = len(requests), self.cache.dummy_slot
         slots = [r.slot for r in requests] + [dummy] * (b.R - n)
         host = torch.tensor([slots, [1] * n + [0] * (b.R - n),
@@ -340,6 +346,7 @@ class RoundRunner:
         if b.goodput is not None:
             b.goodput.active.fill_(n)
         b.rows = rows
+        return True
 
     def _host_trees(self, b: RoundBuffers, requests) -> None:
         """Trees from a host drafter (n-gram lookup, a separate draft model), uploaded."""
@@ -373,8 +380,16 @@ class RoundRunner:
         rows += [torch.zeros_like(b.uniforms[0])] * (b.R - len(requests))
         b.uniforms.copy_(torch.stack(rows))
 
-    def run(self, requests) -> tuple[list[list[int]], dict]:
-        """One round over the running ``requests``: each one's new tokens, and the timings."""
+    def run(self, requests, prelaunch: bool = False) -> tuple[list[list[int]], dict]:
+        """One round over the running ``requests``: each one's new tokens, and the timings.
+
+        ``prelaunch``: the caller expects the same requests in the next round (nobody waits to
+        be admitted). Then, where no request can finish by length in this round, the next
+        round's draft is queued on the device right after this round's acceptance, before the
+        round's synchronisation: it runs while the host reads the tokens, and the next call
+        skips its draft. Everything it reads (roots, lengths, remaining tokens) is already on
+        the device; if the batch changes after all (a stop token, a cancellation), the next
+        call rewrites the rows and drafts again, in stream order after the stale draft."""
         t_start = time.perf_counter()
         R = bucket_for(len(requests))
         if R is None:
@@ -387,34 +402,36 @@ class RoundRunner:
             log.info("capturing the round for batch %d, width %d, sampling variant %s", R, W,
                      flags)
             self._capture(R, flags, W)
-        self._write_rows(b, requests)
+        rewrote = self._write_rows(b, requests)
+        drafted, draft_marks = self._pending is b and not rewrote, self._pending_marks
+        self._pending = None
         if not b.sampling.all_greedy:
             self._draw_uniforms(b, requests)
         cuda = self.device.type == "cuda"
         marks = []
 
-        def mark():
+        def mark(into: list):
             if cuda:
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record()
-                marks.append(ev)
+                into.append(ev)
             else:
-                marks.append(time.perf_counter())
+                into.append(time.perf_counter())
         plain = self.policy.plain_round()
         if b.goodput is not None:
             b.goodput.overhead_ms.fill_(self.policy.overhead_ms)
-        mark()
+        mark(marks)
         if plain:
             pass                                   # goodput decided drafting does not pay
-        elif self.mtp is not None:
+        elif self.mtp is not None and not drafted:
             self.graphs.run(("draft", R), lambda: self._draft(b))
-        elif not self.ar:
+        elif self.mtp is None and not self.ar:
             self._host_trees(b, requests)
-        mark()
+        mark(marks)
         verified = self.graphs.run(("verify", R, W), lambda: self._verify(b, W))
-        mark()
+        mark(marks)
         self.graphs.run(("accept", R, W, flags), lambda: self._accept_commit(b, *verified))
-        mark()
+        mark(marks)
         b.emitted_host.copy_(b.emitted, non_blocking=True)
         b.num_host.copy_(b.num_emitted, non_blocking=True)
         if self.policy.shared:
@@ -424,10 +441,20 @@ class RoundRunner:
         if cuda:
             done = torch.cuda.Event()
             done.record()
+        if prelaunch and self._may_prelaunch(requests):
+            pending_marks: list = []
+            mark(pending_marks)
+            self.graphs.run(("draft", R), lambda: self._draft(b))
+            mark(pending_marks)
+            self._pending, self._pending_marks = b, tuple(pending_marks)
+        if cuda:
             done.synchronize()                   # the round's one synchronisation
-            ms = [marks[i].elapsed_time(marks[i + 1]) for i in range(3)]
+            elapsed = lambda a, z: a.elapsed_time(z)  # noqa: E731
         else:
-            ms = [1e3 * (marks[i + 1] - marks[i]) for i in range(3)]
+            elapsed = lambda a, z: 1e3 * (z - a)  # noqa: E731
+        ms = [elapsed(marks[i], marks[i + 1]) for i in range(3)]
+        if drafted:
+            ms[0] = elapsed(*draft_marks)        # the draft queued at the end of the last round
         counts = b.num_host[:len(requests)].tolist()
         if self.policy.shared and not plain:
             self.policy.observe(R, b.kept_host[:len(requests)].tolist())
@@ -443,3 +470,9 @@ class RoundRunner:
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
                       host=max(0.0, total - sum(ms)), total=total, syncs=1)
         return new, timing
+
+    def _may_prelaunch(self, requests) -> bool:
+        """Whether the next round's draft can be queued now: the device drafter grows it, the
+        policy drafts every round, and no request can reach its token limit in this round."""
+        return (self.mtp is not None and self.policy.policy != "goodput"
+                and all(r.remaining > self.D + 1 for r in requests))

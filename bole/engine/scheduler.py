@@ -125,7 +125,9 @@ class Scheduler:
         if self.running:
             requests = [h.request for h in self.running]
             before = [len(r.out) for r in requests]
-            timings = self.engine.step(requests)
+            # nobody waiting: the next round likely runs the same requests (its draft can be
+            # queued behind this round's acceptance)
+            timings = self.engine.step(requests, prelaunch=not self.waiting)
             for h in self.running:
                 self._deliver(h)
             if self.on_round is not None:

@@ -1,0 +1,84 @@
+"""The next round's draft queued at the end of a round (RoundRunner.run's prelaunch): the tokens
+are the same as drafting at the start of each round, greedy and sampled, also when the batch
+changes under a queued draft (a request leaves or joins), and the queued draft is reused only
+while the rows are unchanged."""
+
+import pytest
+import torch
+
+from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.models.presets import preset_config
+from bole.models.qwen3_hybrid import HybridModel
+from bole.speculative.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 17, 33, 2] * 3, [7, 7, 8, 9, 1, 2, 3], [100, 4], [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridModel.random(preset_config("tiny"), dtype=torch.float32, mtp=True, seed=5,
+                              gdn_backend="torch")
+
+
+def drive(model, spec, prelaunch: bool, sampled: bool):
+    """Rounds stepped by hand: requests 0-2 start, request 1 is cancelled after two rounds,
+    request 3 joins after three; returns every request's tokens and the draft count."""
+    engine = Engine(model, spec, max_slots=4, max_len=160)
+    drafts = []
+    real = engine.rounds._draft
+    engine.rounds._draft = lambda b: (drafts.append(b.R), real(b))[1]
+    params = GenerationParams(max_tokens=24, sampling=SamplingParams(
+        temperature=0.9, top_k=20) if sampled else SamplingParams(temperature=0))
+    reqs = [engine.new_request(i, p, params, seed=i) for i, p in enumerate(PROMPTS)]
+    running = reqs[:3]
+    for r in running:
+        engine.admit(r)
+    for step in range(60):
+        if step == 2:                                   # a cancellation: the rows change
+            engine.release(reqs[1])
+            running = [reqs[0], reqs[2]]
+        if step == 3:                                   # an arrival: the rows change again
+            engine.admit(reqs[3])
+            running = running + [reqs[3]]
+        running = [r for r in running if r.result is None]
+        if not running:
+            break
+        engine.step(running, prelaunch=prelaunch)
+    assert all(r.result is not None for r in reqs if r is not reqs[1])
+    return [r.out for r in reqs], len(drafts), engine
+
+
+@pytest.mark.parametrize("mode", ["bole", "chain", "tree-serial"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_prelaunched_drafts_give_the_same_tokens(model, mode, sampled):
+    spec = SpecConfig(mode, "mtp", depth=3, topk=2, budget=6)
+    want, n_plain, _ = drive(model, spec, False, sampled)
+    got, n_pre, engine = drive(model, spec, True, sampled)
+    assert got == want
+    assert n_plain == engine.timings.rounds        # one draft a round without the prelaunch
+    # with it, the same count plus the two drafts queued for rows that then changed (the
+    # cancellation, the arrival): every other queued draft was reused
+    assert n_pre == n_plain + 2
+
+
+def test_a_queued_draft_is_reused_only_for_the_same_rows(model):
+    spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=6)
+    engine = Engine(model, spec, max_slots=2, max_len=160)
+    calls = []
+    real = engine.rounds._draft
+    engine.rounds._draft = lambda b: (calls.append(1), real(b))[1]
+    r0, r1 = (engine.new_request(i, p, GenerationParams(max_tokens=30), seed=i)
+              for i, p in enumerate(PROMPTS[:2]))
+    engine.admit(r0)
+    engine.step([r0], prelaunch=True)              # drafts, then queues the next draft
+    assert len(calls) == 2 and engine.rounds._pending is not None
+    engine.step([r0], prelaunch=True)              # reuses it, queues one more
+    assert len(calls) == 3
+    engine.admit(r1)
+    engine.step([r0, r1], prelaunch=False)         # new rows (another bucket): drafts anew
+    assert len(calls) == 4 and engine.rounds._pending is None
+    near_end = engine.new_request(2, PROMPTS[2], GenerationParams(max_tokens=3), seed=2)
+    engine.release(r1)
+    engine.admit(near_end)
+    engine.step([r0, near_end], prelaunch=True)    # near_end may finish: nothing is queued
+    assert engine.rounds._pending is None

@@ -25,6 +25,7 @@ from bole.ops import fused
 from bole.ops.attention import tree_attention
 from bole.ops.topk_softmax import topk_softmax
 from bole.speculative.mtp_inputs import frontier_inputs
+from bole.speculative.tree_growth import step_slots
 
 MTP_LAYER = "mtp.layers.0."
 
@@ -147,26 +148,21 @@ class MTPDrafter:
         Each call computes the frontier's MTP outputs in one batched layer call: a node attends to
         its slot's committed MTP rows and its own created ancestors (scratch rows)."""
         m = self.model
-        dev = self.k.device
-        hidden_size = m.config.hidden_size
-        state: dict[str, torch.Tensor] = {}
+        # the previous step's outputs in its frontier's order, and the first slot it created
+        state: dict[str, object] = {"out": None, "lo": 0}
+        pool_ctx = ctx - 1                     # committed MTP rows: position p sits at p - 1
 
         def step(step_index: int, frontier: torch.Tensor, table) -> tuple[torch.Tensor, torch.Tensor]:
             R, K = frontier.shape
-            C = table.tokens.shape[1]
-            if "m" not in state:
-                state["m"] = torch.zeros(R, C + 1, hidden_size, dtype=m.dtype, device=dev)
-            m_table = state["m"]
             # tokens, positions, pool rows, masks and parent hidden states: one launch on CUDA
-            inp = frontier_inputs(frontier, table, m_table, self.last_hidden, slots, ctx,
-                                  self.junk_row)
+            inp = frontier_inputs(frontier, table, state["out"], state["lo"], topk,
+                                  self.last_hidden, slots, ctx, self.junk_row)
             x = self._input(inp.tokens, inp.prev)
             q, gate = self._qkv(x, inp.positions, slots, inp.rows)
-            o = tree_attention(q, self.k, self.v, slots, ctx - 1, inp.mask,
+            o = tree_attention(q, self.k, self.v, slots, pool_ctx, inp.mask,
                                scale=m.config.head_dim ** -0.5, gate=gate)
             out = self._finish(x, o.reshape(R * K, -1))
-            m_table.scatter_(1, torch.where(frontier >= 0, frontier, C)[..., None]
-                             .expand(R, K, hidden_size), out.view(R, K, -1))
+            state["out"], state["lo"] = out, step_slots(topk, step_index)[0]
             if self.head is None:
                 probs, tokens = topk_softmax(m.lm_head(out), topk)
             else:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bole.speculative.mtp_inputs import frontier_inputs, frontier_inputs_torch
-from bole.speculative.tree_growth import NodeTable, TreeGrowth
+from bole.speculative.tree_growth import NodeTable, TreeGrowth, step_slots
 from tests.kernel_utils import DEV
 
 
@@ -30,21 +30,42 @@ def _table(R, topk, depth, seed):
                                                   (1, 4, 3, 1100, torch.float16),
                                                   (4, 1, 5, 16, torch.float32)])
 def test_kernel_equals_reference(R, topk, depth, H, dtype):
+    """Step by step, the kernel's inputs equal the reference's, and each node's hidden state is
+    its parent's output: the output the previous step computed at the parent's slot (a table of
+    outputs by slot, as a drafter that scatters them would keep)."""
     table, frontiers = _table(R, topk, depth, seed=R * 10 + topk)
     C = table.tokens.shape[1]
     gen = torch.Generator().manual_seed(1)
-    m_table = torch.randn(R, C + 1, H, generator=gen).to(dtype)
     last_hidden = torch.randn(R + 2, H, generator=gen).to(dtype)
     slots = torch.randperm(R + 2, generator=gen)[:R].to(torch.int32)
     ctx = torch.randint(1, 30, (R,), generator=gen)
     on = lambda x: x.to(DEV)  # noqa: E731
     dev_table = NodeTable(*(on(getattr(table, n)) for n in
                             ("tokens", "parents", "depth", "rho", "live", "ancestors")))
-    for frontier in frontiers:
-        want = frontier_inputs_torch(frontier, table, m_table, last_hidden, slots, ctx, 99)
-        got = frontier_inputs(on(frontier), dev_table, on(m_table), on(last_hidden), on(slots),
-                              on(ctx), 99, impl="triton")
+    by_slot = torch.zeros(R, C, H, dtype=dtype)          # every step's outputs at their slots
+    prev_out, prev_lo = None, 0
+    for s, frontier in enumerate(frontiers):
+        want = frontier_inputs_torch(frontier, table, prev_out, prev_lo, topk, last_hidden,
+                                     slots, ctx, 99)
+        got = frontier_inputs(on(frontier), dev_table,
+                              None if prev_out is None else on(prev_out), prev_lo, topk,
+                              on(last_hidden), on(slots), on(ctx), 99, impl="triton")
         for name in ("tokens", "positions", "rows", "mask", "prev"):
             assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
+        K = frontier.shape[1]
+        f = frontier.clamp(min=0)
+        parent = torch.gather(table.parents, 1, f)
+        for r in range(R):
+            for k in range(K):
+                p = int(parent[r, k])
+                expect = by_slot[r, p] if p >= 0 else last_hidden[int(slots[r])]
+                assert torch.equal(want.prev[r * K + k], expect)
+        # this step's outputs (random), kept in frontier order and by slot
+        prev_out = torch.randn(R * K, H, generator=gen).to(dtype)
+        for r in range(R):
+            for k in range(K):
+                if int(frontier[r, k]) >= 0:
+                    by_slot[r, int(frontier[r, k])] = prev_out[r * K + k]
+        prev_lo = step_slots(topk, s)[0]
     # the cases hold missing frontier entries and nodes below the root
     assert any((f < 0).any() for f in frontiers) and any((f > 0).any() for f in frontiers)

@@ -269,7 +269,8 @@ class Engine:
     def warm_up(self) -> None:
         """Run the admission path once per batched-prefill width (16, 32, 64 tokens) with one
         and two rows, so that its kernels compile at start-up rather than under load (a server's
-        first admissions otherwise stall on Triton's compiler). The cache ends as it began."""
+        first admissions otherwise stall on Triton's compiler). Every slot it takes is freed
+        (their rows hold the warm-up's values until a request's allocation zeroes them)."""
         for T in sorted({prefill_bucket(n) for n in range(1, PREFILL_BATCH_MAX + 1)}):
             for R in (1, 2):
                 if self.cache.max_len < T + self.scratch or self.cache.num_free < R:

@@ -182,10 +182,11 @@ class RoundRunner:
                                            self.cache.max_len, scratch=self.scratch)
         self.buffers: dict[int, RoundBuffers] = {}
         self.growth: dict[int, TreeGrowth] = {}
-        #: the next round's draft, launched at the end of the last one (see :meth:`run`): its
-        #: buffers and the marks around it
+        #: the next round's draft, queued at the end of the last one (see :meth:`run`): its
+        #: buffers, the marks around it, and the host clock (s) when the GPU started it and
+        #: when that call returned
         self._pending: RoundBuffers | None = None
-        self._pending_marks: tuple = ()
+        self._queued: tuple = ()
         self.graphs = GraphRunner(self.device, cuda_graphs and self.model.graph_safe)
         if cuda_graphs and not self.model.graph_safe and self.device.type == "cuda":
             log.warning("MoE routing syncs the host: rounds of this model run eagerly")
@@ -403,8 +404,8 @@ class RoundRunner:
                      flags)
             self._capture(R, flags, W)
         rewrote = self._write_rows(b, requests)
-        drafted, draft_marks = self._pending is b and not rewrote, self._pending_marks
-        self._pending = None
+        queued, drafted = self._queued, self._pending is b and not rewrote
+        self._pending, self._queued = None, ()
         if not b.sampling.all_greedy:
             self._draw_uniforms(b, requests)
         cuda = self.device.type == "cuda"
@@ -441,20 +442,31 @@ class RoundRunner:
         if cuda:
             done = torch.cuda.Event()
             done.record()
+        next_marks: list = []
         if prelaunch and self._may_prelaunch(requests):
-            pending_marks: list = []
-            mark(pending_marks)
+            mark(next_marks)
             self.graphs.run(("draft", R), lambda: self._draft(b))
-            mark(pending_marks)
-            self._pending, self._pending_marks = b, tuple(pending_marks)
+            mark(next_marks)
+            self._pending = b
         if cuda:
             done.synchronize()                   # the round's one synchronisation
             elapsed = lambda a, z: a.elapsed_time(z)  # noqa: E731
         else:
             elapsed = lambda a, z: 1e3 * (z - a)  # noqa: E731
         ms = [elapsed(marks[i], marks[i + 1]) for i in range(3)]
-        if drafted:
-            ms[0] = elapsed(*draft_marks)        # the draft queued at the end of the last round
+        # a draft queued by the last call ran (partly) between the two calls: its device time is
+        # this round's draft (added to a fresh one when the rows changed under it), and the
+        # part that fell between the calls joins this round's wall time
+        carry = 0.0
+        if queued:
+            q_marks, q_start, q_return = queued
+            q_ms = elapsed(*q_marks)
+            ms[0] = q_ms if drafted else ms[0] + q_ms
+            # on the CPU it ran inside the last call (whose time left it out): all of it
+            carry = max(0.0, min(q_start + q_ms / 1e3, t_start) - q_return) if cuda else \
+                q_ms / 1e3
+        t_sync = time.perf_counter()
+        own_draft = elapsed(*next_marks) / 1e3 if next_marks and not cuda else 0.0
         counts = b.num_host[:len(requests)].tolist()
         if self.policy.shared and not plain:
             self.policy.observe(R, b.kept_host[:len(requests)].tolist())
@@ -466,7 +478,11 @@ class RoundRunner:
         if self.draft is not None:
             for r, toks in zip(requests, new):
                 self.draft.observe(r.slot, [r.out[-1]] + toks[:-1])
-        total = 1e3 * (time.perf_counter() - t_start)
+        t_return = time.perf_counter()
+        if next_marks:        # the GPU starts the queued draft at the sync
+            self._queued = (tuple(next_marks), t_sync, t_return)
+        # the CPU ran the queued draft inside this call: it counts in the next round's time
+        total = 1e3 * (t_return - t_start - own_draft + carry)
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
                       host=max(0.0, total - sum(ms)), total=total, syncs=1)
         return new, timing

@@ -64,12 +64,15 @@ def move_kv_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor
     R, P = path.shape
     if L == 0 or R == 0:
         return
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous() and v_pool.shape == k_pool.shape):
+        raise ValueError("move_kv_rows takes contiguous KV pools of one shape")
     E = k_pool[0, 0, 0].numel()
+    PB = triton.next_power_of_2(P)
     _move_kv_kernel[(R, 2 * L)](
         k_pool, v_pool, slots.to(torch.int64).contiguous(), ctx.to(torch.int64).contiguous(),
         path.to(torch.int64).contiguous(), path_len.to(torch.int64).contiguous(),
-        k_pool.stride(0), k_pool.stride(1), E, P=P, PB=triton.next_power_of_2(P),
-        EB=min(1024, triton.next_power_of_2(E)), num_warps=4)
+        k_pool.stride(0), k_pool.stride(1), E, P=P, PB=PB,
+        EB=max(16, min(triton.next_power_of_2(E), 4096 // PB)), num_warps=4)
 
 
 def move_kv_rows_reference(k_pool, v_pool, slots, ctx, path, path_len) -> None:
@@ -122,6 +125,8 @@ def commit_conv_state(pool: torch.Tensor, inputs: torch.Tensor, code: torch.Tens
     R = code.shape[0]
     if L == 0 or R == 0:
         return
+    if not pool.is_contiguous():
+        raise ValueError("commit_conv_state takes a contiguous conv-state pool")
     inputs = inputs.contiguous()
     _conv_commit_kernel[(R, L)](
         pool, inputs, code.contiguous(), slots.to(torch.int64).contiguous(),

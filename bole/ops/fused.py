@@ -439,7 +439,8 @@ def qk_norm_rope_pair(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
                       rotary_dim: int, eps: float, *,
                       impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`qk_norm_rope` of q ``[N, Hq, hd]`` and k ``[N, Hkv, hd]`` (each with its own
-    weight) in one launch; the same values as two calls."""
+    weight) in one launch; the values of two calls, to rounding (the launch's warp count may
+    sum a head's squares in another order)."""
     if not _pair_kernel(impl, q, k, q_weight, k_weight):
         return (qk_norm_rope(q, q_weight, positions, inv_freq, rotary_dim, eps, impl=impl),
                 qk_norm_rope(k, k_weight, positions, inv_freq, rotary_dim, eps, impl=impl))
@@ -476,7 +477,7 @@ def qk_norm_rope_to_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             write_kv(k_pool, v_pool, ko, v, slots, ctx_lens)
         else:
             index = (slots.long().repeat_interleave(N // R), rows.reshape(-1).long())
-            k_pool[index] = ko
+            k_pool[index] = ko.to(k_pool.dtype)
             v_pool[index] = v.to(v_pool.dtype)
         return qo
     return _launch_pair(q, k, q_weight, k_weight, positions, inv_freq, rotary_dim, eps,

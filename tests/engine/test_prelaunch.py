@@ -82,3 +82,29 @@ def test_a_queued_draft_is_reused_only_for_the_same_rows(model):
     engine.admit(near_end)
     engine.step([r0, near_end], prelaunch=True)    # near_end may finish: nothing is queued
     assert engine.rounds._pending is None
+
+
+def test_a_queued_draft_counts_in_the_round_that_uses_it(model):
+    """The draft queued at the end of a round is the next round's draft time, and its time
+    moves with it (on the CPU it runs inside the round that queues it): the rounds' total time
+    stays the calls' wall time, so decode rates with and without the queue compare."""
+    import time
+    spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=6)
+    engine = Engine(model, spec, max_slots=1, max_len=200)
+    r = engine.new_request(0, PROMPTS[0], GenerationParams(max_tokens=60), seed=0)
+    engine.admit(r)
+    walls, timings = [], []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        timings.append(engine.step([r], prelaunch=True))
+        walls.append(1e3 * (time.perf_counter() - t0))
+    # every round drafted once: the first at its start, the others before them
+    assert all(t["draft"] > 0 for t in timings)
+    # what one round's total leaves out (the draft it queues), the next one's adds: the sum is
+    # the calls' wall time less the draft the last call queued (no round has used it yet)
+    (start, end), _, _ = engine.rounds._queued
+    assert timings[0]["total"] < walls[0]
+    assert sum(t["total"] for t in timings) == pytest.approx(
+        sum(walls) - 1e3 * (end - start), rel=0.05)
+    for t in timings:
+        assert t["host"] >= 0 and t["total"] >= t["verify"] + t["accept_commit"]

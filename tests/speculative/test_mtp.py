@@ -110,6 +110,48 @@ def test_mtp_draft_tree_is_well_formed_and_verifies(model):
     assert int(acc.bonus[0]) == int(argmax[path[-1]])
 
 
+def test_every_tree_node_drafts_what_its_path_drafts_alone(model):
+    """The tree's bookkeeping (frontier inputs, pool rows, masks, each node's parent output)
+    against the plainest drafting: each drafted node's path fed alone, one node a step, to a
+    fresh drafter as a chain. Every node's best proposal and its probability agree."""
+    prompt = torch.arange(10)
+    topk, depth = 3, 4
+    runner, mtp, (s,) = _setup(model, [prompt])
+    slot_t, ctx = torch.tensor([s], dtype=torch.int32), torch.tensor([10])
+    inner, seen = mtp.step_fn(slot_t, ctx, topk), []
+
+    def record(i, frontier, table):
+        tokens, probs = inner(i, frontier, table)
+        seen.append((frontier.clone(), table.tokens.clone(), table.parents.clone(),
+                     tokens.clone(), probs.clone()))
+        return tokens, probs
+    TreeGrowth(1, topk, depth, 16).grow(torch.tensor([5]), torch.tensor([depth]), record)
+    checked = 0
+    for frontier, tokens, parents, drafted, probs in seen:
+        for k, x in enumerate(frontier[0].tolist()):
+            if x < 0:
+                continue
+            path = [x]
+            while int(parents[0, path[-1]]) >= 0:
+                path.append(int(parents[0, path[-1]]))
+            path = path[::-1]
+            d = len(path)
+            chain = NodeTable.empty(tokens[:, 0], d)
+            chain.tokens[0] = tokens[0, path]
+            chain.parents[0, 1:] = torch.arange(d - 1)
+            chain.depth[0] = torch.arange(d)
+            chain.live[:] = True
+            chain.ancestors[0] = torch.ones(d, d, dtype=torch.bool).tril()
+            _, alone, (s2,) = _setup(model, [prompt])
+            step = alone.step_fn(torch.tensor([s2], dtype=torch.int32), ctx, 1)
+            for j in range(d):
+                t1, p1 = step(j, torch.tensor([[j]]), chain)
+            assert int(t1[0, 0, 0]) == int(drafted[0, k, 0])
+            assert float(p1[0, 0, 0]) == pytest.approx(float(probs[0, k, 0]), rel=1e-4, abs=1e-6)
+            checked += 1
+    assert checked >= 1 + topk + 2                  # the root and nodes of several depths
+
+
 def test_engine_with_mtp_drafter_equals_ar(model):
     prompts = [[1, 2, 3, 4, 5, 6], [9, 9, 9]]
     params = GenerationParams(max_tokens=16)

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The measurement suite on a lent GPU, in parts that each fit the device tool's 10 minutes a
+# command (times estimated from the H200 runs of 2026-12-01). Run one part per call, carrying
+# .whl (bench/README.md):
+#
+#   bash bench/h200_runs.sh PART            # writes under $OUT (or /tmp/bole-runs)
+#
+#   tests     the compiled test suite in 8 shards (~4 min)          -> $OUT/tests/summary.txt
+#   round     bole bench (bundled, batch 1 and 8) and model_forward (9B) (~4.5 min)
+#   e2e-9b-a  bench/e2e.py, 9B at batch 1 2 4 8 (~5 min)
+#   e2e-9b-b  bench/e2e.py, 9B at batch 16 32 64 (~7 min)
+#   e2e-27b   bench/e2e.py, 27B at batch 1 8 32, then tree-serial's max batch confirmed (~9 min)
+#   budget    bench/budget.py, bundled and 9B at batch 1 8 32 (~8 min)
+#   serve     bench/serve.py, all four modes (~5 min)
+#
+# Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
+set -u
+part=${1:?usage: bash bench/h200_runs.sh tests|round|e2e-9b-a|e2e-9b-b|e2e-27b|budget|serve}
+out=${OUT:-/tmp/bole-runs}
+mkdir -p "$out"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+shapes=(--chain-depths 3 4 --tree-shapes 4,2,8 6,3,16 8,4,32 --draft-vocab 32768)
+case "$part" in
+  tests)
+    timeout 560 bash bench/gpu_tests.sh "$out/tests" 8 tests/ops tests/models tests/speculative \
+      tests/engine tests/test_round_cuda.py tests/test_engine.py tests/test_forest.py > /dev/null
+    head -20 "$out/tests/summary.txt" ;;
+  round)
+    timeout 150 python3 -m bole.cli bench --prompts 8 --batches 1 8 --max-tokens 256 --out "$out"
+    timeout 400 python3 bench/model_forward.py --out "$out" ;;
+  e2e-9b-a)
+    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 1 2 4 8 "${shapes[@]}" \
+      --out "$out" --tag=-9b-a ;;
+  e2e-9b-b)
+    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 16 32 64 "${shapes[@]}" \
+      --out "$out" --tag=-9b-b ;;
+  e2e-27b)
+    timeout 580 python3 bench/e2e.py --models qwen3.5-27b --batches 1 8 32 "${shapes[@]}" \
+      --confirm-max-batch --out "$out" --tag=-27b ;;
+  budget)
+    timeout 580 python3 bench/budget.py --models bundled qwen3.5-9b --batches 1 8 32 \
+      --sweep 16 64 256 --out "$out" ;;
+  serve)
+    timeout 580 python3 bench/serve.py --out "$out" --log-dir "$out/serve-logs" ;;
+  *)
+    echo "unknown part $part" >&2; exit 2 ;;
+esac

@@ -292,10 +292,8 @@ class RoundRunner:
         ctx = batch.ctx_lens
         path_global = self.runner.commit(batch, out, acc.path, path_len, kv_in_place=self.ar)
         if self.mtp is not None:
-            P = acc.path.shape[1]
-            path_tokens = torch.gather(tokens, 1, acc.path)
-            hidden = out.hidden[path_global.reshape(-1)].view(R, P, -1)
-            self.mtp.observe(b.slots, path_tokens, hidden, ctx, path_len)
+            self.mtp.observe_accepted(b.slots, tokens, acc.path, path_global, out.hidden, ctx,
+                                      path_len)
         b.emitted.copy_(acc.emitted)
         b.num_emitted.copy_(path_len)
         b.roots.copy_(acc.bonus)

@@ -25,6 +25,7 @@ from bole.ops import fused
 from bole.ops.attention import tree_attention
 from bole.ops.topk_softmax import topk_softmax
 from bole.speculative.mtp_inputs import frontier_inputs
+from bole.speculative.observe_inputs import observe_inputs
 from bole.speculative.tree_growth import step_slots
 
 MTP_LAYER = "mtp.layers.0."
@@ -101,18 +102,22 @@ class MTPDrafter:
         remember each row's last hidden state. A row of ``count == 0`` changes nothing but
         scratch rows. Position 0 has no MTP entry (the caller passes ``start >= 1``)."""
         R, P = tokens.shape
-        slots_l = slots.long()
-        prev = torch.cat([self.last_hidden[slots_l][:, None], hidden[:, :-1]], dim=1)
-        j = torch.arange(P, device=tokens.device)
-        positions = start[:, None] + j
-        x = self._input(tokens.reshape(-1), prev.reshape(R * P, -1))
-        rows = torch.where(j[None] < count[:, None], positions - 1, self.junk_row)
-        self._qkv(x, positions.reshape(-1), slots, rows)
-        last = torch.gather(hidden, 1, (count - 1).clamp(min=0)[:, None, None]
-                            .expand(R, 1, hidden.shape[-1]))[:, 0]
-        keep = (count > 0)[:, None]
-        self.last_hidden[slots_l] = torch.where(keep, last.to(self.last_hidden.dtype),
-                                                self.last_hidden[slots_l])
+        node = torch.arange(P, device=tokens.device)
+        self.observe_accepted(slots, tokens, node.expand(R, P),
+                              node + P * torch.arange(R, device=tokens.device)[:, None],
+                              hidden.reshape(R * P, -1), start, count)
+
+    @torch.no_grad()
+    def observe_accepted(self, slots: torch.Tensor, tree_tokens: torch.Tensor, path: torch.Tensor,
+                         path_global: torch.Tensor, hidden: torch.Tensor, start: torch.Tensor,
+                         count: torch.Tensor) -> None:
+        """:meth:`observe` of each request's accepted path straight from the verify forward:
+        node p of ``path [R, P]`` is token ``tree_tokens[r, path[r, p]]`` with hidden state
+        ``hidden[path_global[r, p]]`` (``hidden [N, H]``); the inputs in one launch on CUDA
+        (:mod:`bole.speculative.observe_inputs`)."""
+        inp = observe_inputs(tree_tokens, path, path_global, hidden, self.last_hidden, slots,
+                             start, count, self.junk_row)
+        self._qkv(self._input(inp.tokens, inp.prev), inp.positions, slots, inp.rows)
 
     @torch.no_grad()
     def observe_prompt(self, slot: int, tokens: torch.Tensor, hidden: torch.Tensor) -> None:

@@ -329,6 +329,12 @@ class ReplayDrafter:
         """:meth:`MTPDrafter.observe` of the wrapped head."""
         self.mtp.observe(slots, tokens, hidden, start, count)
 
+    def observe_accepted(self, slots: Tensor, tree_tokens: Tensor, path: Tensor,
+                         path_global: Tensor, hidden: Tensor, start: Tensor,
+                         count: Tensor) -> None:
+        """:meth:`MTPDrafter.observe_accepted` of the wrapped head."""
+        self.mtp.observe_accepted(slots, tree_tokens, path, path_global, hidden, start, count)
+
     def observe_prompt(self, slot: int, tokens: Tensor, hidden: Tensor) -> None:
         """:meth:`MTPDrafter.observe_prompt` of the wrapped head."""
         self.mtp.observe_prompt(slot, tokens, hidden)

@@ -183,6 +183,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                        help="default: bf16 on a GPU, fp32 on the CPU")
     serve.add_argument("--name", default=None, help="served model name (default: the folder's)")
+    serve.add_argument("--access-log", action="store_true",
+                       help="log every HTTP request (off: the log lines cost the event loop "
+                            "time that the engine's thread waits for under load)")
     _tp_option(serve)
     cal = sub.add_parser("calibrate", formatter_class=fmt,
                          help="measure how many tree nodes a verify forward takes before it costs "

@@ -62,7 +62,8 @@ def serve(args) -> int:
 
     folder = _serve_checks(args)
     logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
-    run_server(_serve_server(args, folder, _serve_engine(args, folder)), args.host, args.port)
+    run_server(_serve_server(args, folder, _serve_engine(args, folder)), args.host, args.port,
+               access_log=args.access_log)
     return 0
 
 
@@ -91,7 +92,8 @@ def serve_tp(args, argv: list[str]) -> int:
         channel = Channel(tp)
         server = _serve_server(args, folder, _serve_engine(args, folder, tp), channel)
         run_server(server, args.host, args.port,
-                   alive=lambda: all(p.is_alive() for p in followers.processes))
+                   alive=lambda: all(p.is_alive() for p in followers.processes),
+                   access_log=args.access_log)
     finally:
         if channel is not None:
             channel.close()                             # a no-op once the engine loop sent it

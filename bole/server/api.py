@@ -297,13 +297,22 @@ def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+#: how long a thread may hold the GIL while another waits for it (s): the engine's thread, back
+#: from a round's synchronisation, otherwise waits up to Python's default 5 ms for the HTTP
+#: event loop's thread to let go
+GIL_SWITCH_INTERVAL = 2e-4
+
+
 def serve(server: BoleServer, host: str = "127.0.0.1", port: int = 8000,
-          alive: Callable[[], bool] | None = None) -> None:
+          alive: Callable[[], bool] | None = None, access_log: bool = False) -> None:
     """Run the app with uvicorn until interrupted, or until ``alive()`` turns False (checked
-    twice a second: a tensor-parallel rank died)."""
+    twice a second: a tensor-parallel rank died). ``access_log``: a log line per request."""
+    import sys
+
     import uvicorn
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     uv = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port,
-                                       log_level="info"))
+                                       log_level="info", access_log=access_log))
     if alive is not None:
         threading.Thread(target=_watch, args=(uv, alive), name="bole-watch", daemon=True).start()
     t0 = time.perf_counter()

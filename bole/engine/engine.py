@@ -267,23 +267,21 @@ class Engine:
         return [h.request.result for h in handles]
 
     def warm_up(self) -> None:
-        """Run the admission path once per batched-prefill width (16, 32, 64 tokens) with one
-        and two rows, so that its kernels compile at start-up rather than under load (a server's
-        first admissions otherwise stall on Triton's compiler). Every slot it takes is freed
-        (their rows hold the warm-up's values until a request's allocation zeroes them)."""
+        """Admit and release throwaway requests once per batched-prefill width (16, 32, 64
+        tokens), one and two at a time, so that the admission path's kernels compile at
+        start-up rather than under load (a server's first admissions otherwise stall on
+        Triton's compiler). Every slot it takes is freed."""
         for T in sorted({prefill_bucket(n) for n in range(1, PREFILL_BATCH_MAX + 1)}):
             for R in (1, 2):
-                if self.cache.max_len < T + self.scratch or self.cache.num_free < R:
+                if self.cache.max_len < T + 1 + self.scratch or self.cache.num_free < R:
                     continue
-                slots = [self.cache.allocate(T + self.scratch) for _ in range(R)]
+                requests = [self.new_request(-1 - i, [0] * T, GenerationParams(max_tokens=1))
+                            for i in range(R)]
                 try:
-                    prompts = [torch.zeros(T, dtype=torch.int64) for _ in range(R)]
-                    _, hidden = self.runner.prefill_batch(slots, prompts)
-                    self.rounds.on_prefill(slots, prompts, hidden)
+                    self.admit_many(requests)
                 finally:
-                    for slot in slots:
-                        self.rounds.on_release(slot)
-                        self.cache.free(slot)
+                    for r in requests:
+                        self.release(r)
 
     def admit(self, r: Request) -> None:
         """Give a request a slot, prefill its prompt there and emit its first token."""

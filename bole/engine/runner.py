@@ -77,12 +77,8 @@ class ModelRunner:
         cache, forest = self.cache, batch.forest
         slots = batch.slots.long()
         path_len = path_len.to(torch.int64)
-        fused = self.device.type == "cuda"
         if not kv_in_place and cache.k.shape[0]:
-            if fused:                  # one launch each (bole/ops/commit_rows.py)
-                move_kv_rows(cache.k, cache.v, slots, batch.ctx_lens, path, path_len)
-            else:
-                self._move_kv(slots, batch.ctx_lens, path)
+            move_kv_rows(cache.k, cache.v, slots, batch.ctx_lens, path, path_len)
         path_global = forest.global_index(path)
         last = torch.gather(path_global, 1, (path_len - 1).clamp(min=0)[:, None])[:, 0]
         if out.final_states:                                      # fla's chunked prefill
@@ -106,35 +102,11 @@ class ModelRunner:
                                                  target.to(torch.int32), last)
             else:
                 commit_snapshots(out.snapshots, cache.gdn_state, target, last)
-        if out.conv_inputs and fused:
+        if out.conv_inputs:        # the accepted node's window, less the node itself
             commit_conv_state(cache.conv_state, torch.stack(out.conv_inputs),
                               batch.conv_windows[last][:, 1:], slots, path_len)
-        elif out.conv_inputs:
-            self._commit_conv(batch, torch.stack(out.conv_inputs), slots, last, path_len)
         cache.lengths.index_add_(0, slots, path_len)
         return path_global
-
-    def _move_kv(self, slots: torch.Tensor, ctx: torch.Tensor, path: torch.Tensor) -> None:
-        """KV of each path node from its scratch row ``ctx + node`` to ``ctx + depth`` (every
-        full-attention layer at once; all rows are read before any is written)."""
-        P = path.shape[1]
-        src = ctx[:, None] + path
-        dst = ctx[:, None] + torch.arange(P, device=path.device)[None, :]
-        for pool in (self.cache.k, self.cache.v):
-            pool[:, slots[:, None], dst] = pool[:, slots[:, None], src]
-
-    def _commit_conv(self, batch: ForwardBatch, inputs: torch.Tensor, slots: torch.Tensor,
-                     last: torch.Tensor, path_len: torch.Tensor) -> None:
-        """Each request's conv state becomes its accepted node's window minus the oldest entry:
-        rows of ``inputs [L_gdn, N, C]`` or columns of its committed state."""
-        pool = self.cache.conv_state                                  # [L, S, C, K-1]
-        code = batch.conv_windows[last][:, 1:]                        # [R, K-1]
-        x = inputs[:, code.clamp(min=0)].transpose(-1, -2)            # [L, R, C, K-1]
-        col = ((-code - 1) % (self.K - 1)).clamp(min=0)
-        old = pool[:, slots]
-        s = torch.gather(old, 3, col[None, :, None, :].expand_as(old))
-        new = torch.where(code[None, :, None, :] >= 0, x.to(pool.dtype), s)
-        pool[:, slots] = torch.where((path_len > 0)[None, :, None, None], new, old)
 
     # ---- prefill ----
     def prefill(self, slot: int, prompt: torch.Tensor, chunk: int | None = None,

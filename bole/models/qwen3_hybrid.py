@@ -226,33 +226,30 @@ class HybridModel:
         return f"{self.config.weight_prefix}layers.{layer}."
 
     # ---- layers ----
-    def attention_qkv(self, prefix: str, x: torch.Tensor, positions: torch.Tensor, pool=None):
-        """Projections of a gated full-attention layer: ``(q [N, H, hd], k, v [N, H_kv, hd],
-        gate [N, H, hd])``, q and k normalised and rotated at ``positions``.
-
-        ``pool = (k_pool, v_pool, slots, ctx_lens, rows)``: k and v go straight into those pool
-        rows instead (:func:`bole.ops.fused.qk_norm_rope_to_pool`) and come back as None."""
+    def attention_qkv(self, prefix: str, x: torch.Tensor, positions: torch.Tensor, pool):
+        """Projections of a gated full-attention layer: ``(q [N, H, hd], gate [N, H, hd])``, q
+        normalised and rotated at ``positions``; k (normalised and rotated) and v go straight
+        into the rows of ``pool = (k_pool, v_pool, slots, ctx_lens, rows)``
+        (:func:`bole.ops.fused.qk_norm_rope_to_pool`). gate is a view into the projection."""
         c, w = self.config, self.w
         N, hd = x.shape[0], c.head_dim
         Hq, Hkv = self.n_heads, self.n_kv
         qkv = F.linear(x, w[prefix + "qkv_proj.weight"], w.get(prefix + "qkv_proj.bias"))
         q_gate, k, v = torch.split(qkv, [2 * Hq * hd, Hkv * hd, Hkv * hd], dim=-1)
         q, gate = q_gate.view(N, Hq, 2 * hd).chunk(2, dim=-1)
-        k, v = k.view(N, Hkv, hd), v.view(N, Hkv, hd)
-        norms = (w[prefix + "q_norm.weight"], w[prefix + "k_norm.weight"], positions,
-                 self.inv_freq, c.rotary_dim, c.rms_norm_eps)
-        if pool is not None:
-            return fused.qk_norm_rope_to_pool(q, k, v, *norms, *pool), None, None, gate
-        q, k = fused.qk_norm_rope_pair(q, k, *norms)
-        return q, k, v, gate                                 # gate: a [N, Hq, hd] view
+        q = fused.qk_norm_rope_to_pool(
+            q, k.view(N, Hkv, hd), v.view(N, Hkv, hd), w[prefix + "q_norm.weight"],
+            w[prefix + "k_norm.weight"], positions, self.inv_freq, c.rotary_dim, c.rms_norm_eps,
+            *pool)
+        return q, gate
 
     def attention(self, prefix: str, x: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                   batch: ForwardBatch) -> torch.Tensor:
         """A gated attention layer over a KV pool: the nodes' keys/values go to the pool's scratch
         rows, then every node attends to its request's context and its tree ancestors."""
         c, w = self.config, self.w
-        q, _, _, gate = self.attention_qkv(prefix, x, batch.positions,
-                                           (k_pool, v_pool, batch.slots, batch.ctx_lens, None))
+        q, gate = self.attention_qkv(prefix, x, batch.positions,
+                                     (k_pool, v_pool, batch.slots, batch.ctx_lens, None))
         scale = c.head_dim ** -0.5
         if batch.prefill is not None:
             slot, ctx = batch.prefill

@@ -1,5 +1,5 @@
-"""The commit's row moves in one Triton launch each (the CUDA path of
-:meth:`bole.engine.runner.ModelRunner.commit`; torch references next to them).
+"""The commit's row moves (what :meth:`bole.engine.runner.ModelRunner.commit` calls): one
+Triton launch each on CUDA, their torch references on other devices.
 
     move_kv_rows(k_pool, v_pool, slots, ctx, path, path_len)
         KV pools ``[L, S, max_len, H, D]``: row ``ctx[r] + path[r, p]`` -> row ``ctx[r] + p`` of
@@ -55,11 +55,15 @@ def _move_kv_kernel(k_pool, v_pool, slots, ctx, path, path_len, stride_layer, st
 
 
 def move_kv_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                 ctx: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor) -> None:
-    """Move each accepted path's KV rows into place, every layer, keys and values, one launch.
+                 ctx: torch.Tensor, path: torch.Tensor, path_len: torch.Tensor, *,
+                 impl: str = "auto") -> None:
+    """Move each accepted path's KV rows into place, every layer, keys and values.
 
     ``k_pool, v_pool [L, S, max_len, H, D]`` contiguous; ``slots, ctx, path_len [R]``; ``path
-    [R, P]`` local node indices root first (CUDA tensors, or the CPU interpreter)."""
+    [R, P]`` local node indices root first. ``impl``: "triton" (one launch: CUDA tensors, or
+    the CPU interpreter), "torch" (:func:`move_kv_rows_reference`) or "auto" (Triton on CUDA)."""
+    if impl == "torch" or (impl == "auto" and k_pool.device.type != "cuda"):
+        return move_kv_rows_reference(k_pool, v_pool, slots, ctx, path, path_len)
     L, S, M = k_pool.shape[:3]
     R, P = path.shape
     if L == 0 or R == 0:
@@ -76,15 +80,15 @@ def move_kv_rows(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor
 
 
 def move_kv_rows_reference(k_pool, v_pool, slots, ctx, path, path_len) -> None:
-    """The same with torch indexing (all rows read before any is written)."""
+    """The same with torch indexing: all rows read before any is written; a row past a path's
+    length is copied onto itself (fixed shapes, no host synchronisation)."""
     R, P = path.shape
-    keep = torch.arange(P, device=path.device)[None, :] < path_len[:, None]
-    src = ctx[:, None] + path
-    dst = ctx[:, None] + torch.arange(P, device=path.device)[None, :]
+    col = torch.arange(P, device=path.device)[None, :]
+    dst = ctx.long()[:, None] + col
+    src = torch.where(col < path_len[:, None], ctx.long()[:, None] + path, dst)
     s = slots.long()[:, None].expand(R, P)
     for pool in (k_pool, v_pool):
-        moved = pool[:, s[keep], src[keep]]
-        pool[:, s[keep], dst[keep]] = moved
+        pool[:, s, dst] = pool[:, s, src]
 
 
 @triton.jit
@@ -115,12 +119,15 @@ def _conv_commit_kernel(pool, inputs, code, slots, path_len, stride_layer, strid
 
 
 def commit_conv_state(pool: torch.Tensor, inputs: torch.Tensor, code: torch.Tensor,
-                      slots: torch.Tensor, path_len: torch.Tensor) -> None:
-    """Each request's conv state from its accepted node's window, every GDN layer, one launch.
+                      slots: torch.Tensor, path_len: torch.Tensor, *, impl: str = "auto") -> None:
+    """Each request's conv state from its accepted node's window, every GDN layer.
 
     ``pool [L, S, C, K-1]`` contiguous; ``inputs [L, N, C]`` the forward's conv inputs;
     ``code [R, K-1]`` the accepted node's window without the node itself (``>= 0``: a flat node
-    index; else ``-(r * (K-1) + col) - 1``, the state's column col); ``slots, path_len [R]``."""
+    index; else ``-(r * (K-1) + col) - 1``, the state's column col); ``slots, path_len [R]``.
+    ``impl`` as for :func:`move_kv_rows` (one launch, or :func:`commit_conv_state_reference`)."""
+    if impl == "torch" or (impl == "auto" and pool.device.type != "cuda"):
+        return commit_conv_state_reference(pool, inputs, code, slots, path_len)
     L, S, C, W = pool.shape
     R = code.shape[0]
     if L == 0 or R == 0:

@@ -411,16 +411,8 @@ def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
     contiguous in x's dtype.
     """
     what = "qk_norm_rope"
-    _check(what, "x", x, (None, None, None), "[N, heads, head_dim]", rows=True)
+    _check_rope(what, x, weight, positions, inv_freq, rotary_dim)
     N, heads, hd = x.shape
-    if not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2 or rotary_dim > hd:
-        raise ValueError(f"{what}: rotary_dim must be an even int in [2, head_dim={hd}], "
-                         f"got {rotary_dim!r}")
-    _check(what, "weight", weight, (hd,), "[head_dim]", device=x.device)
-    _check(what, "positions", positions, (N,), "[N]", kind="int", device=x.device)
-    _check(what, "inv_freq", inv_freq, (rotary_dim // 2,), "[rotary_dim / 2]", device=x.device)
-    if inv_freq.dtype != torch.float32:
-        raise TypeError(f"{what}: inv_freq must be fp32, got {inv_freq.dtype}")
     if not _use_triton(impl, what, x, weight):
         return _rope_ref(_rms_norm_ref(x, weight, eps), positions, inv_freq, rotary_dim)
     out = torch.empty((N, heads, hd), dtype=x.dtype, device=x.device)
@@ -489,20 +481,28 @@ def _pair_kernel(impl: str, q, k, q_weight, k_weight) -> bool:
         q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and q.dtype == k.dtype
 
 
-def _launch_pair(q, k, q_weight, k_weight, positions, inv_freq, rotary_dim, eps, pool=None):
-    what = "qk_norm_rope"
-    for name, x, w in (("q", q, q_weight), ("k", k, k_weight)):
-        _check(what, name, x, (None, None, None), "[N, heads, head_dim]", rows=True)
-        _check(what, f"{name}_weight", w, (x.shape[2],), "[head_dim]", device=x.device)
-    N, Hq, hd = q.shape
-    Hkv = k.shape[1]
+def _check_rope(what: str, x, weight, positions, inv_freq, rotary_dim, name: str = "x") -> None:
+    """The arguments of a q/k norm + rope: ``x [N, heads, head_dim]`` and its weight, the rotary
+    width, ``positions [N]`` and fp32 ``inv_freq [rotary_dim / 2]``."""
+    _check(what, name, x, (None, None, None), "[N, heads, head_dim]", rows=True)
+    N, _, hd = x.shape
     if not isinstance(rotary_dim, int) or rotary_dim < 2 or rotary_dim % 2 or rotary_dim > hd:
         raise ValueError(f"{what}: rotary_dim must be an even int in [2, head_dim={hd}], "
                          f"got {rotary_dim!r}")
-    _check(what, "positions", positions, (N,), "[N]", kind="int", device=q.device)
-    _check(what, "inv_freq", inv_freq, (rotary_dim // 2,), "[rotary_dim / 2]", device=q.device)
+    _check(what, "weight" if name == "x" else f"{name}_weight", weight, (hd,), "[head_dim]",
+           device=x.device)
+    _check(what, "positions", positions, (N,), "[N]", kind="int", device=x.device)
+    _check(what, "inv_freq", inv_freq, (rotary_dim // 2,), "[rotary_dim / 2]", device=x.device)
     if inv_freq.dtype != torch.float32:
         raise TypeError(f"{what}: inv_freq must be fp32, got {inv_freq.dtype}")
+
+
+def _launch_pair(q, k, q_weight, k_weight, positions, inv_freq, rotary_dim, eps, pool=None):
+    what = "qk_norm_rope"
+    _check_rope(what, q, q_weight, positions, inv_freq, rotary_dim, "q")
+    _check_rope(what, k, k_weight, positions, inv_freq, rotary_dim, "k")
+    N, Hq, hd = q.shape
+    Hkv = k.shape[1]
     qo = torch.empty((N, Hq, hd), dtype=q.dtype, device=q.device)
     if pool is None:
         ko = torch.empty((N, Hkv, hd), dtype=k.dtype, device=k.device)

@@ -80,9 +80,8 @@ class MTPDrafter:
         ``rows [R, P]`` of ``slots [R]`` (n = R * P)."""
         m, eps = self.model, self.model.config.rms_norm_eps
         a = fused.add_rms_norm(x, m.w[MTP_LAYER + "input_layernorm.weight"], eps)[0]
-        q, _, _, gate = m.attention_qkv(MTP_LAYER + "self_attn.", a, positions,
-                                        (self.k, self.v, slots, None, rows))
-        return q, gate
+        return m.attention_qkv(MTP_LAYER + "self_attn.", a, positions,
+                               (self.k, self.v, slots, None, rows))
 
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Attention output ``o [n, H_q * hd]`` (gated) -> the layer's normalised output m."""

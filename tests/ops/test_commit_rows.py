@@ -38,7 +38,7 @@ def test_move_kv_rows_equals_reference(R, P, L, seed):
     want_k, want_v = k.clone(), v.clone()
     move_kv_rows_reference(want_k, want_v, slots, ctx, path, length)
     k, v = k.to(DEV), v.to(DEV)
-    move_kv_rows(k, v, slots.to(DEV), ctx.to(DEV), path.to(DEV), length.to(DEV))
+    move_kv_rows(k, v, slots.to(DEV), ctx.to(DEV), path.to(DEV), length.to(DEV), impl="triton")
     assert torch.equal(k.cpu(), want_k) and torch.equal(v.cpu(), want_v)
 
 
@@ -59,7 +59,8 @@ def test_commit_conv_state_equals_reference(R, Kc, L, C, seed):
     want = pool.clone()
     commit_conv_state_reference(want, inputs, code, slots, length)
     got = pool.to(DEV)
-    commit_conv_state(got, inputs.to(DEV), code.to(DEV), slots.to(DEV), length.to(DEV))
+    commit_conv_state(got, inputs.to(DEV), code.to(DEV), slots.to(DEV), length.to(DEV),
+                      impl="triton")
     assert torch.equal(got.cpu(), want)
 
 
@@ -73,5 +74,5 @@ def test_conv_commit_reads_old_columns_before_writing():
     want[0, 1] = torch.stack([pool[0, 1, :, 1], pool[0, 1, :, 2], torch.full((C,), -5.0)], -1)
     got = pool.to(DEV)
     commit_conv_state(got, inputs.to(DEV), code.to(DEV), torch.tensor([1]).to(DEV),
-                      torch.tensor([1]).to(DEV))
+                      torch.tensor([1]).to(DEV), impl="triton")
     assert torch.equal(got.cpu(), want)

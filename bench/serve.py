@@ -204,6 +204,12 @@ def spec_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, A
                 mean_accepted_tokens=mean("bole_accepted_tokens_per_round"),
                 mean_round_ms=mean("bole_round_seconds", 1e3),
                 mean_verified_node_slots=mean("bole_verified_node_slots_per_round"),
+                round_s=d("bole_round_seconds_sum"),
+                admissions=d("bole_admission_seconds_count"),
+                admitted_requests=d("bole_admitted_requests_total"),
+                admission_s=d("bole_admission_seconds_sum"),
+                mean_admission_ms=mean("bole_admission_seconds", 1e3),
+                step_s=d("bole_step_seconds_sum"),
                 output_tokens=d("bole_output_tokens_total"),
                 prompt_tokens=d("bole_prompt_tokens_total"),
                 requests={k.split('status=')[1].rstrip('}'): d(k) for k in after
@@ -260,6 +266,9 @@ def measure(mode: str, args: argparse.Namespace, prompts: list[Prompt], log: Pat
     print(format_table(report), flush=True)
     s = report.summary
     spec = spec_stats(before, after)
+    print(f"[serve] {mode}: engine steps {spec['step_s']:.2f} s (rounds {spec['round_s']:.2f} s, "
+          f"{spec['admissions']:.0f} admissions of {spec['admitted_requests']:.0f} requests "
+          f"{spec['admission_s']:.2f} s)", flush=True)
     rec.update(ok=bool(s["completed"]) and s["completed"] == s["requests"],
                error=None if s["completed"] == s["requests"] else
                f"{s['completed']} of {s['requests']} requests completed "

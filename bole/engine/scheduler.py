@@ -45,13 +45,17 @@ class Handle:
 
 @dataclass
 class RoundReport:
-    """What one round did, for metrics: running requests, tokens each one emitted, the node slots
-    verified (batch rows x node slots per tree) and the round's timings (ms)."""
+    """What one step did, for metrics: running requests, tokens each one emitted, the node slots
+    verified (batch rows x node slots per tree), the round's timings (ms), the requests admitted
+    before it and the admission's wall time (s), and the whole step's wall time (s)."""
 
     batch: int
     emitted: list[int]
     verified_node_slots: int
     timings: dict
+    admitted: int = 0
+    admit_s: float = 0.0
+    step_s: float = 0.0
 
 
 class Scheduler:
@@ -120,8 +124,10 @@ class Scheduler:
     # ---- the engine's thread ----
     def step(self) -> bool:
         """Retire cancelled requests, admit waiting ones, run one round; True while work remains."""
+        t0 = time.perf_counter()
         self._retire(cancelled_only=True)
-        self._admit()
+        admitted = self._admit()
+        admit_s = time.perf_counter() - t0
         if self.running:
             requests = [h.request for h in self.running]
             before = [len(r.out) for r in requests]
@@ -130,19 +136,20 @@ class Scheduler:
             timings = self.engine.step(requests, prelaunch=not self.waiting)
             for h in self.running:
                 self._deliver(h)
+            self._retire(cancelled_only=False)
             if self.on_round is not None:
                 self.on_round(RoundReport(
                     len(requests), [len(r.out) - n for r, n in zip(requests, before)],
-                    len(requests) * self.engine.spec.nodes_per_request, timings))
-            self._retire(cancelled_only=False)
+                    len(requests) * self.engine.spec.nodes_per_request, timings, admitted,
+                    admit_s, time.perf_counter() - t0))
         return not self.idle
 
     def run_until_idle(self) -> None:
         while self.step():
             pass
 
-    def _admit(self) -> None:
-        """Admit as many waiting requests as slots allow, prefilled together."""
+    def _admit(self) -> int:
+        """Admit as many waiting requests as slots allow, prefilled together; returns how many."""
         admitted = []
         room = min(self.max_batch - len(self.running), self.engine.cache.num_free)
         while len(admitted) < room:
@@ -155,7 +162,7 @@ class Scheduler:
             else:
                 admitted.append(handle)
         if not admitted:
-            return
+            return 0
         try:
             self.engine.admit_many([h.request for h in admitted])
         except Exception:
@@ -170,6 +177,7 @@ class Scheduler:
                 self._finish(handle)
             else:
                 self.running.append(handle)
+        return len(admitted)
 
     def _retire(self, cancelled_only: bool) -> None:
         with self._lock:

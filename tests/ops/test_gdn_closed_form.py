@@ -206,10 +206,12 @@ def test_deep_chains_of_near_parallel_keys_stay_finite_in_fp32():
     with pytest.raises(ValueError, match="squaring"):
         solve_unit_lower(torch.zeros(40, 40), torch.ones(40, 2), 39, "squaring")
     from bole.ops.gdn.triton_verify import tree_gdn_verify_triton
+    from tests.kernel_utils import DEV
     deep = PackedForest.pack([DraftTree.chain(NEUMANN_MAX_DEPTH_FP32 + 2)])
     with pytest.raises(ValueError, match="overflow"):
         n = deep.num_nodes
-        tree_gdn_verify_triton(torch.zeros(1, n, 1, 16), torch.zeros(1, n, 1, 16),
-                               torch.zeros(1, n, 2, 16), deep.kernel_meta(),
-                               g=torch.zeros(1, n, 2), beta=torch.ones(1, n, 2),
-                               initial_state=torch.zeros(1, 2, 16, 16))
+        z = dict(device=DEV)
+        tree_gdn_verify_triton(torch.zeros(1, n, 1, 16, **z), torch.zeros(1, n, 1, 16, **z),
+                               torch.zeros(1, n, 2, 16, **z), deep.kernel_meta(DEV),
+                               g=torch.zeros(1, n, 2, **z), beta=torch.ones(1, n, 2, **z),
+                               initial_state=torch.zeros(1, 2, 16, 16, **z))

@@ -70,6 +70,33 @@ class EngineLoop:
                 self.on_exit()
 
 
+class EventPump:
+    """Hands the engine thread's request events to the event loop with one wake-up per batch:
+    a round's events for every running request cost the engine thread one
+    ``call_soon_threadsafe`` (one write to the loop's self-pipe) rather than one per request."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._pending: list[tuple[asyncio.Queue, bool]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, finished: bool) -> None:
+        """Any thread: queue ``finished`` for ``queue``; the loop flushes once per batch."""
+        with self._lock:
+            self._pending.append((queue, finished))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._pending, self._scheduled = self._pending, [], False
+        for queue, finished in items:
+            queue.put_nowait(finished)
+
+
 class TextStream:
     """Incremental detokenisation: the text of the tokens so far, holding back an incomplete
     UTF-8 sequence and anything that could still become a stop string."""
@@ -113,6 +140,7 @@ class BoleServer:
         self.scheduler.on_round = self.metrics.observe_round
         self.chat = chat_template or ChatTemplate.for_checkpoint("")
         self.loop = EngineLoop(self.scheduler, on_exit=channel.close if channel else None)
+        self._pump: EventPump | None = None
 
     # ---- requests ----
     def _params(self, req, max_tokens: int) -> GenerationParams:
@@ -140,9 +168,20 @@ class BoleServer:
         self.engine.check_request(ids, params)
         return ids, params
 
-    def submit(self, ids, params, seed, queue: asyncio.Queue, loop) -> Handle:
+    def pump(self, loop: asyncio.AbstractEventLoop) -> EventPump:
+        """The event pump into ``loop`` (one per loop: the server's, or a test's)."""
+        if self._pump is None or self._pump.loop is not loop:
+            self._pump = EventPump(loop)
+        return self._pump
+
+    def submit(self, ids, params, seed, queue: asyncio.Queue, loop, stream: bool = True) -> Handle:
+        """Queue a request whose events reach ``queue`` on ``loop``: every round's (``stream``)
+        or only the last."""
+        pump = self.pump(loop)
+
         def on_event(handle, tokens, finished):
-            loop.call_soon_threadsafe(queue.put_nowait, finished)
+            if stream or finished:
+                pump.post(queue, finished)
         handle = self.scheduler.submit(ids, params, seed=seed, on_event=on_event)
         self.metrics.prompt_tokens.inc(len(ids))
         return handle
@@ -230,7 +269,7 @@ async def _serve(server: BoleServer, req, http: HTTPRequest, chat: bool):
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     try:
-        handle = server.submit(ids, params, req.seed, queue, loop)
+        handle = server.submit(ids, params, req.seed, queue, loop, stream=bool(req.stream))
     except QueueFull as exc:
         server.metrics.requests.labels("rejected").inc()
         return _error(503, str(exc), "server_busy", headers={"Retry-After": "1"})
@@ -268,6 +307,8 @@ async def _stream(server: BoleServer, handle: Handle, queue: asyncio.Queue,
     try:
         while not finished:
             finished = await queue.get()
+            while not (finished or queue.empty()):   # events that piled up: one chunk for all
+                finished = queue.get_nowait()
             r = handle.request
             out = list(r.out)
             final = server.engine.text(r.result, params) if r.result is not None else None

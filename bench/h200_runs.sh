@@ -44,7 +44,7 @@ case "$part" in
     timeout 580 python3 bench/budget.py --models bundled qwen3.5-9b --batches 1 8 32 \
       --sweep 16 64 256 --out "$out" ;;
   serve)
-    timeout 580 python3 bench/serve.py --out "$out" --log-dir "$out/serve-logs" ;;
+    timeout 580 python3 bench/serve.py --requests 512 --out "$out" --log-dir "$out/serve-logs" ;;
   *)
     echo "unknown part $part" >&2; exit 2 ;;
 esac

@@ -300,14 +300,14 @@ class Engine:
             [r] for r in requests if len(r.prompt) > PREFILL_BATCH_MAX]
         for group in groups:
             prompts = [torch.tensor(r.prompt) for r in group]
+            slots, continuations = [r.slot for r in group], [r.continuation for r in group]
             if len(group[0].prompt) <= PREFILL_BATCH_MAX:
-                logits, hidden = self.runner.prefill_batch([r.slot for r in group], prompts)
+                logits = self.rounds.prefill(slots, prompts, continuations)
             else:
                 last, states = self.runner.prefill(group[0].slot, prompts[0],
                                                    on_chunk=self.on_prefill_chunk)
-                logits, hidden = last[None], [states]
-            self.rounds.on_prefill([r.slot for r in group], prompts, hidden,
-                                   [r.continuation for r in group])
+                logits = last[None]
+                self.rounds.on_prefill(slots, prompts, [states], continuations)
             # the greedy first tokens in one read; sampled ones from each request's generator
             greedy = logits.argmax(-1).tolist()
             for i, r in enumerate(group):

@@ -12,6 +12,10 @@ slot) runs three fixed-shape phases, each a CUDA graph on the GPU:
 and then one non-blocking copy of the emitted tokens into pinned memory, followed by the
 round's single synchronisation. Between rounds the host touches the static buffers only when the
 batch changes (a request joined or left): then it rewrites the per-row inputs in one upload.
+
+Admission of short prompts (:meth:`RoundRunner.prefill`) is captured too, per batch bucket and
+row width: the target's batched prefill and commit and the MTP head's pool rows in one graph,
+so that a request joining a running batch costs a replay rather than an eager forward.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from bole.engine.draft_model import DraftModelDrafter
 from bole.engine.graphs import GraphRunner
 from bole.engine.selection import BudgetPolicy, select
-from bole.engine.runner import ModelRunner
+from bole.engine.runner import PREFILL_BATCH_MAX, ModelRunner, prefill_bucket
 from bole.forest import DenseForest
 from bole.speculative.accept_device import SamplingBatch, accept, draw_uniforms
 from bole.speculative.draft_tree import build_draft_trees, per_request
@@ -147,6 +151,25 @@ class RoundBuffers:
         self.rows: tuple = ()                      # (request index, slot) of the rows last written
 
 
+class PrefillBuffers:
+    """Static inputs of a batched admission prefill: R rows of T tokens (padding rows: the
+    cache's dummy slot, length 0)."""
+
+    def __init__(self, R: int, T: int, device, dummy_slot: int):
+        self.R, self.T, self.dummy_slot = R, T, dummy_slot
+        self.slots = torch.full((R,), dummy_slot, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(R, T, dtype=torch.int64, device=device)
+        self.lengths = torch.zeros(R, dtype=torch.int64, device=device)
+
+    def write(self, slots: list[int], tokens: torch.Tensor, lengths: list[int]) -> None:
+        """The rows of one admission (``tokens [n, T]`` on the host) in one upload each."""
+        n = len(slots)
+        pad = self.R - n
+        self.slots.copy_(torch.tensor(slots + [self.dummy_slot] * pad, dtype=torch.int32))
+        self.tokens.copy_(torch.cat([tokens, tokens.new_zeros(pad, self.T)]))
+        self.lengths.copy_(torch.tensor(lengths + [0] * pad))
+
+
 class RoundRunner:
     """Runs rounds of one mode over a model runner: buffers, drafters, graphs."""
 
@@ -181,6 +204,7 @@ class RoundRunner:
             self.draft = DraftModelDrafter(draft_model, self.model.config.vocab_size, max_slots,
                                            self.cache.max_len, scratch=self.scratch)
         self.buffers: dict[int, RoundBuffers] = {}
+        self.prefill_buffers: dict[tuple[int, int], PrefillBuffers] = {}
         self.growth: dict[int, TreeGrowth] = {}
         #: the next round's draft, queued at the end of the last one (see :meth:`run`): its
         #: buffers, the marks around it, and the host clock (s) when the GPU started it and
@@ -224,6 +248,8 @@ class RoundRunner:
                 widths = (1,) + widths                # its plain rounds verify the roots alone
             for W in widths:
                 self._capture(R, StaticSampling.flags_for([]), W)
+            for T in self.prefill_widths():
+                self.graphs.capture(("prefill", R, T), lambda: self._prefill(R, T))
         if progress:
             print(f"\r[bole] captured {len(self.graphs.graphs)} CUDA graphs for batches up to "
                   f"{max(buckets)} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -250,6 +276,53 @@ class RoundRunner:
         verified = self.graphs.results[("verify", R, W)]
         self.graphs.capture(("accept", R, W, b.sampling.flags),
                             lambda: self._accept_commit(b, *verified))
+
+    # ---- admission ----
+    def prefill_widths(self) -> tuple[int, ...]:
+        """The row widths of batched admission prefills (:func:`prefill_bucket`'s values that
+        fit a slot): each batch bucket's prefill is captured at each."""
+        widths = {prefill_bucket(n) for n in range(1, PREFILL_BATCH_MAX + 1)}
+        return tuple(sorted(T for T in widths if T <= self.cache.max_len))
+
+    def _prefill_buffers(self, R: int, T: int) -> PrefillBuffers:
+        if (R, T) not in self.prefill_buffers:
+            self.prefill_buffers[R, T] = PrefillBuffers(R, T, self.device, self.cache.dummy_slot)
+        return self.prefill_buffers[R, T]
+
+    def _prefill(self, R: int, T: int) -> torch.Tensor:
+        """Bucket (R, T)'s admission on the device: the target's prefill and commit, the MTP
+        head's pool rows; returns the rows' last logits ``[R, V]``."""
+        b = self._prefill_buffers(R, T)
+        logits, hidden = self.runner.prefill_rows(b.slots, b.tokens, b.lengths)
+        if self.mtp is not None:
+            self.mtp.observe_prompt_rows(b.slots, b.tokens, hidden, b.lengths)
+        return logits
+
+    def prefill(self, slots: list[int], prompts: list[torch.Tensor],
+                continuations: list | None = None) -> torch.Tensor:
+        """Admit short prompts (``[P_r]``, at most :data:`PREFILL_BATCH_MAX` tokens each) into
+        fresh ``slots`` together: one forward of their rows padded to a batch bucket and a
+        :func:`prefill_bucket` width, replayed from its CUDA graph (captured at start-up; a
+        shape outside them runs eagerly, counted and logged), and the drafters' upkeep.
+        Returns each prompt's last logits ``[R, V]`` (on the device). ``continuations``: as
+        :meth:`on_prefill`."""
+        lengths = [int(p.numel()) for p in prompts]
+        if not prompts or len(prompts) != len(slots):
+            raise ValueError(f"{len(prompts)} prompts for {len(slots)} slots")
+        if min(lengths) < 1 or max(lengths) > PREFILL_BATCH_MAX:
+            raise ValueError(f"prefill takes prompts of 1 to {PREFILL_BATCH_MAX} tokens, got "
+                             f"lengths {lengths}")
+        self.cache.check_slots(slots)
+        if any(self.cache.host_lengths[s] for s in slots):
+            raise ValueError("prefill fills fresh slots (no committed tokens)")
+        tokens = self.runner.prefill_tokens(prompts)
+        R, T = bucket_for(len(slots)), tokens.shape[1]
+        self._prefill_buffers(R, T).write(list(slots), tokens, lengths)
+        logits = self.graphs.run(("prefill", R, T), lambda: self._prefill(R, T))
+        self.cache.advance(slots, lengths)
+        for slot, prompt, cont in zip(slots, prompts, continuations or [None] * len(slots)):
+            self._host_drafters_start(slot, prompt, cont)
+        return logits[:len(slots)]
 
     # ---- the phases (device code only) ----
     def _draft(self, b: RoundBuffers) -> None:
@@ -309,10 +382,13 @@ class RoundRunner:
         if self.mtp is not None:
             self.mtp.observe_prompts(slots, prompts, hidden)
         for slot, prompt, cont in zip(slots, prompts, continuations):
-            if self.spec.drafter == "replay" and self.mtp is not None:
-                self.mtp.set_continuation(slot, cont or [], start=prompt.numel())
-            if self.draft is not None:
-                self.draft.start(slot, prompt.tolist())
+            self._host_drafters_start(slot, prompt, cont)
+
+    def _host_drafters_start(self, slot: int, prompt: torch.Tensor, continuation) -> None:
+        if self.spec.drafter == "replay" and self.mtp is not None:
+            self.mtp.set_continuation(slot, continuation or [], start=prompt.numel())
+        if self.draft is not None:
+            self.draft.start(slot, prompt.tolist())
 
     def on_release(self, slot: int) -> None:
         for b in self.buffers.values():         # a later request may reuse the slot: rewrite rows

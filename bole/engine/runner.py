@@ -165,28 +165,45 @@ class ModelRunner:
                              f"got lengths {lengths}")
         if any(self.cache.host_lengths[s] for s in slots):
             raise ValueError("prefill_batch fills fresh slots (no committed tokens)")
-        # rows padded to a bucket (16, 32, 64 tokens; no wider than a slot): a few shapes,
-        # compiled once each
-        longest = max(lengths)
-        R, dev = len(slots), self.device
-        T = max(longest, min(prefill_bucket(longest), self.cache.max_len))
-        tokens = torch.zeros(R, T, dtype=torch.int64)
-        for r, p in enumerate(prompts):
-            tokens[r, :lengths[r]] = p
-        self._check_tokens(tokens)
+        tokens = self.prefill_tokens(prompts)
+        dev = self.device
         length_t = torch.tensor(lengths, device=dev)
-        node = torch.arange(T, device=dev)
-        valid = node[None, :] < length_t[:, None]
-        forest = DenseForest.from_parents((node - 1).expand(R, T).contiguous(), valid, T - 1)
         slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)
-        gdn = "triton" if dev.type == "cuda" else "torch"
-        batch = self.make_batch(tokens.reshape(-1).to(dev), forest, slot_t, gdn)
-        out = self.model.forward(self.cache, batch, logits=False)
-        self.commit(batch, out, node.expand(R, T), length_t, kv_in_place=True)
+        logits, hidden = self.prefill_rows(slot_t, tokens.to(dev), length_t)
         self.cache.advance(slots, lengths)
+        return logits, [hidden[r, :n] for r, n in enumerate(lengths)]
+
+    def prefill_tokens(self, prompts: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
+        """Host ``[R, T]`` int64 rows of short prompts, zero-padded to ``width`` (default: the
+        :func:`prefill_bucket` of the longest, no wider than a slot: a few shapes, compiled or
+        captured once each), token ids checked."""
+        longest = max(int(p.numel()) for p in prompts)
+        T = width or max(longest, min(prefill_bucket(longest), self.cache.max_len))
+        tokens = torch.zeros(len(prompts), T, dtype=torch.int64)
+        for r, p in enumerate(prompts):
+            tokens[r, :p.numel()] = p
+        self._check_tokens(tokens)
+        return tokens
+
+    def prefill_rows(self, slots: torch.Tensor, tokens: torch.Tensor,
+                     lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device part of :meth:`prefill_batch` (no checks, no host bookkeeping, no host
+        synchronisation: capturable): row r commits ``tokens[r, :lengths[r]]`` into fresh slot
+        ``slots[r]`` as one chain. ``slots [R]`` int32, ``tokens [R, T]`` int64, ``lengths [R]``
+        int64; a row of length 0 (padding: the cache's dummy slot) commits nothing. Returns
+        each row's last logits ``[R, V]`` and the final-norm hidden states ``[R, T, H]``."""
+        R, T = tokens.shape
+        dev = tokens.device
+        node = torch.arange(T, device=dev)
+        valid = node[None, :] < lengths.clamp(min=1)[:, None]
+        forest = DenseForest.from_parents((node - 1).expand(R, T).contiguous(), valid, T - 1)
+        gdn = "triton" if dev.type == "cuda" else "torch"
+        batch = self.make_batch(tokens.reshape(-1), forest, slots, gdn)
+        out = self.model.forward(self.cache, batch, logits=False)
+        self.commit(batch, out, node.expand(R, T), lengths, kv_in_place=True)
         hidden = out.hidden.view(R, T, -1)
-        last = hidden[torch.arange(R, device=dev), length_t - 1]
-        return self.model.lm_head(last), [hidden[r, :n] for r, n in enumerate(lengths)]
+        last = hidden[torch.arange(R, device=dev), (lengths - 1).clamp(min=0)]
+        return self.model.lm_head(last), hidden
 
     # ---- one-off forwards (tests, the draft-model drafter) ----
     def verify(self, slots: list[int], trees, tokens: torch.Tensor,

@@ -1,6 +1,7 @@
 """Fused per-token ops of the hybrid layers: one Triton launch each, with bit-exact torch references.
 
     add_rms_norm      s = x + residual, zero-centred RMSNorm s / rms(s) * (1 + w)
+    embed_norm_pair   the MTP head's fc input: [norm(embed[tokens]) | norm(prev hidden)]
     gated_rms_norm    GDN output norm w * x / rms(x) * silu(z)
     silu_mul          silu(gate) * up of the fused gate|up projection rows
     qk_norm_rope      per-head zero-centred RMSNorm of q or k, then partial rotary embedding
@@ -27,7 +28,7 @@ from triton.language.extra import libdevice
 
 from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index, interpreting
 
-__all__ = ["IMPLS", "add_rms_norm", "gated_rms_norm", "silu_mul", "qk_norm_rope", "qk_norm_rope_pair",
+__all__ = ["IMPLS", "add_rms_norm", "embed_norm_pair", "gated_rms_norm", "silu_mul", "qk_norm_rope", "qk_norm_rope_pair",
            "qk_norm_rope_to_pool", "tree_conv1d_pool", "conv_windows_from_parents"]
 
 fix_interpreter_scalar_index()
@@ -70,8 +71,29 @@ def _add_rms_norm_kernel(x, res, w, out, summed, H, stride_x, stride_r, stride_o
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """One program per row of H: ``s = x + res``, ``out = s / rms(s) * (1 + w)``."""
     row = tl.program_id(0).to(tl.int64)
-    x_row, r_row = x + row * stride_x, res + row * stride_r
-    s_row, o_row = summed + row * H, out + row * stride_o
+    _norm_row(x + row * stride_x, res + row * stride_r, w, summed + row * H, out + row * stride_o,
+              H, eps, HAS_RES, BLOCK, ONE_BLOCK)
+
+
+@triton.jit
+def _embed_norm_pair_kernel(tokens, table, prev, w_embed, w_prev, out, H, stride_t, stride_p,
+                            stride_o, eps, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """Program (row, half): half 0 normalises the embedding of ``tokens[row]`` into the row's
+    first H columns, half 1 the row of ``prev`` into the last H."""
+    row = tl.program_id(0).to(tl.int64)
+    o_row = out + row * stride_o
+    if tl.program_id(1) == 0:
+        src = table + tl.load(tokens + row).to(tl.int64) * stride_t
+        _norm_row(src, src, w_embed, o_row, o_row, H, eps, False, BLOCK, ONE_BLOCK)
+    else:
+        src = prev + row * stride_p
+        _norm_row(src, src, w_prev, o_row + H, o_row + H, H, eps, False, BLOCK, ONE_BLOCK)
+
+
+@triton.jit
+def _norm_row(x_row, r_row, w, s_row, o_row, H, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+              ONE_BLOCK: tl.constexpr):
+    """One row: ``s = x + r`` (stored to s_row with HAS_RES), ``o = s / rms(s) * (1 + w)``."""
     if ONE_BLOCK:       # the whole row stays in registers
         o = tl.arange(0, BLOCK)
         s = _row_sum(x_row, r_row, s_row, o, o < H, HAS_RES, True)
@@ -349,6 +371,38 @@ def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             float(eps),
             HAS_RES=residual is not None, BLOCK=block, ONE_BLOCK=one, num_warps=_num_warps(block))
     return out, summed
+
+
+def embed_norm_pair(tokens: torch.Tensor, table: torch.Tensor, prev: torch.Tensor,
+                    w_embed: torch.Tensor, w_prev: torch.Tensor, eps: float, *,
+                    impl: str = "auto") -> torch.Tensor:
+    """The MTP head's fc input in one launch: ``[norm(table[tokens]) | norm(prev)]``, each half
+    a zero-centred RMSNorm (:func:`add_rms_norm` without residual) with its own weight.
+
+    tokens ``[N]`` int (valid rows of ``table``), table ``[V, H]`` and prev ``[N, H]`` of one
+    dtype (last dims contiguous), weights ``[H]``. Returns ``[N, 2 H]`` in table's dtype."""
+    what = "embed_norm_pair"
+    _check(what, "table", table, (None, None), "[V, H]", rows=True)
+    V, H = table.shape
+    _check(what, "tokens", tokens, (None,), "[N]", kind="int", device=table.device)
+    N = tokens.shape[0]
+    _check(what, "prev", prev, (N, H), "[N, H]", device=table.device, dtype=table.dtype, rows=True)
+    _check(what, "w_embed", w_embed, (H,), "[H]", device=table.device)
+    _check(what, "w_prev", w_prev, (H,), "[H]", device=table.device)
+    if not _use_triton(impl, what, table, prev, w_embed, w_prev):
+        out = torch.empty(N, 2 * H, dtype=table.dtype, device=table.device)
+        out[:, :H] = _rms_norm_ref(F.embedding(tokens, table), w_embed, eps)
+        out[:, H:] = _rms_norm_ref(prev, w_prev, eps)
+        return out
+    out = torch.empty(N, 2 * H, dtype=table.dtype, device=table.device)
+    one = triton.next_power_of_2(H) <= _MAX_ROW_BLOCK
+    block = triton.next_power_of_2(H) if one else _LOOP_BLOCK
+    if N:
+        _embed_norm_pair_kernel[(N, 2)](
+            tokens, table, prev, w_embed.contiguous(), w_prev.contiguous(), out, H,
+            table.stride(0), prev.stride(0), out.stride(0), float(eps), BLOCK=block,
+            ONE_BLOCK=one, num_warps=_num_warps(block))
+    return out
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, *,

@@ -66,6 +66,12 @@ class MTPDrafter:
         """fc over the normalised embedding and hidden state: ``[n, H]``."""
         m, w, eps = self.model, self.model.w, self.model.config.rms_norm_eps
         H = m.config.hidden_size
+        if m.tp.world == 1:          # the gather and both norms in one launch
+            table = w[f"{m.config.weight_prefix}embed_tokens.weight"]
+            both = fused.embed_norm_pair(tokens, table, prev_hidden.to(m.dtype),
+                                         w["mtp.pre_fc_norm_embedding.weight"],
+                                         w["mtp.pre_fc_norm_hidden.weight"], eps)
+            return F.linear(both, w["mtp.fc.weight"])
         # both norms write their halves of fc's input (no concatenation)
         both = torch.empty(tokens.shape[0], 2 * H, dtype=m.dtype, device=tokens.device)
         fused.add_rms_norm(m.embed(tokens), w["mtp.pre_fc_norm_embedding.weight"], eps,
@@ -130,19 +136,28 @@ class MTPDrafter:
         hidden ``[P_r, H]``; rows padded to the longest, the padding written to the junk row)."""
         R, dev = len(slots), self.k.device
         lengths = [int(p.numel()) for p in prompts]
-        slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)
-        self.last_hidden[slot_t.long()] = torch.stack([h[0] for h in hidden]).to(
-            self.last_hidden.dtype)
-        P = max(lengths) - 1
-        if P < 1:
-            return
-        tokens = torch.zeros(R, P, dtype=torch.int64, device=dev)
-        states = torch.zeros(R, P, hidden[0].shape[-1], dtype=hidden[0].dtype, device=dev)
+        T = max(lengths)
+        tokens = torch.zeros(R, T, dtype=torch.int64, device=dev)
+        states = torch.zeros(R, T, hidden[0].shape[-1], dtype=hidden[0].dtype, device=dev)
         for r, (p, h) in enumerate(zip(prompts, hidden)):
-            tokens[r, :lengths[r] - 1] = p[1:].to(dev)
-            states[r, :lengths[r] - 1] = h[1:]
-        self.observe(slot_t, tokens, states, torch.ones(R, dtype=torch.int64, device=dev),
-                     torch.tensor(lengths, device=dev) - 1)
+            tokens[r, :lengths[r]] = p.to(dev)
+            states[r, :lengths[r]] = h
+        self.observe_prompt_rows(torch.tensor(slots, dtype=torch.int32, device=dev), tokens,
+                                 states, torch.tensor(lengths, device=dev))
+
+    @torch.no_grad()
+    def observe_prompt_rows(self, slots: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+                            lengths: torch.Tensor) -> None:
+        """:meth:`observe_prompts` from device rows (capturable): ``tokens [R, T]`` and
+        ``hidden [R, T, H]`` hold each fresh slot's prompt in its first ``lengths[r]`` entries;
+        a row of length 0 (padding) writes only the slot's remembered state and junk rows."""
+        self.last_hidden[slots.long()] = hidden[:, 0].to(self.last_hidden.dtype)
+        if tokens.shape[1] < 2:
+            return
+        R = tokens.shape[0]
+        self.observe(slots, tokens[:, 1:], hidden[:, 1:],
+                     torch.ones(R, dtype=torch.int64, device=tokens.device),
+                     (lengths.to(torch.int64) - 1).clamp(min=0))
 
     # ---- drafting ----
     def step_fn(self, slots: torch.Tensor, ctx: torch.Tensor, topk: int):

@@ -52,10 +52,10 @@ def observe_inputs_torch(tree_tokens, path, path_global, hidden, last_hidden, sl
     return ObserveInputs(tokens.reshape(-1), prev.reshape(R * P, H), positions.reshape(-1), rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "P"])
 def _observe_kernel(tree_tokens, path, path_global, hidden, last_hidden, slots, start, count,
-                    o_tok, o_prev, o_pos, o_rows, T, H, junk_row,
-                    P: tl.constexpr, PB: tl.constexpr, HB: tl.constexpr):
+                    o_tok, o_prev, o_pos, o_rows, T, H, junk_row, P,
+                    PB: tl.constexpr, HB: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, PB)
     pm = p < P
@@ -108,6 +108,6 @@ def observe_inputs(tree_tokens, path, path_global, hidden, last_hidden, slots, s
             tree_tokens.to(torch.int64).contiguous(), path.to(torch.int64).contiguous(),
             path_global.contiguous(), hidden.contiguous(), last_hidden, slots,
             start.to(torch.int64).contiguous(), count.to(torch.int64).contiguous(),
-            out.tokens, out.prev, out.positions, out.rows, T, H, junk_row, P=P, PB=PB,
+            out.tokens, out.prev, out.positions, out.rows, T, H, junk_row, P, PB=PB,
             HB=max(16, min(triton.next_power_of_2(H), 4096 // PB)), num_warps=4)
     return out

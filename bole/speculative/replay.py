@@ -344,6 +344,11 @@ class ReplayDrafter:
         """:meth:`MTPDrafter.observe_prompts` of the wrapped head."""
         self.mtp.observe_prompts(slots, prompts, hidden)
 
+    def observe_prompt_rows(self, slots: Tensor, tokens: Tensor, hidden: Tensor,
+                            lengths: Tensor) -> None:
+        """:meth:`MTPDrafter.observe_prompt_rows` of the wrapped head."""
+        self.mtp.observe_prompt_rows(slots, tokens, hidden, lengths)
+
     def reset(self, slot: int) -> None:
         """:meth:`MTPDrafter.reset` of the wrapped head, and :meth:`clear`."""
         self.mtp.reset(slot)

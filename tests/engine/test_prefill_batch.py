@@ -133,3 +133,49 @@ def test_warm_up_leaves_the_cache_as_it_was(model):
     params = GenerationParams(max_tokens=6)
     assert [r.token_ids for r in warmed.generate(prompts, params)] == \
         [r.token_ids for r in fresh.generate(prompts, params)]
+
+
+def test_admission_prefill_pads_to_a_bucket_and_changes_nothing_else(model):
+    """RoundRunner.prefill (what the engine's admission runs, a CUDA graph per batch bucket and
+    width on a GPU): three prompts in a bucket of four rows leave the target's cache and the MTP
+    head's pool as each prompt prefilled and observed alone; the padding row touches only the
+    dummy slot, and other slots keep their state."""
+    from bole.engine.round import RoundRunner
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (5, 1, 17)]
+    spec = SpecConfig("bole", "mtp", depth=2, topk=2, budget=4)
+    alone = Engine(model, spec, max_slots=5, max_len=64, cuda_graphs=False)
+    rounds = RoundRunner(ModelRunner(model, model.new_cache(5, 64), "torch"), spec, max_slots=5)
+    cache, mtp = rounds.cache, rounds.mtp
+    bystander = cache.allocate(32)
+    rounds.runner.prefill(bystander, torch.tensor([9, 8, 7]))
+    before = {n: getattr(cache, n)[:, bystander].clone() for n in ("k", "gdn_state", "conv_state")}
+    lengths = cache.lengths.clone()
+    slots = [cache.allocate(32) for _ in prompts]
+    logits = rounds.prefill(slots, prompts)
+    assert logits.shape == (3, model.config.vocab_size)
+    for r, p in enumerate(prompts):
+        s = alone.cache.allocate(32)
+        lg, hd = alone.runner.prefill(s, p)
+        alone.rounds.mtp.observe_prompt(s, p, hd)
+        torch.testing.assert_close(logits[r], lg, rtol=1e-5, atol=1e-5)
+        n = p.numel()
+        assert cache.host_lengths[slots[r]] == int(cache.lengths[slots[r]]) == n
+        for name in ("k", "v"):
+            torch.testing.assert_close(getattr(cache, name)[:, slots[r], :n],
+                                       getattr(alone.cache, name)[:, s, :n], rtol=1e-5, atol=1e-6)
+        for name in ("gdn_state", "conv_state"):
+            torch.testing.assert_close(getattr(cache, name)[:, slots[r]],
+                                       getattr(alone.cache, name)[:, s], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mtp.k[slots[r], :n - 1], alone.rounds.mtp.k[s, :n - 1],
+                                   rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mtp.last_hidden[slots[r]], alone.rounds.mtp.last_hidden[s],
+                                   rtol=1e-5, atol=1e-6)
+    for n, t in before.items():
+        assert torch.equal(getattr(cache, n)[:, bystander], t)
+    lengths[slots] += torch.tensor([p.numel() for p in prompts])
+    assert torch.equal(cache.lengths, lengths)            # the dummy slot's included
+    with pytest.raises(ValueError, match="fresh slots"):
+        rounds.prefill([slots[0]], [torch.tensor([1])])
+    with pytest.raises(ValueError, match="prompts of 1 to"):
+        rounds.prefill([cache.allocate(8)], [torch.zeros(PREFILL_BATCH_MAX + 1, dtype=torch.int64)])

@@ -123,6 +123,26 @@ def test_add_rms_norm_kernel(dtype, H, residual):
     assert torch.equal(s, ref_s) and (residual or s is x)
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("H", [1, 37, 64])
+def test_embed_norm_pair_kernel(dtype, H):
+    """The MTP head's fc input: the gathered embedding rows and the hidden rows, each normed with
+    its own weight, side by side; the reference is two add_rms_norm calls on the gathered rows."""
+    table, prev = rnd(11, H, dtype=dtype), strided(rnd(6, H, dtype=dtype, seed=1, scale=3.0))
+    we, wh = rnd(H, seed=2, scale=0.2), rnd(H, seed=3, scale=0.2)
+    tokens = torch.tensor([10, 0, 3, 3, 7, 1], device=DEV)
+    got = fused.embed_norm_pair(tokens, table, prev, we, wh, EPS, impl="triton")
+    ref = fused.embed_norm_pair(tokens, table, prev, we, wh, EPS, impl="torch")
+    unfused = torch.cat([fused.add_rms_norm(table[tokens], we, EPS, impl="torch")[0],
+                         fused.add_rms_norm(prev, wh, EPS, impl="torch")[0]], 1)
+    assert torch.equal(ref, unfused)
+    check_kernel(got, ref)
+    with pytest.raises(TypeError, match="prev"):
+        fused.embed_norm_pair(tokens, table, prev.double(), we, wh, EPS)
+    with pytest.raises(ValueError, match="prev has shape"):
+        fused.embed_norm_pair(tokens[:3], table, prev, we, wh, EPS)
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_add_rms_norm_into_half_of_a_wider_buffer(impl):
     """``out=``: the normed rows land in a strided view (the MTP head's fc input) and nowhere

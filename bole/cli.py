@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bole.assets import BUNDLED_MODEL
 from bole.config import GDN_SHAPES
-from bole.engine.engine import DRAFTERS, MAX_BUDGET, MAX_DEPTH, MAX_TOPK, MODES
+from bole.engine.engine import DEFAULT_TREE, DRAFTERS, MAX_BUDGET, MAX_DEPTH, MAX_TOPK, MODES
 
 
 #: drafters by command: generate and serve draft for real requests (no known continuation, so no
@@ -63,9 +63,11 @@ def _load_model(args, device: str, dtype, mtp: bool = False):
 
 
 def _tree_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--depth", type=int, default=8, help=f"draft tree depth (1-{MAX_DEPTH})")
-    p.add_argument("--topk", type=int, default=4, help=f"children per expanded node (1-{MAX_TOPK})")
-    p.add_argument("--budget", type=int, default=32,
+    depth, topk, budget = DEFAULT_TREE
+    p.add_argument("--depth", type=int, default=depth, help=f"draft tree depth (1-{MAX_DEPTH})")
+    p.add_argument("--topk", type=int, default=topk,
+                   help=f"children per expanded node (1-{MAX_TOPK})")
+    p.add_argument("--budget", type=int, default=budget,
                    help=f"draft-tree nodes per request, root included (2-{MAX_BUDGET})")
     p.add_argument("--budget-policy", default="fixed",
                    choices=["fixed", "global", "calibrated", "goodput"],

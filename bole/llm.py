@@ -31,6 +31,7 @@ import torch
 
 from bole.assets import BUNDLED_MODEL
 from bole.engine import Engine, GenerationParams, GenerationResult, SpecConfig, default_drafter
+from bole.engine.engine import DEFAULT_TREE
 from bole.speculative import sampling
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
@@ -152,8 +153,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, *, mode: str = "bole",
                  drafter: str | None = None, draft_model: str | Path | None = None,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-                 max_batch: int = 8, max_len: int = 4096, depth: int = 8, topk: int = 4,
-                 budget: int = 32):
+                 max_batch: int = 8, max_len: int = 4096, depth: int = DEFAULT_TREE[0],
+                 topk: int = DEFAULT_TREE[1], budget: int = DEFAULT_TREE[2]):
         from tokenizers import Tokenizer
 
         from bole.models.config import HybridConfig

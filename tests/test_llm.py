@@ -5,6 +5,7 @@ import torch
 
 from bole import LLM, SamplingParams
 from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine.engine import DEFAULT_TREE
 from bole.speculative import sampling
 
 
@@ -16,7 +17,7 @@ def llm():
 def test_defaults_follow_the_cli(llm):
     assert llm.spec.mode == "bole" and llm.spec.drafter == "mtp"       # the bundled MTP head
     assert llm.model.dtype == torch.float32 or torch.cuda.is_available()
-    assert (llm.spec.depth, llm.spec.topk, llm.spec.budget) == (8, 4, 32)
+    assert (llm.spec.depth, llm.spec.topk, llm.spec.budget) == DEFAULT_TREE
 
 
 def test_generate_is_the_engines_output_as_text(llm):

@@ -44,13 +44,18 @@ def default_drafter(model: HybridModel) -> str:
     return "mtp" if model.has_mtp_head else "ngram"
 
 
+#: the default draft tree (depth, children per expanded node, nodes per request): the fastest
+#: of the shapes swept on the bundled model at batch 1 and 8 (bench/NOTES.md)
+DEFAULT_TREE = (6, 4, 16)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     mode: str = "bole"
     drafter: str = "ngram"
-    depth: int = 8
-    topk: int = 4
-    budget: int = 32
+    depth: int = DEFAULT_TREE[0]
+    topk: int = DEFAULT_TREE[1]
+    budget: int = DEFAULT_TREE[2]
     #: the replay drafter's acceptance profile: a shipped name ("bundled", "qwen3-next-mtp")
     #: or a JSON file (bole/speculative/replay.py)
     acceptance: str | None = None

@@ -37,7 +37,7 @@ from bole.models.config import HybridConfig
 from bole.models.loader import load_checkpoint
 from bole.models.sharding import check_divisible, shard_tensors
 from bole.models.weights import FP32_SUFFIXES, mtp_specs, text_model_specs
-from bole.ops import fused
+from bole.ops import fused, rope
 from bole.ops.attention import prefill_attention, tree_attention
 from bole.ops.gdn.common import gates_from_raw
 from bole.ops.gdn.dense import tree_gdn_closed_form_dense, tree_gdn_serial_dense
@@ -230,14 +230,14 @@ class HybridModel:
         """Projections of a gated full-attention layer: ``(q [N, H, hd], gate [N, H, hd])``, q
         normalised and rotated at ``positions``; k (normalised and rotated) and v go straight
         into the rows of ``pool = (k_pool, v_pool, slots, ctx_lens, rows)``
-        (:func:`bole.ops.fused.qk_norm_rope_to_pool`). gate is a view into the projection."""
+        (:func:`bole.ops.rope.qk_norm_rope_to_pool`). gate is a view into the projection."""
         c, w = self.config, self.w
         N, hd = x.shape[0], c.head_dim
         Hq, Hkv = self.n_heads, self.n_kv
         qkv = F.linear(x, w[prefix + "qkv_proj.weight"], w.get(prefix + "qkv_proj.bias"))
         q_gate, k, v = torch.split(qkv, [2 * Hq * hd, Hkv * hd, Hkv * hd], dim=-1)
         q, gate = q_gate.view(N, Hq, 2 * hd).chunk(2, dim=-1)
-        q = fused.qk_norm_rope_to_pool(
+        q = rope.qk_norm_rope_to_pool(
             q, k.view(N, Hkv, hd), v.view(N, Hkv, hd), w[prefix + "q_norm.weight"],
             w[prefix + "k_norm.weight"], positions, self.inv_freq, c.rotary_dim, c.rms_norm_eps,
             *pool)

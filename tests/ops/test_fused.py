@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from bole.ops import fused
+from bole.ops import fused, rope
 from bole.ops.conv import tree_conv1d, tree_conv_windows
 from tests.kernel_utils import DEV, assert_rel
 from tests.strategies import forests
@@ -103,7 +103,7 @@ def test_silu_mul_and_qk_references_equal_unfused_code(dtype):
         q = q_gate.chunk(2, dim=-1)[0]                # the strided view attention_qkv normalises
         w = rnd(hd, dtype=dtype, seed=2, scale=0.2, device="cpu")
         pos, inv = torch.tensor([0, 5, 3001]), inv_freq(rd, device="cpu")
-        got = fused.qk_norm_rope(q, w, pos, inv, rd, EPS, impl="auto")
+        got = rope.qk_norm_rope(q, w, pos, inv, rd, EPS, impl="auto")
         expect = unfused_rope(unfused_rms_norm(q, w, EPS), pos, inv, rd)
         assert got.is_contiguous() and torch.equal(got, expect)
 
@@ -194,8 +194,8 @@ def test_qk_norm_rope_kernel(dtype, heads, hd, rd, tile, monkeypatch):
     w = rnd(hd, seed=1, scale=0.2).to(dtype)
     pos = torch.tensor([0, 1, 77, 4095], device=DEV)
     inv = inv_freq(rd)
-    check_kernel(fused.qk_norm_rope(q, w, pos, inv, rd, EPS, impl="triton"),
-                 fused.qk_norm_rope(q, w, pos, inv, rd, EPS, impl="torch"))
+    check_kernel(rope.qk_norm_rope(q, w, pos, inv, rd, EPS, impl="triton"),
+                 rope.qk_norm_rope(q, w, pos, inv, rd, EPS, impl="torch"))
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -211,10 +211,10 @@ def test_qk_norm_rope_pair_equals_two_calls(dtype, hq, hkv, hd, rd, tile, monkey
     wq, wk = rnd(hd, seed=1, scale=0.2).to(dtype), rnd(hd, seed=2, scale=0.2).to(dtype)
     pos = torch.tensor([0, 1, 77, 4095, 9], device=DEV)
     inv = inv_freq(rd)
-    qo, ko = fused.qk_norm_rope_pair(q, k, wq, wk, pos, inv, rd, EPS, impl="triton")
+    qo, ko = rope.qk_norm_rope_pair(q, k, wq, wk, pos, inv, rd, EPS, impl="triton")
     for out, x, w in ((qo, q, wq), (ko, k, wk)):
-        check_kernel(out, fused.qk_norm_rope(x, w, pos, inv, rd, EPS, impl="triton"))
-        check_kernel(out, fused.qk_norm_rope(x, w, pos, inv, rd, EPS, impl="torch"))
+        check_kernel(out, rope.qk_norm_rope(x, w, pos, inv, rd, EPS, impl="triton"))
+        check_kernel(out, rope.qk_norm_rope(x, w, pos, inv, rd, EPS, impl="torch"))
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
@@ -239,11 +239,11 @@ def test_qk_norm_rope_to_pool_equals_the_pair_and_index_put(dtype, given_rows):
     for impl in ("triton", "torch"):
         kp = torch.zeros(S, M, hkv, hd, dtype=dtype, device=DEV)
         vp = torch.zeros_like(kp)
-        qo = fused.qk_norm_rope_to_pool(q, k, v, wq, wk, pos, inv, rd, EPS, kp, vp, slots, **kw,
+        qo = rope.qk_norm_rope_to_pool(q, k, v, wq, wk, pos, inv, rd, EPS, kp, vp, slots, **kw,
                                         impl=impl)
         pools[impl] = (qo, kp, vp)
     (qt, kt, vt), (qr, kr, vr) = pools["triton"], pools["torch"]
-    assert torch.equal(qt, fused.qk_norm_rope_pair(q, k, wq, wk, pos, inv, rd, EPS,
+    assert torch.equal(qt, rope.qk_norm_rope_pair(q, k, wq, wk, pos, inv, rd, EPS,
                                                    impl="triton")[0])
     check_kernel(qt, qr)
     check_kernel(kt, kr)
@@ -370,12 +370,12 @@ def _cases():
         (lambda: fused.gated_rms_norm(g3, z3[:, :2], w, EPS), ValueError, "z has shape"),
         (lambda: fused.gated_rms_norm(g3, z3, w[:4], EPS), ValueError, "weight has shape"),
         (lambda: fused.silu_mul(torch.randn(2, 7)), ValueError, "even"),
-        (lambda: fused.qk_norm_rope(q, w, pos, inv, 5, EPS), ValueError, "rotary_dim"),
-        (lambda: fused.qk_norm_rope(q, w, pos, inv, 10, EPS), ValueError, "rotary_dim"),
-        (lambda: fused.qk_norm_rope(q, w, pos.float(), inv, 4, EPS), TypeError, "integer"),
-        (lambda: fused.qk_norm_rope(q, w, pos[:1], inv, 4, EPS), ValueError, "positions has"),
-        (lambda: fused.qk_norm_rope(q, w, pos, inv.double(), 4, EPS), TypeError, "fp32"),
-        (lambda: fused.qk_norm_rope(q, w, pos, inv[:1], 4, EPS), ValueError, "inv_freq has"),
+        (lambda: rope.qk_norm_rope(q, w, pos, inv, 5, EPS), ValueError, "rotary_dim"),
+        (lambda: rope.qk_norm_rope(q, w, pos, inv, 10, EPS), ValueError, "rotary_dim"),
+        (lambda: rope.qk_norm_rope(q, w, pos.float(), inv, 4, EPS), TypeError, "integer"),
+        (lambda: rope.qk_norm_rope(q, w, pos[:1], inv, 4, EPS), ValueError, "positions has"),
+        (lambda: rope.qk_norm_rope(q, w, pos, inv.double(), 4, EPS), TypeError, "fp32"),
+        (lambda: rope.qk_norm_rope(q, w, pos, inv[:1], 4, EPS), ValueError, "inv_freq has"),
         (lambda: fused.tree_conv1d_pool(cx, cw[:, :1], pool[..., :0], slots, win[:, :1]),
          ValueError, "K = weight"),
         (lambda: fused.tree_conv1d_pool(cx, cw[:4], pool, slots, win), ValueError, "weight has"),

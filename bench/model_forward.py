@@ -3,7 +3,8 @@ weight-read and matmul floors.
 
 For a preset (default Qwen3.5-9B, bf16, random weights with a random one-layer MTP head) with
 every request at --context committed tokens:
-  decode        one token per request (batch 1)
+  decode        one token per request (batch 1), GDN by the closed form (as bole's plain rounds)
+  decode-inplace  the same, GDN states updated in place (as ar runs it: no GDN commit after it)
   verify-T      one T-node tree per request, depth 8 (batch 1, T from --nodes)
   verify-BxT    batch 16 x 32 nodes (--batch-case)
 each eager and captured; the captured forward's GPU kernel time and kernel count come from the
@@ -101,8 +102,9 @@ def kernel_profile(fn) -> tuple[float, int]:
 
 
 def forward_case(runner: ModelRunner, name: str, trees: list[DraftTree], slots: list[int],
-                 vocab: int, reps: int, floor: dict) -> list[dict]:
-    """Eager and captured timing of one forward over ``trees`` (one per slot)."""
+                 vocab: int, reps: int, floor: dict, gdn: str | None = None) -> list[dict]:
+    """Eager and captured timing of one forward over ``trees`` (one per slot); ``gdn``: the
+    GDN backend (default the runner's)."""
     dev = runner.device
     dense = DenseForest.from_packed(PackedForest.pack(trees), device=dev)
     tokens = torch.randint(0, vocab, (dense.num_nodes,), device=dev)
@@ -110,7 +112,7 @@ def forward_case(runner: ModelRunner, name: str, trees: list[DraftTree], slots: 
 
     def fwd():
         forest = DenseForest.from_parents(dense.parents, dense.valid, dense.max_depth)
-        return runner.forward(runner.make_batch(tokens, forest, slot_t))
+        return runner.forward(runner.make_batch(tokens, forest, slot_t, gdn))
     for _ in range(2):
         fwd()
     torch.cuda.synchronize()
@@ -187,6 +189,9 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     records = forward_case(runner, "decode", [DraftTree.chain(1)], slots[:1], config.vocab_size,
                            args.reps, floor)
+    # plain decoding as ar runs it: GDN states updated in place (bole/ops/gdn/decode.py)
+    records += forward_case(runner, "decode-inplace", [DraftTree.chain(1)], slots[:1],
+                            config.vocab_size, args.reps, floor, gdn="triton-decode")
     for T in args.nodes:
         tree = DraftTree.random(T, args.depth, rng)
         records += forward_case(runner, f"verify-{T}", [tree], slots[:1], config.vocab_size,

@@ -37,6 +37,29 @@ def test_greedy_modes_equal_ar(model, mode):
     assert spec[0].rounds < ar[0].rounds                   # the repetitive prompt accepted drafts
 
 
+def test_ar_decodes_in_place_as_the_serial_reference(model):
+    """ar's GDN layers update the state pool in place (the decode step, no GDN commit): its
+    output and the cache's states after it equal ar on the serial reference's copy commit."""
+    params = GenerationParams(max_tokens=16)
+    runs = []
+    for backend in (None, "torch-serial"):
+        engine = Engine(model, SpecConfig(mode="ar"), max_slots=3, gdn_backend=backend)
+        runs.append((engine, engine.generate(prompts(), params, seed=0)))
+    (inplace, got), (serial, want) = runs
+    assert inplace.runner.gdn == "torch-decode"
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    r = inplace.new_request(9, prompts()[1], GenerationParams(max_tokens=5))
+    s = serial.new_request(9, prompts()[1], GenerationParams(max_tokens=5))
+    for engine, req in ((inplace, r), (serial, s)):
+        engine.admit(req)
+        for _ in range(3):
+            engine.step([req])
+    torch.testing.assert_close(inplace.cache.gdn_state[:, r.slot], serial.cache.gdn_state[:, s.slot],
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(inplace.cache.conv_state[:, r.slot],
+                               serial.cache.conv_state[:, s.slot], rtol=1e-5, atol=1e-6)
+
+
 def test_one_request_stops_early_the_others_go_on(model):
     ref = Engine(model, SpecConfig(mode="ar")).generate(prompts(), GenerationParams(max_tokens=12))
     stop_tok = ref[1].token_ids[3]

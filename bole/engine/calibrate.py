@@ -90,9 +90,12 @@ def forward_time_fn(model, spec, max_batch: int, *, context: int = 1024, reps: i
             dense = DenseForest.from_packed(PackedForest.pack(trees), W, device=dev)
         tokens = torch.randint(0, model.config.vocab_size, (dense.num_nodes,), device=dev)
 
+        # plain decoding as ar runs it: the in-place decode step (states change: timing only)
+        step = ("triton-decode" if dev.type == "cuda" else "torch-decode") if n == 0 else None
+
         def forward():
             forest = DenseForest.from_parents(dense.parents, dense.valid, dense.max_depth)
-            runner.forward(runner.make_batch(tokens, forest, slot_t))
+            runner.forward(runner.make_batch(tokens, forest, slot_t, step))
         return _timer(forward, dev, reps)
     return time_fn
 

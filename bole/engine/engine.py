@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from bole.engine.round import RoundRunner, RoundTimings
-from bole.engine.runner import PREFILL_BATCH_MAX, ModelRunner, prefill_bucket
+from bole.engine.runner import PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunner, prefill_bucket
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.accept_device import sample_rows
 from bole.speculative.sampling import SamplingParams, target_probs
@@ -120,7 +120,10 @@ class SpecConfig:
 
     @property
     def gdn(self) -> str:
-        """The GDN backend family: closed form for ar / bole, serial snapshots otherwise."""
+        """The GDN backend family: the in-place decode step for ar, the closed form for bole,
+        serial snapshots otherwise."""
+        if self.mode == "ar":
+            return "decode"
         return "serial" if self.mode in ("tree-serial", "chain") else "closed"
 
 
@@ -190,7 +193,8 @@ class Engine:
         spec.validate()
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         on_gpu = model.device.type == "cuda"
-        gdn = {"closed": ("torch", "triton"), "serial": ("torch-serial", "triton-serial")}
+        gdn = {"closed": ("torch", "triton"), "serial": ("torch-serial", "triton-serial"),
+               "decode": ("torch-decode", "triton-decode")}
         self.cache = model.new_cache(max_slots, max_len)
         self.runner = ModelRunner(model, self.cache, gdn_backend or gdn[spec.gdn][on_gpu])
         if spec.drafter == "draft" and draft_model is None and spec.mode != "ar":
@@ -294,14 +298,17 @@ class Engine:
 
     def admit_many(self, requests: Sequence[Request]) -> None:
         """Admit requests together: a slot each, the short prompts (up to
-        :data:`~bole.engine.runner.PREFILL_BATCH_MAX` tokens) prefilled in one forward, longer
-        ones chunk by chunk; each emits its first token. On an error the caller releases them."""
+        :data:`~bole.engine.runner.PREFILL_BATCH_MAX` tokens) prefilled in forwards of up to
+        :data:`~bole.engine.runner.PREFILL_BATCH_ROWS` rows (a CUDA graph each on the GPU),
+        longer ones chunk by chunk; each emits its first token. On an error the caller releases
+        them."""
         t0 = time.perf_counter()
         for r in requests:
             r.started = t0
             r.slot = self.cache.allocate(len(r.prompt) + r.params.max_tokens + self.scratch)
         short = [r for r in requests if len(r.prompt) <= PREFILL_BATCH_MAX]
-        groups = ([short] if short else []) + [
+        groups = [short[i:i + PREFILL_BATCH_ROWS]
+                  for i in range(0, len(short), PREFILL_BATCH_ROWS)] + [
             [r] for r in requests if len(r.prompt) > PREFILL_BATCH_MAX]
         for group in groups:
             prompts = [torch.tensor(r.prompt) for r in group]

@@ -30,7 +30,8 @@ import torch
 from bole.engine.draft_model import DraftModelDrafter
 from bole.engine.graphs import GraphRunner
 from bole.engine.selection import BudgetPolicy, select
-from bole.engine.runner import PREFILL_BATCH_MAX, ModelRunner, prefill_bucket
+from bole.engine.runner import (PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunner,
+                                prefill_bucket)
 from bole.forest import DenseForest
 from bole.speculative.accept_device import SamplingBatch, accept, draw_uniforms
 from bole.speculative.draft_tree import build_draft_trees, per_request
@@ -152,22 +153,33 @@ class RoundBuffers:
 
 
 class PrefillBuffers:
-    """Static inputs of a batched admission prefill: R rows of T tokens (padding rows: the
-    cache's dummy slot, length 0)."""
+    """Static inputs of a batched admission prefill: R rows of T tokens, then each row's length
+    and slot, in one ``[R, T + 2]`` int64 buffer (padding rows: the cache's dummy slot, length
+    0), filled by one upload from pinned memory."""
 
     def __init__(self, R: int, T: int, device, dummy_slot: int):
         self.R, self.T, self.dummy_slot = R, T, dummy_slot
-        self.slots = torch.full((R,), dummy_slot, dtype=torch.int32, device=device)
-        self.tokens = torch.zeros(R, T, dtype=torch.int64, device=device)
-        self.lengths = torch.zeros(R, dtype=torch.int64, device=device)
+        self.packed = torch.zeros(R, T + 2, dtype=torch.int64, device=device)
+        self.packed[:, T + 1] = dummy_slot
+        self.host = torch.zeros(R, T + 2, dtype=torch.int64,
+                                pin_memory=torch.device(device).type == "cuda")
+        self.tokens, self.lengths = self.packed[:, :T], self.packed[:, T]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """``[R]`` int32 (a conversion on the device: inside the captured forward)."""
+        return self.packed[:, self.T + 1].to(torch.int32)
 
     def write(self, slots: list[int], tokens: torch.Tensor, lengths: list[int]) -> None:
-        """The rows of one admission (``tokens [n, T]`` on the host) in one upload each."""
+        """The rows of one admission (``tokens [n, T]`` on the host) in one upload. The previous
+        upload from the pinned buffer is done: its admission read its first tokens."""
         n = len(slots)
-        pad = self.R - n
-        self.slots.copy_(torch.tensor(slots + [self.dummy_slot] * pad, dtype=torch.int32))
-        self.tokens.copy_(torch.cat([tokens, tokens.new_zeros(pad, self.T)]))
-        self.lengths.copy_(torch.tensor(lengths + [0] * pad))
+        self.host.zero_()
+        self.host[:n, :self.T] = tokens
+        self.host[:n, self.T] = torch.tensor(lengths)
+        self.host[:, self.T + 1] = self.dummy_slot
+        self.host[:n, self.T + 1] = torch.tensor(slots)
+        self.packed.copy_(self.host, non_blocking=True)
 
 
 class RoundRunner:
@@ -248,7 +260,7 @@ class RoundRunner:
                 widths = (1,) + widths                # its plain rounds verify the roots alone
             for W in widths:
                 self._capture(R, StaticSampling.flags_for([]), W)
-            for T in self.prefill_widths():
+            for T in self.prefill_widths() if R <= PREFILL_BATCH_ROWS else ():
                 self.graphs.capture(("prefill", R, T), lambda: self._prefill(R, T))
         if progress:
             print(f"\r[bole] captured {len(self.graphs.graphs)} CUDA graphs for batches up to "
@@ -279,10 +291,11 @@ class RoundRunner:
 
     # ---- admission ----
     def prefill_widths(self) -> tuple[int, ...]:
-        """The row widths of batched admission prefills (:func:`prefill_bucket`'s values that
-        fit a slot): each batch bucket's prefill is captured at each."""
+        """The row widths of batched admission prefills (:func:`prefill_bucket`'s values below
+        a slot's length, as :meth:`ModelRunner.prefill_tokens` pads): each batch bucket's
+        prefill is captured at each."""
         widths = {prefill_bucket(n) for n in range(1, PREFILL_BATCH_MAX + 1)}
-        return tuple(sorted(T for T in widths if T <= self.cache.max_len))
+        return tuple(sorted(T for T in widths if T < self.cache.max_len))
 
     def _prefill_buffers(self, R: int, T: int) -> PrefillBuffers:
         if (R, T) not in self.prefill_buffers:
@@ -293,9 +306,10 @@ class RoundRunner:
         """Bucket (R, T)'s admission on the device: the target's prefill and commit, the MTP
         head's pool rows; returns the rows' last logits ``[R, V]``."""
         b = self._prefill_buffers(R, T)
-        logits, hidden = self.runner.prefill_rows(b.slots, b.tokens, b.lengths)
+        slots = b.slots
+        logits, hidden = self.runner.prefill_rows(slots, b.tokens, b.lengths)
         if self.mtp is not None:
-            self.mtp.observe_prompt_rows(b.slots, b.tokens, hidden, b.lengths)
+            self.mtp.observe_prompt_rows(slots, b.tokens, hidden, b.lengths)
         return logits
 
     def prefill(self, slots: list[int], prompts: list[torch.Tensor],
@@ -309,6 +323,9 @@ class RoundRunner:
         lengths = [int(p.numel()) for p in prompts]
         if not prompts or len(prompts) != len(slots):
             raise ValueError(f"{len(prompts)} prompts for {len(slots)} slots")
+        if len(prompts) > PREFILL_BATCH_ROWS:
+            raise ValueError(f"prefill takes at most {PREFILL_BATCH_ROWS} prompts at a time, "
+                             f"got {len(prompts)}")
         if min(lengths) < 1 or max(lengths) > PREFILL_BATCH_MAX:
             raise ValueError(f"prefill takes prompts of 1 to {PREFILL_BATCH_MAX} tokens, got "
                              f"lengths {lengths}")

@@ -27,6 +27,9 @@ PREFILL_CHUNK_FLA = 1024
 PREFILL_CHUNK_TREE = 64
 #: prompts up to this many tokens are prefilled together, one row each, by the tree path
 PREFILL_BATCH_MAX = 64
+#: rows of one batched admission prefill: more arrivals go in groups of this many (bounds the
+#: captured admission forwards' memory at 16 x 64 tokens)
+PREFILL_BATCH_ROWS = 16
 
 
 def prefill_bucket(n: int) -> int:
@@ -175,10 +178,11 @@ class ModelRunner:
 
     def prefill_tokens(self, prompts: list[torch.Tensor], width: int | None = None) -> torch.Tensor:
         """Host ``[R, T]`` int64 rows of short prompts, zero-padded to ``width`` (default: the
-        :func:`prefill_bucket` of the longest, no wider than a slot: a few shapes, compiled or
-        captured once each), token ids checked."""
+        :func:`prefill_bucket` of the longest, below a slot's length: padding rows run on the
+        dummy slot, which holds a token; a few shapes, compiled or captured once each), token
+        ids checked."""
         longest = max(int(p.numel()) for p in prompts)
-        T = width or max(longest, min(prefill_bucket(longest), self.cache.max_len))
+        T = width or max(longest, min(prefill_bucket(longest), self.cache.max_len - 1))
         tokens = torch.zeros(len(prompts), T, dtype=torch.int64)
         for r, p in enumerate(prompts):
             tokens[r, :p.numel()] = p

@@ -47,7 +47,8 @@ class Handle:
 class RoundReport:
     """What one step did, for metrics: running requests, tokens each one emitted, the node slots
     verified (batch rows x node slots per tree), the round's timings (ms), the requests admitted
-    before it and the admission's wall time (s), and the whole step's wall time (s)."""
+    before it and the admission's wall time (s), and the whole step's wall time (s). A step
+    whose admitted requests all finished at their first token runs no round: batch 0."""
 
     batch: int
     emitted: list[int]
@@ -142,6 +143,8 @@ class Scheduler:
                     len(requests), [len(r.out) - n for r, n in zip(requests, before)],
                     len(requests) * self.engine.spec.nodes_per_request, timings, admitted,
                     admit_s, time.perf_counter() - t0))
+        elif admitted and self.on_round is not None:     # every admitted request finished
+            self.on_round(RoundReport(0, [], 0, {}, admitted, admit_s, admit_s))
         return not self.idle
 
     def run_until_idle(self) -> None:

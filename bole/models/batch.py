@@ -21,7 +21,10 @@ from bole.tree import ForestMeta
 #:   torch          the same closed form in torch (CPU path, oracle)
 #:   triton-serial  tree-serial: node-by-node kernel, a state snapshot per node, copy commit
 #:   torch-serial   tree-serial semantics in torch (CPU)
-GDN_BACKENDS = ("torch", "triton", "triton-serial", "torch-serial")
+#:   triton-decode  plain decoding (T = 1): each row's state updated in place in the pool, no
+#:                  commit of GDN state (bole/ops/gdn/decode.py); torch-decode its reference
+GDN_BACKENDS = ("torch", "triton", "triton-serial", "torch-serial", "triton-decode",
+                "torch-decode")
 
 
 @dataclass

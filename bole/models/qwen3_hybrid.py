@@ -40,6 +40,7 @@ from bole.models.weights import FP32_SUFFIXES, mtp_specs, text_model_specs
 from bole.ops import fused, rope
 from bole.ops.attention import prefill_attention, tree_attention
 from bole.ops.gdn.common import gates_from_raw
+from bole.ops.gdn.decode import gdn_decode_inplace
 from bole.ops.gdn.dense import tree_gdn_closed_form_dense, tree_gdn_serial_dense
 from bole.ops.triton_utils import check_kernel_device
 
@@ -300,6 +301,12 @@ class HybridModel:
                 use_qk_l2norm_in_kernel=True)
             out.final_states.append(final.float())
             o = o[0].to(v.dtype).contiguous()
+        elif batch.gdn in ("triton-decode", "torch-decode"):
+            if batch.nodes_per_request != 1:
+                raise ValueError(f"the {batch.gdn} backend decodes one token per request, got "
+                                 f"{batch.nodes_per_request} node slots")
+            o = gdn_decode_inplace(q, k, v, a, b, raw["A_log"], raw["dt_bias"], pool, slots,
+                                   impl=batch.gdn.split("-")[0])
         elif batch.gdn in ("triton", "triton-serial"):
             # Bole's closed-form kernel (factors) or the tree-serial kernel (a snapshot per node)
             if batch.gdn == "triton":

@@ -280,15 +280,18 @@ async def _serve(server: BoleServer, req, http: HTTPRequest, chat: bool):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(_stream(server, handle, queue, params, rid, chat, include_usage),
                                  media_type="text/event-stream")
-    while True:                        # a client that goes away cancels its request
-        try:
-            if await asyncio.wait_for(queue.get(), timeout=0.1):
-                break
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                server.scheduler.cancel(handle)
-                server.metrics.requests.labels("cancelled").inc()
-                return Response(status_code=499)
+    # only the final event arrives; a client that goes away meanwhile cancels its request (one
+    # getter kept across the polls, so that the event cannot be lost to a timeout)
+    getter = asyncio.ensure_future(queue.get())
+    while not (getter.done() and getter.result()):
+        done, _ = await asyncio.wait({getter}, timeout=0.1)
+        if done and not getter.result():
+            getter = asyncio.ensure_future(queue.get())
+        elif not done and await http.is_disconnected():
+            getter.cancel()
+            server.scheduler.cancel(handle)
+            server.metrics.requests.labels("cancelled").inc()
+            return Response(status_code=499)
     server.finished(handle)
     res = handle.request.result
     if res is None:

@@ -44,15 +44,17 @@ class ServerMetrics:
 
     def observe_round(self, report: RoundReport) -> None:
         """The scheduler's ``on_round`` hook (engine thread)."""
+        if report.admitted:
+            self.admissions.observe(report.admit_s)
+            self.admitted.inc(report.admitted)
+        self.step_seconds.observe(report.step_s)
+        if not report.batch:                    # admissions only, no round
+            return
         self.rounds.inc()
         self.round_seconds.observe(report.timings.get("total", 0.0) / 1e3)
         self.verified.observe(report.verified_node_slots)
         for n in report.emitted:
             self.accepted.observe(n)
-        if report.admitted:
-            self.admissions.observe(report.admit_s)
-            self.admitted.inc(report.admitted)
-        self.step_seconds.observe(report.step_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -107,8 +107,9 @@ def test_batched_prefill_on_the_gpu_agrees_with_chunked_prefill():
 
 
 def test_rows_pad_to_a_bucket_no_wider_than_a_slot(model):
-    """A 5-token prompt runs as a row of 16 slots (of 12 when the slot holds only 12), and the
-    padding changes nothing: the result equals the lone prefill."""
+    """A 5-token prompt runs as a row of 16 slots (of 11 when the slot holds only 12: padding
+    rows run on the dummy slot, which holds a token), and the padding changes nothing: the
+    result equals the lone prefill."""
     from bole.engine.runner import prefill_bucket
     assert [prefill_bucket(n) for n in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
     prompt = torch.arange(5) + 3
@@ -119,6 +120,38 @@ def test_rows_pad_to_a_bucket_no_wider_than_a_slot(model):
         logits, hidden = together.prefill_batch([together.cache.allocate(8)], [prompt])
         torch.testing.assert_close(logits[0], lg, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(hidden[0], hd, rtol=1e-5, atol=1e-5)
+        assert together.prefill_tokens([prompt]).shape == (1, min(16, max_len - 1))
+
+
+def test_padding_rows_stay_inside_the_dummy_slot_at_a_short_max_len(model):
+    """Three prompts (a padding row) whose longest needs the 64-token width, in slots of 64
+    positions: the width drops to 63, so the padding row on the dummy slot (which holds a
+    token) stays inside it; outputs equal one-by-one admission."""
+    prompts = [[1] * 40, [2] * 5, [3] * 7]
+    params = GenerationParams(max_tokens=4)
+    spec = SpecConfig("bole", "mtp", depth=2, topk=2, budget=4)
+    together = Engine(model, spec, max_slots=4, max_len=64, cuda_graphs=False)
+    assert together.rounds.prefill_widths() == (16, 32)
+    got = together.generate(prompts, params, seed=0)
+    want = Engine(model, spec, max_slots=1, max_len=64).generate(prompts, params, seed=0)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_admission_takes_at_most_a_row_cap_per_forward(model):
+    """More arrivals than PREFILL_BATCH_ROWS go in groups; the round runner refuses more."""
+    from bole.engine.runner import PREFILL_BATCH_ROWS
+    n = PREFILL_BATCH_ROWS + 3
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 128, (5,), generator=gen).tolist() for _ in range(n)]
+    spec = SpecConfig("ar")
+    engine = Engine(model, spec, max_slots=n, max_len=64)
+    got = engine.generate(prompts, GenerationParams(max_tokens=3), seed=0)
+    want = Engine(model, spec, max_slots=1, max_len=64).generate(
+        prompts, GenerationParams(max_tokens=3), seed=0)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    slots = [engine.cache.allocate(16) for _ in range(n)]
+    with pytest.raises(ValueError, match="at most"):
+        engine.rounds.prefill(slots, [torch.tensor([1])] * n)
 
 
 def test_warm_up_leaves_the_cache_as_it_was(model):

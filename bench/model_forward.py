@@ -5,6 +5,7 @@ For a preset (default Qwen3.5-9B, bf16, random weights with a random one-layer M
 every request at --context committed tokens:
   decode        one token per request (batch 1), GDN by the closed form (as bole's plain rounds)
   decode-inplace  the same, GDN states updated in place (as ar runs it: no GDN commit after it)
+  decode-inplace-splitK  the same with tree attention's context splits of at least K keys
   verify-T      one T-node tree per request, depth 8 (batch 1, T from --nodes)
   verify-BxT    batch 16 x 32 nodes (--batch-case)
 each eager and captured; the captured forward's GPU kernel time and kernel count come from the
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
 from bole.engine.runner import ModelRunner  # noqa: E402
+from bole.ops import attention  # noqa: E402
 from bole.forest import DenseForest  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
@@ -154,6 +156,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=32768,
                     help="also time a bole round whose MTP head drafts over this many tokens "
                          "(EAGLE-3's reduced draft vocabulary; 0: skip)")
+    ap.add_argument("--min-split-keys", type=int, nargs="*", default=[64],
+                    help="also time decode-inplace with tree attention's context splits this "
+                         "short (bole.ops.attention.MIN_SPLIT_KEYS; more programs at batch 1)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
@@ -192,6 +197,15 @@ def main(argv=None) -> int:
     # plain decoding as ar runs it: GDN states updated in place (bole/ops/gdn/decode.py)
     records += forward_case(runner, "decode-inplace", [DraftTree.chain(1)], slots[:1],
                             config.vocab_size, args.reps, floor, gdn="triton-decode")
+    default_split = attention.MIN_SPLIT_KEYS
+    for keys in args.min_split_keys:
+        attention.MIN_SPLIT_KEYS = keys
+        try:
+            records += forward_case(runner, f"decode-inplace-split{keys}", [DraftTree.chain(1)],
+                                    slots[:1], config.vocab_size, args.reps, floor,
+                                    gdn="triton-decode")
+        finally:
+            attention.MIN_SPLIT_KEYS = default_split
     for T in args.nodes:
         tree = DraftTree.random(T, args.depth, rng)
         records += forward_case(runner, f"verify-{T}", [tree], slots[:1], config.vocab_size,

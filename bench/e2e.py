@@ -11,6 +11,8 @@ model drafts with its own MTP head (real acceptance). Per model and batch:
     chain         one path of d drafts, snapshot per position; d swept (--chain-depths), best kept
     tree-serial   the bole trees, node-by-node GDN with snapshots, copy commit
     bole          closed form + factors; (depth, topk, budget) swept (--tree-shapes), best kept
+    bole-POLICY   bole under a verification-budget policy (--budget-policies: global,
+                  calibrated, goodput) on the largest swept tree
 
 tree-serial runs bole's best shape, so the two see the same trees. Memory: peak device memory
 per run, and the largest batch that fits 80% of the device at --max-context tokens per request
@@ -48,6 +50,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bole import distributed  # noqa: E402
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
 from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.engine.calibrate import load_or_calibrate  # noqa: E402
 from bole.models.config import HybridConfig  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
@@ -211,6 +214,11 @@ def main(argv=None) -> int:
                          "--max-context for a few rounds (minutes on a 9B: 8k-token prefills)")
     ap.add_argument("--confirm-batch", type=int, default=0,
                     help="the batch to confirm instead of the computed one (smoke runs)")
+    ap.add_argument("--budget-policies", nargs="*", default=[],
+                    choices=["global", "calibrated", "goodput"],
+                    help="also run bole under these verification-budget policies (mode "
+                         "bole-<policy>, on the largest --tree-shapes tree; the calibration "
+                         "profile is made first where missing; tp 1 only)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks: one process each (one GPU each on CUDA)")
@@ -292,7 +300,19 @@ def study(args, tp=None) -> Path | None:
                                 profile, draft_vocab=args.draft_vocab, forced_acceptance=forced)
             best["tree-serial"] = (t_spec, run(model, t_spec, prompts, args.max_tokens, cont,
                                                args.device))
-            for mode in ("chain", "tree-serial", "bole"):
+            # the budget policies on the largest tree (the global one keeps half its nodes)
+            largest = max(shapes, key=lambda sh: sh[2])
+            policies = args.budget_policies if tp is None else []
+            for policy in policies:
+                spec = SpecConfig("bole", drafter, *largest, profile, draft_vocab=args.draft_vocab,
+                                  forced_acceptance=forced, budget_policy=policy,
+                                  shared_budget=(batch * (largest[2] - 1) // 2
+                                                 if policy == "global" else 0))
+                if policy != "global":
+                    load_or_calibrate(model, spec, max(args.batches))
+                best[f"bole-{policy}"] = (spec, run(model, spec, prompts, args.max_tokens, cont,
+                                                    args.device))
+            for mode in ("chain", "tree-serial", "bole", *(f"bole-{p}" for p in policies)):
                 spec, res = best[mode]
                 equal = res.pop("outputs") == cont
                 records.append(dict(base, mode=mode, equal_to_ar=equal,
@@ -358,7 +378,8 @@ def plot(path: Path) -> Path:
     for j, name in enumerate(models):
         recs = [r for r in data["records"] if r["model"] == name]
         ar = {r["batch"]: r["decode_tokens_per_s"] for r in recs if r["mode"] == "ar"}
-        for mode in ("ar", "chain", "tree-serial", "bole"):
+        modes = list(dict.fromkeys(r["mode"] for r in recs))
+        for mode in modes:
             pts = sorted((r["batch"], r["decode_tokens_per_s"]) for r in recs if r["mode"] == mode)
             if not pts:
                 continue

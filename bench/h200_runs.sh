@@ -7,8 +7,8 @@
 #
 #   tests     the compiled test suite in 8 shards (~4 min)          -> $OUT/tests/summary.txt
 #   round     bole bench (bundled, batch 1 and 8) and model_forward (9B) (~4.5 min)
-#   e2e-9b-a  bench/e2e.py, 9B at batch 1 2 4 8 (~5 min)
-#   e2e-9b-b  bench/e2e.py, 9B at batch 16 32 64 (~7 min)
+#   e2e-9b-a  bench/e2e.py, 9B at batch 1 2 4 8, with bole-goodput (~5 min before that mode)
+#   e2e-9b-b  bench/e2e.py, 9B at batch 16 32 64, with bole-goodput (~7 min before that mode)
 #   e2e-27b   bench/e2e.py, 27B at batch 1 8 32, then tree-serial's max batch confirmed (~9 min)
 #   budget    bench/budget.py, bundled and 9B at batch 1 8 32 (~8 min)
 #   serve     bench/serve.py, all four modes (~5 min)
@@ -25,6 +25,7 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 shapes=(--chain-depths 3 4 --tree-shapes 4,2,8 6,3,16 8,4,32 --draft-vocab 32768)
+policy=(--budget-policies goodput)
 case "$part" in
   tests)
     timeout 560 bash bench/gpu_tests.sh "$out/tests" 8 tests/ops tests/models tests/speculative \
@@ -34,10 +35,10 @@ case "$part" in
     timeout 150 python3 -m bole.cli bench --prompts 8 --batches 1 8 --max-tokens 256 --out "$out"
     timeout 400 python3 bench/model_forward.py --out "$out" ;;
   e2e-9b-a)
-    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 1 2 4 8 "${shapes[@]}" \
+    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 1 2 4 8 "${shapes[@]}" "${policy[@]}" \
       --out "$out" --tag=-9b-a ;;
   e2e-9b-b)
-    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 16 32 64 "${shapes[@]}" \
+    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 16 32 64 "${shapes[@]}" "${policy[@]}" \
       --out "$out" --tag=-9b-b ;;
   e2e-27b)
     timeout 580 python3 bench/e2e.py --models qwen3.5-27b --batches 1 8 32 "${shapes[@]}" \

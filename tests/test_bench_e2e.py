@@ -41,6 +41,20 @@ def test_e2e_smoke_run(tmp_path):
     assert list(tmp_path.glob("e2e-*.png"))
 
 
+def test_e2e_runs_the_budget_policies_as_modes(tmp_path, monkeypatch):
+    """--budget-policies adds bole-<policy> records on the largest tree, equal to ar, the
+    calibration profile made on first use."""
+    monkeypatch.setenv("BOLE_CACHE", str(tmp_path / "cache"))
+    assert _e2e().main(SMOKE + ["--batches", "2", "--chain-depths", "2", "--budget-policies",
+                                "global", "goodput", "--out", str(tmp_path)]) == 0
+    _, recs = _records(tmp_path)
+    by = {r["mode"]: r for r in recs}
+    assert set(by) == {"ar", "chain", "tree-serial", "bole", "bole-global", "bole-goodput"}
+    for mode in ("bole-global", "bole-goodput"):
+        assert by[mode]["equal_to_ar"] and by[mode]["shape"] == dict(depth=3, topk=2, budget=6)
+    assert list((tmp_path / "cache").glob("budget-*.json"))
+
+
 def test_e2e_with_two_ranks_equals_one(tmp_path):
     """One shape per mode, so that both runs measure the same configurations."""
     e2e = _e2e()

@@ -12,12 +12,13 @@
 #   e2e-27b   bench/e2e.py, 27B at batch 1 8 32, then tree-serial's max batch confirmed (~9 min)
 #   budget    bench/budget.py, bundled and 9B at batch 1 8 32 (~8 min)
 #   serve     bench/serve.py, all four modes (~5 min)
+#   serve-process  the same with bole serve --engine-process (not yet run)
 #   tp        bench/tp.py: 27B forwards and all-reduces at tp 1 and 2 (nvidia-h200-x2; not yet run)
 #   tp-e2e    bench/e2e.py --tp 2: 27B at batch 1 and 8 (nvidia-h200-x2; not yet run)
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|round|e2e-9b-a|e2e-9b-b|e2e-27b|budget|serve|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|round|e2e-9b-a|e2e-9b-b|e2e-27b|budget|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -53,6 +54,9 @@ case "$part" in
       --chain-depths 3 --tree-shapes 6,3,16 8,4,32 --draft-vocab 32768 --out "$out" --tag=-27b-tp2 ;;
   serve)
     timeout 580 python3 bench/serve.py --requests 512 --out "$out" --log-dir "$out/serve-logs" ;;
+  serve-process)
+    timeout 580 python3 bench/serve.py --requests 512 --engine-process --tag=-engine-process \
+      --out "$out" --log-dir "$out/serve-logs" ;;
   *)
     echo "unknown part $part" >&2; exit 2 ;;
 esac

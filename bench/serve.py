@@ -108,6 +108,8 @@ class Server:
                 "--host", "127.0.0.1", "--port", str(self.port), "--device", a.device]
         if a.dtype != ("bf16" if a.device.startswith("cuda") else "fp32"):
             argv += ["--dtype", a.dtype]              # only when not serve's own default
+        if a.engine_process:
+            argv.append("--engine-process")
         return [sys.executable, "-c", _LAUNCH.format(parent=os.getpid()), *argv]
 
     def __enter__(self) -> Server:
@@ -408,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32, help="closed-loop clients")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
     ap.add_argument("--max-batch", type=int, default=32, help="bole serve --max-batch")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="bole serve --engine-process: the engine in a process of its own")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                     help="default: bf16 on a GPU, float32 on the CPU")
@@ -450,7 +454,8 @@ def run(args: argparse.Namespace) -> int:
     settings = dict(modes=args.modes, requests=args.requests, concurrency=args.concurrency,
                     max_tokens=args.max_tokens, max_batch=args.max_batch, warmup=args.warmup,
                     temperature=0.0, slo_tpot_ms=args.slo_tpot_ms, arrival="closed-loop",
-                    prompts="the bundled code prompts, cycled")
+                    prompts="the bundled code prompts, cycled",
+                    engine_process=args.engine_process)
     meta = dict(_versions(args.device), date=now.date().isoformat(), time=now.strftime("%H:%M:%S"),
                 commit=commit, dirty=dirty, model="bundled", dtype=DTYPE_NAMES[args.dtype],
                 drafter=None, settings=settings)

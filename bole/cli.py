@@ -185,6 +185,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                        help="default: bf16 on a GPU, fp32 on the CPU")
     serve.add_argument("--name", default=None, help="served model name (default: the folder's)")
+    serve.add_argument("--engine-process", action="store_true",
+                       help="run the engine in a process of its own (the HTTP process then "
+                            "never holds up a round; not with --tp)")
     serve.add_argument("--access-log", action="store_true",
                        help="log every HTTP request (off: the log lines cost the event loop "
                             "time that the engine's thread waits for under load)")
@@ -499,6 +502,8 @@ def _run_tp(args, argv: list[str]) -> int:
         check_divisible(HybridConfig.from_pretrained(_checkpoint(
             args.model or str(BUNDLED_MODEL), need_tokenizer=False)), args.tp)
     if args.command == "serve":
+        if args.engine_process:
+            raise UsageError("--engine-process runs one engine process: not with --tp")
         from bole.cli_serve import serve_tp
         return serve_tp(args, argv)
     mp.spawn(_tp_worker, args=(args.tp, free_port(), argv), nprocs=args.tp, join=True)

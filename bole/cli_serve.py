@@ -47,23 +47,38 @@ def _serve_engine(args, folder: Path, tp=None):
     return engine
 
 
-def _serve_server(args, folder: Path, engine, channel=None):
+def _serve_server(args, folder: Path, engine, channel=None, client=None):
     from bole.server.api import BoleServer
     from bole.server.chat import ChatTemplate
     name = args.name or ("bundled" if folder.resolve() == BUNDLED_MODEL.resolve() else folder.name)
     return BoleServer(engine, name, max_queue=args.max_queue,
-                      chat_template=ChatTemplate.for_checkpoint(folder), channel=channel)
+                      chat_template=ChatTemplate.for_checkpoint(folder), channel=channel,
+                      client=client, tokenizer=_tokenizer(folder) if client else None)
 
 
 def serve(args) -> int:
     import logging
+    import signal
 
     from bole.server.api import serve as run_server
 
     folder = _serve_checks(args)
     logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
-    run_server(_serve_server(args, folder, _serve_engine(args, folder)), args.host, args.port,
-               access_log=args.access_log)
+    signal.signal(signal.SIGTERM, _interrupt)           # shut down in order on SIGTERM too
+    if not args.engine_process:
+        run_server(_serve_server(args, folder, _serve_engine(args, folder)), args.host,
+                   args.port, access_log=args.access_log)
+        return 0
+    from bole.server.engine_process import EngineClient
+    try:
+        client = EngineClient(_serve_engine, (args, folder), max_queue=args.max_queue)
+    except RuntimeError as exc:                   # the engine process's build failed
+        raise UsageError(str(exc)) from None
+    try:
+        run_server(_serve_server(args, folder, None, client=client), args.host, args.port,
+                   alive=client.healthy, access_log=args.access_log)
+    finally:
+        client.stop()
     return 0
 
 

@@ -218,23 +218,16 @@ class Engine:
         return self.rounds.scratch
 
     # ---- requests ----
+    @property
+    def info(self) -> "EngineInfo":
+        return EngineInfo(self.spec, self.cache.max_len, self.scratch,
+                          self.model.config.vocab_size,
+                          tuple(self.model.config.eos_token_id), self.tokenizer is not None)
+
     def check_request(self, prompt: Sequence[int], params: GenerationParams,
                       name: str = "the prompt") -> None:
         """Raise a ValueError naming what is wrong with one request (nothing is allocated)."""
-        params.validate()
-        if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: build the Engine with one")
-        if len(prompt) == 0:
-            raise ValueError(f"{name} is empty; give at least one token")
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= int(t) < vocab for t in prompt):
-            raise ValueError(f"{name} holds token ids outside [0, {vocab})")
-        need = len(prompt) + params.max_tokens + self.scratch
-        if need > self.cache.max_len:
-            raise ValueError(
-                f"{name} ({len(prompt)} tokens) plus max_tokens={params.max_tokens} needs {need} "
-                f"cache positions (with {self.scratch} for a round's tree), more than the "
-                f"context of {self.cache.max_len}")
+        self.info.check_request(prompt, params, name)
 
     def new_request(self, index: int, prompt: Sequence[int], params: GenerationParams,
                     seed: int | None = None) -> Request:
@@ -389,10 +382,46 @@ class Engine:
         return len(r.out)
 
     def text(self, result: GenerationResult, params: GenerationParams) -> str:
-        """Decoded output, cut before the first stop string (the stop string is not returned);
-        a multi-byte character that max_tokens cut in two is left out, not shown as U+FFFD."""
-        text = self.tokenizer.decode(result.token_ids)
-        if result.finish_reason == "length":
-            text = text.rstrip("\ufffd")
-        hits = [text.find(s) for s in params.stop_strings if s in text]
-        return text[: min(hits)] if hits else text
+        """Decoded output (:func:`result_text`)."""
+        return result_text(self.tokenizer, result, params)
+
+
+def result_text(tokenizer, result: GenerationResult, params: GenerationParams) -> str:
+    """Decoded output, cut before the first stop string (the stop string is not returned); a
+    multi-byte character that max_tokens cut in two is left out, not shown as U+FFFD."""
+    text = tokenizer.decode(result.token_ids)
+    if result.finish_reason == "length":
+        text = text.rstrip("\ufffd")
+    hits = [text.find(s) for s in params.stop_strings if s in text]
+    return text[: min(hits)] if hits else text
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a front end needs of an engine, in another process too: its settings and the
+    limits a request must fit (``check_request``)."""
+
+    spec: SpecConfig
+    max_len: int
+    scratch: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    has_tokenizer: bool
+
+    def check_request(self, prompt: Sequence[int], params: GenerationParams,
+                      name: str = "the prompt") -> None:
+        """Raise a ValueError naming what is wrong with one request."""
+        params.validate()
+        if params.stop_strings and not self.has_tokenizer:
+            raise ValueError("stop strings need a tokenizer: build the Engine with one")
+        if len(prompt) == 0:
+            raise ValueError(f"{name} is empty; give at least one token")
+        vocab = self.vocab_size
+        if any(not 0 <= int(t) < vocab for t in prompt):
+            raise ValueError(f"{name} holds token ids outside [0, {vocab})")
+        need = len(prompt) + params.max_tokens + self.scratch
+        if need > self.max_len:
+            raise ValueError(
+                f"{name} ({len(prompt)} tokens) plus max_tokens={params.max_tokens} needs {need} "
+                f"cache positions (with {self.scratch} for a round's tree), more than the "
+                f"context of {self.max_len}")

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server (FastAPI): completions and chat, streamed or not, models,
 health and Prometheus metrics, over the continuous-batching scheduler.
 
-The scheduler runs on one engine thread (:class:`EngineLoop`); a request handler submits its
-request and waits on an asyncio queue that the engine thread feeds after every round. A client
+The scheduler runs on one engine thread (:class:`EngineLoop`), or in an engine process of its
+own (``bole serve --engine-process``, :mod:`bole.server.engine_process`); a request handler
+submits its request and waits on an asyncio queue that the engine's events feed after every
+round. A client
 that disconnects cancels its request, which frees its slot at the next round boundary. Every
 error a client can cause is a 4xx with OpenAI's error body; a full waiting queue is a 503 with
 Retry-After; an unexpected error is a 500 and the server goes on. Under tensor parallelism this
@@ -23,8 +25,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from bole.engine import Engine, GenerationParams
+from bole.engine.engine import result_text
 from bole.engine.scheduler import Handle, QueueFull, Scheduler
 from bole.server.chat import ChatTemplate
+from bole.server.engine_process import EngineClient
 from bole.server.lockstep import Channel, LockstepScheduler
 from bole.server.metrics import ServerMetrics
 from bole.server.protocol import (ChatCompletionRequest, CompletionRequest, completion_body,
@@ -47,6 +51,9 @@ class EngineLoop:
 
     def start(self) -> None:
         self.thread.start()
+
+    def healthy(self) -> bool:
+        return self.error is None or self.thread.is_alive()
 
     def stop(self) -> None:
         self._stop.set()
@@ -125,26 +132,41 @@ class BoleServer:
     """The app's state: engine, scheduler, metrics and the served model's name. ``channel``: rank
     0's link to the other tensor-parallel ranks, which then step in lockstep with it."""
 
-    def __init__(self, engine: Engine, model_name: str, *, max_queue: int = 256,
+    def __init__(self, engine: Engine | None, model_name: str, *, max_queue: int = 256,
                  max_batch: int | None = None, chat_template: ChatTemplate | None = None,
-                 channel: Channel | None = None):
-        if engine.tokenizer is None:
+                 channel: Channel | None = None, client: EngineClient | None = None,
+                 tokenizer=None):
+        """``engine``: run in this process on a thread of its own; or ``client``: the engine in
+        its own process (``tokenizer``: the checkpoint's, for this process's text)."""
+        if (engine is None) == (client is None):
+            raise ValueError("give the server an engine or an engine process's client")
+        self.tokenizer = engine.tokenizer if engine is not None else tokenizer
+        if self.tokenizer is None:
             raise ValueError("the server needs the checkpoint's tokenizer (Engine(tokenizer=...))")
         self.engine, self.model_name = engine, model_name
-        if channel is None:
-            self.scheduler = Scheduler(engine, max_queue=max_queue, max_batch=max_batch)
+        if client is not None:
+            self.scheduler = client
+            self.info = client.info
+            self.loop = client
         else:
-            self.scheduler = LockstepScheduler(engine, channel, max_queue=max_queue,
-                                               max_batch=max_batch)
+            if channel is None:
+                self.scheduler = Scheduler(engine, max_queue=max_queue, max_batch=max_batch)
+            else:
+                self.scheduler = LockstepScheduler(engine, channel, max_queue=max_queue,
+                                                   max_batch=max_batch)
+            self.info = engine.info
+            self.loop = EngineLoop(self.scheduler, on_exit=channel.close if channel else None)
         self.metrics = ServerMetrics(self.scheduler)
         self.scheduler.on_round = self.metrics.observe_round
         self.chat = chat_template or ChatTemplate.for_checkpoint("")
-        self.loop = EngineLoop(self.scheduler, on_exit=channel.close if channel else None)
         self._pump: EventPump | None = None
+
+    def text(self, result, params: GenerationParams) -> str:
+        return result_text(self.tokenizer, result, params)
 
     # ---- requests ----
     def _params(self, req, max_tokens: int) -> GenerationParams:
-        eos = tuple(self.engine.model.config.eos_token_id)
+        eos = self.info.eos_token_ids
         return GenerationParams(max_tokens=max_tokens, stop_token_ids=eos,
                                 stop_strings=req.stop_strings,
                                 sampling=SamplingParams(req.temperature, req.top_k, req.top_p))
@@ -156,16 +178,16 @@ class BoleServer:
                              f"{self.model_name!r} (GET /v1/models)")
         if chat:
             text = self.chat.render([m.model_dump() for m in req.messages])
-            ids, limit = self.engine.tokenizer.encode(text).ids, req.token_limit
+            ids, limit = self.tokenizer.encode(text).ids, req.token_limit
         elif isinstance(req.prompt, str):
-            ids, limit = self.engine.tokenizer.encode(req.prompt).ids, req.max_tokens
+            ids, limit = self.tokenizer.encode(req.prompt).ids, req.max_tokens
         else:
             ids, limit = list(req.prompt), req.max_tokens
-        room = self.engine.cache.max_len - self.engine.scratch - len(ids)
+        room = self.info.max_len - self.info.scratch - len(ids)
         if limit is None:
             limit = max(1, min(room, 4096))
         params = self._params(req, limit)
-        self.engine.check_request(ids, params)
+        self.info.check_request(ids, params)
         return ids, params
 
     def pump(self, loop: asyncio.AbstractEventLoop) -> EventPump:
@@ -232,17 +254,17 @@ def create_app(server: BoleServer) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if server.loop.error is not None and not server.loop.thread.is_alive():
-            return _error(503, "the engine thread stopped", "server_error")
+        if not server.loop.healthy():
+            return _error(503, "the engine stopped; restart the server", "server_error")
         return {"status": "ok", "running": server.scheduler.num_running,
                 "waiting": server.scheduler.num_waiting}
 
     @app.get("/v1/models")
     async def models():
-        spec = server.engine.spec
+        spec = server.info.spec
         return {"object": "list", "data": [{
             "id": server.model_name, "object": "model", "created": 0, "owned_by": "bole",
-            "max_model_len": server.engine.cache.max_len,
+            "max_model_len": server.info.max_len,
             "bole": {"mode": spec.mode, "drafter": spec.drafter, "depth": spec.depth,
                      "topk": spec.topk, "budget": spec.budget}}]}
 
@@ -296,7 +318,7 @@ async def _serve(server: BoleServer, req, http: HTTPRequest, chat: bool):
     res = handle.request.result
     if res is None:
         return _error(500, "the request was cancelled by the server", "server_error")
-    text = server.engine.text(res, params)
+    text = server.text(res, params)
     return completion_body(rid, server.model_name, text, res.finish_reason, chat,
                            server.usage_of(handle))
 
@@ -305,7 +327,7 @@ async def _stream(server: BoleServer, handle: Handle, queue: asyncio.Queue,
                   params: GenerationParams, rid: str, chat: bool,
                   include_usage: bool) -> AsyncIterator[str]:
     """SSE chunks of text deltas, the finish reason, optionally the usage, then ``[DONE]``."""
-    text = TextStream(server.engine.tokenizer, params.stop_strings)
+    text = TextStream(server.tokenizer, params.stop_strings)
     finished, first, counted = False, True, 0
     try:
         while not finished:
@@ -314,7 +336,7 @@ async def _stream(server: BoleServer, handle: Handle, queue: asyncio.Queue,
                 finished = queue.get_nowait()
             r = handle.request
             out = list(r.out)
-            final = server.engine.text(r.result, params) if r.result is not None else None
+            final = server.text(r.result, params) if r.result is not None else None
             delta = text.delta(out, final)
             if delta or (first and chat):
                 yield _sse(completion_chunk(rid, server.model_name, delta, None, chat, first,

@@ -27,9 +27,7 @@ import argparse
 import datetime as dt
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +37,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bole import distributed  # noqa: E402
+from bole.engine.calibrate import captured_ms  # noqa: E402
 from bole.engine.runner import ModelRunner  # noqa: E402
 from bole.forest import DenseForest  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
@@ -49,42 +48,6 @@ from bole.tree import DraftTree, PackedForest  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: the issue's target: 27B batch-1 verify-64 at tp 2 within this share of tp 1
 TARGET_VERIFY_RATIO = 0.6
-
-
-def timed_ms(fn, reps: int, device: torch.device) -> float:
-    """Median time of ``fn`` (device events on a GPU, wall clock on the CPU) after warm-up."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize(device)
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
-def captured(fn, device: torch.device):
-    """``fn`` captured in a CUDA graph (its replay), or ``fn`` itself on the CPU."""
-    if device.type != "cuda":
-        return fn
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize(device)
-    return graph.replay
 
 
 def count_allreduces(model: HybridModel, fn) -> list[tuple[int, ...]]:
@@ -141,7 +104,7 @@ def measure(args, tp=None) -> list[dict]:
                 forest = DenseForest.from_parents(dense.parents, dense.valid, dense.max_depth)
                 runner.forward(runner.make_batch(tokens, forest, slot_t, gdn))
             shapes = count_allreduces(model, forward)
-            total = timed_ms(captured(forward, device), args.reps, device)
+            total = captured_ms(forward, device, args.reps)
             reduce_ms = 0.0
             if world > 1 and shapes:
                 bufs = [torch.randn(s, dtype=model.dtype, device=device) for s in set(shapes)]
@@ -150,7 +113,7 @@ def measure(args, tp=None) -> list[dict]:
                 def reduces():
                     for s in shapes:
                         model.tp.all_reduce(by_shape[s])
-                reduce_ms = timed_ms(captured(reduces, device), args.reps, device)
+                reduce_ms = captured_ms(reduces, device, args.reps)
             records.append(dict(tp=world, batch=batch, case=name, nodes=dense.num_nodes,
                                 total_ms=total, allreduce_ms=reduce_ms, allreduces=len(shapes),
                                 captured=device.type == "cuda"))

@@ -28,7 +28,7 @@ from bole.tree import DraftTree, PackedForest
 DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def _timer(fn, device: torch.device, reps: int) -> float:
+def captured_ms(fn, device: torch.device, reps: int) -> float:
     """Median milliseconds of ``fn``: graph replays under device events on a GPU, eager calls
     under a wall clock on the CPU."""
     fn()
@@ -96,7 +96,7 @@ def forward_time_fn(model, spec, max_batch: int, *, context: int = 1024, reps: i
         def forward():
             forest = DenseForest.from_parents(dense.parents, dense.valid, dense.max_depth)
             runner.forward(runner.make_batch(tokens, forest, slot_t, step))
-        return _timer(forward, dev, reps)
+        return captured_ms(forward, dev, reps)
     return time_fn
 
 

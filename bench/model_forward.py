@@ -185,12 +185,8 @@ def main(argv=None) -> int:
     runner.prefill(slots[0], prompt)
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
-    c = runner.cache
     for s in slots[1:]:                          # the same committed context in every slot
-        for pool in (c.k, c.v, c.gdn_state, c.conv_state):
-            pool[:, s] = pool[:, slots[0]]
-        c.lengths[s] = c.lengths[slots[0]]
-        c.host_lengths[s] = c.host_lengths[slots[0]]
+        runner.cache.copy_slot(slots[0], s)
     rng = np.random.default_rng(0)
     records = forward_case(runner, "decode", [DraftTree.chain(1)], slots[:1], config.vocab_size,
                            args.reps, floor)

@@ -81,11 +81,8 @@ def measure(args, tp=None) -> list[dict]:
     prompt = torch.randint(0, model.config.vocab_size, (args.context,), generator=gen)
     slots = [runner.cache.allocate(args.context + T + 2) for _ in range(B)]
     runner.prefill(slots[0], prompt)
-    c = runner.cache
     for s in slots[1:]:                          # the same committed context in every slot
-        for pool in (c.k, c.v, c.gdn_state, c.conv_state):
-            pool[:, s] = pool[:, slots[0]]
-        c.lengths[s] = c.lengths[slots[0]]
+        runner.cache.copy_slot(slots[0], s)
     rng = np.random.default_rng(0)
     decode_gdn = "triton-decode" if device.type == "cuda" else "torch-decode"
     records = []

@@ -116,6 +116,14 @@ class HybridCache:
             raise ValueError(f"slots {slots} repeat a slot; each request owns one")
         return slots
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Give slot ``dst`` slot ``src``'s committed state (KV, GDN and conv state, lengths):
+        benchmarks run a batch whose every request holds the same context."""
+        for pool in (self.k, self.v, self.gdn_state, self.conv_state):
+            pool[:, dst] = pool[:, src]
+        self.lengths[dst] = self.lengths[src]
+        self.host_lengths[dst] = self.host_lengths[src]
+
     def advance(self, slots: list[int], counts: list[int]) -> None:
         """Host mirror of a commit that added ``counts[i]`` tokens to ``slots[i]``."""
         for s, n in zip(slots, counts):

@@ -70,11 +70,8 @@ def forward_time_fn(model, spec, max_batch: int, *, context: int = 1024, reps: i
     prompt = torch.randint(0, model.config.vocab_size, (context,), generator=gen)
     slots = [runner.cache.allocate(context + T + 2) for _ in range(max_batch)]
     runner.prefill(slots[0], prompt)
-    c = runner.cache
     for s in slots[1:]:                          # the same committed context in every slot
-        for pool in (c.k, c.v, c.gdn_state, c.conv_state):
-            pool[:, s] = pool[:, slots[0]]
-        c.lengths[s] = c.lengths[slots[0]]
+        runner.cache.copy_slot(slots[0], s)
     rng = np.random.default_rng(seed)
     dev = model.device
 

@@ -212,3 +212,17 @@ def test_admission_prefill_pads_to_a_bucket_and_changes_nothing_else(model):
         rounds.prefill([slots[0]], [torch.tensor([1])])
     with pytest.raises(ValueError, match="prompts of 1 to"):
         rounds.prefill([cache.allocate(8)], [torch.zeros(PREFILL_BATCH_MAX + 1, dtype=torch.int64)])
+
+
+def test_copy_slot_gives_a_slot_another_slots_committed_state(model):
+    """HybridCache.copy_slot (the benchmarks' batch of one context): every pool row, the
+    device and host lengths; the source is untouched."""
+    runner = ModelRunner(model, model.new_cache(2, 32), "torch")
+    a, b = runner.cache.allocate(16), runner.cache.allocate(16)
+    runner.prefill(a, torch.tensor([4, 8, 15, 16, 23]))
+    c = runner.cache
+    before = {n: getattr(c, n)[:, a].clone() for n in ("k", "v", "gdn_state", "conv_state")}
+    c.copy_slot(a, b)
+    for n, t in before.items():
+        assert torch.equal(getattr(c, n)[:, b], t) and torch.equal(getattr(c, n)[:, a], t)
+    assert int(c.lengths[b]) == c.host_lengths[b] == 5

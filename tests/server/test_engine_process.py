@@ -3,24 +3,18 @@ concurrent greedy completions, one streamed, equal the offline engine's output; 
 client abandons frees its slot; bad requests get a 400; /metrics parses; SIGTERM stops every
 process. An engine whose build fails is a clean error, and --tp is refused with it."""
 
-import concurrent.futures
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from bole.assets import code_prompts  # noqa: E402
 from bole.distributed import free_port  # noqa: E402
 from bole.server.engine_process import EngineClient  # noqa: E402
-from tests.server.test_serve_tp import (MAX_TOKENS, SHAPE, _alive, _children,  # noqa: E402
-                                        _offline, _wait_healthy)
+from tests.server.served import Served, offline  # noqa: E402
 
 
 def test_serve_with_the_engine_in_its_own_process(tmp_path):
@@ -30,39 +24,11 @@ def test_serve_with_the_engine_in_its_own_process(tmp_path):
     from bole.assets import BUNDLED_MODEL
     tok = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
     prompts = [tok.encode(p).ids for p in code_prompts()[:2]]
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bole.cli", "serve", "--engine-process", "--device", "cpu",
-         "--port", str(port), "--max-batch", "2", "--max-len", "256", "--mode", "bole",
-         "--drafter", "mtp"] + [f"--{k}={v}" for k, v in SHAPE.items()],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    spawned: set[int] = set()
-    try:
-        _wait_healthy(proc, url)
-        spawned = _children(proc.pid)
-        assert spawned, "no engine process"
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-        def plain():
-            res = client.completions.create(model="bundled", prompt=prompts[0],
-                                            max_tokens=MAX_TOKENS, temperature=0)
-            return res.choices[0].text, res.usage.completion_tokens
-
-        def streamed():
-            ids = []
-            for c in client.completions.create(model="bundled", prompt=prompts[1],
-                                               max_tokens=MAX_TOKENS, temperature=0,
-                                               stream=True):
-                if c.choices:
-                    ids += (c.choices[0].model_extra or {}).get("token_ids") or []
-            return ids
-
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            a, b = pool.submit(plain), pool.submit(streamed)
-            (text, n), ids = a.result(timeout=120), b.result(timeout=120)
-        want_ids, want_texts = _offline(prompts, tok)
+    with Served(tmp_path, "--engine-process") as served:
+        url = served.url
+        assert served.spawned, "no engine process"
+        text, n, ids = served.plain_and_streamed(prompts)
+        want_ids, want_texts = offline(prompts, tok)
         assert ids == want_ids[1]
         assert n == len(want_ids[0]) and text == want_texts[0]
 
@@ -83,25 +49,8 @@ def test_serve_with_the_engine_in_its_own_process(tmp_path):
         names = {f.name for f in text_string_to_metric_families(
             httpx.get(url + "/metrics", timeout=5).text)}
         assert {"bole_rounds", "bole_admission_seconds", "bole_step_seconds"} <= names
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=45)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        deadline = time.time() + 10
-        while any(map(_alive, spawned)) and time.time() < deadline:
-            time.sleep(0.1)
-        left = [p for p in spawned if _alive(p)]
-        for p in left:
-            os.kill(p, signal.SIGKILL)
-        log.seek(0)
-        output = log.read()
-        log.close()
-    assert proc.returncode == 0, output
-    assert not left, f"processes left behind: {left}\n{output}"
+    assert served.returncode == 0, served.output
+    assert not served.left, f"processes left behind: {served.left}\n{served.output}"
 
 
 def _failing_engine(message: str):

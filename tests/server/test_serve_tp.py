@@ -4,19 +4,11 @@ engine's output token for token; stopping rank 0 stops every process it started.
 process: a follower that replays rank 0's step events ends with rank 0's outputs, sampled and
 cancelled requests included."""
 
-import concurrent.futures
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 import torch
 
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
+pytest.importorskip("openai")
+pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
@@ -26,120 +18,22 @@ from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.server.lockstep import LockstepScheduler, StepEvents  # noqa: E402
 from bole.speculative.sampling import SamplingParams  # noqa: E402
-
-SHAPE = dict(depth=4, topk=3, budget=12)
-MAX_TOKENS = 16
-
-
-def _children(pid: int) -> set[int]:
-    """Every live descendant of ``pid`` (from /proc)."""
-    kids: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(entry.name))
-    out, todo = set(), [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.add(k)
-            todo.append(k)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for its reaper counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def _offline(prompts: list[list[int]], tok) -> tuple[list[list[int]], list[str]]:
-    """Token ids and texts of one process's engine (tp 1), the server's settings."""
-    model = HybridModel.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
-    engine = Engine(model, SpecConfig("bole", "mtp", **SHAPE), max_slots=2, max_len=256,
-                    tokenizer=tok)
-    params = GenerationParams(max_tokens=MAX_TOKENS, stop_token_ids=model.config.eos_token_id)
-    results = engine.generate(prompts, params)
-    return [r.token_ids for r in results], [engine.text(r, params) for r in results]
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 90) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, f"bole serve --tp 2 exited with {proc.returncode}"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("bole serve --tp 2 did not come up")
+from tests.server.served import Served, offline  # noqa: E402
 
 
 def test_serve_with_two_ranks_equals_one_and_leaves_nothing_behind(tmp_path):
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
     prompts = [tok.encode(p).ids for p in code_prompts()[:2]]
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "bole.cli", "serve", "--tp", "2", "--device", "cpu",
-         "--port", str(port), "--max-batch", "2", "--max-len", "256", "--mode", "bole",
-         "--drafter", "mtp"] + [f"--{k}={v}" for k, v in SHAPE.items()],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    spawned: set[int] = set()
-    try:
-        _wait_healthy(proc, url)
-        spawned = _children(proc.pid)
-        assert spawned, "no follower process"
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-
-        def plain():
-            res = client.completions.create(model="bundled", prompt=prompts[0],
-                                            max_tokens=MAX_TOKENS, temperature=0)
-            return res.choices[0].text, res.usage.completion_tokens
-
-        def streamed():
-            ids = []
-            for c in client.completions.create(model="bundled", prompt=prompts[1],
-                                               max_tokens=MAX_TOKENS, temperature=0,
-                                               stream=True):
-                if c.choices:
-                    ids += (c.choices[0].model_extra or {}).get("token_ids") or []
-            return ids
-
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:    # batched in lockstep
-            a, b = pool.submit(plain), pool.submit(streamed)
-            (text, n), ids = a.result(timeout=120), b.result(timeout=120)
-        want_ids, want_texts = _offline(prompts, tok)
+    with Served(tmp_path, "--tp", "2") as served:            # batched in lockstep
+        assert served.spawned, "no follower process"
+        text, n, ids = served.plain_and_streamed(prompts)
+        want_ids, want_texts = offline(prompts, tok)
         assert ids == want_ids[1]
         assert n == len(want_ids[0]) and text == want_texts[0]
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=45)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        deadline = time.time() + 10
-        while any(map(_alive, spawned)) and time.time() < deadline:
-            time.sleep(0.1)
-        left = [p for p in spawned if _alive(p)]
-        for p in left:
-            os.kill(p, signal.SIGKILL)
-        log.seek(0)
-        output = log.read()
-        log.close()
-    assert proc.returncode == 0, output
-    assert not left, f"processes left behind: {left}\n{output}"
-    assert "Application shutdown complete" in output
+    assert served.returncode == 0, served.output
+    assert not served.left, f"processes left behind: {served.left}\n{served.output}"
+    assert "Application shutdown complete" in served.output
 
 
 def test_serve_tp_that_does_not_divide_is_a_clean_usage_error(capsys):

@@ -272,7 +272,10 @@ class Engine:
         """Admit and release throwaway requests once per batched-prefill width (16, 32, 64
         tokens), one and two at a time, so that the admission path's kernels compile at
         start-up rather than under load (a server's first admissions otherwise stall on
-        Triton's compiler). Every slot it takes is freed."""
+        Triton's compiler). Every slot it takes is freed. Nothing to do where the admissions
+        are captured in CUDA graphs: their capture at start-up compiled them."""
+        if self.rounds.graphs.enabled:
+            return
         for T in sorted({prefill_bucket(n) for n in range(1, PREFILL_BATCH_MAX + 1)}):
             for R in (1, 2):
                 if self.cache.max_len < T + 1 + self.scratch or self.cache.num_free < R:

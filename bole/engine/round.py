@@ -29,11 +29,12 @@ import torch
 
 from bole.engine.draft_model import DraftModelDrafter
 from bole.engine.graphs import GraphRunner
-from bole.engine.selection import BudgetPolicy, select
+from bole.engine.selection import FIT_EVERY, BudgetPolicy, select
 from bole.engine.runner import (PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunner,
                                 prefill_bucket)
 from bole.forest import DenseForest
 from bole.speculative.accept_device import SamplingBatch, accept, draw_uniforms
+from bole.speculative.calibration import AcceptanceCalibrator
 from bole.speculative.draft_tree import build_draft_trees, per_request
 from bole.speculative.drafters import NgramDrafter
 from bole.speculative.mtp import MTPDrafter
@@ -200,6 +201,10 @@ class RoundRunner:
             BudgetPolicy(type(spec)(mode="ar"), 1)
         self.mtp = self.draft = None
         self.ngram = NgramDrafter()
+        #: the goodput policy's acceptance estimates, learnt from this runner's rounds
+        self.calibrator = AcceptanceCalibrator.log_bins(device=self.device) \
+            if self.policy.policy == "goodput" else None
+        self._rounds_since_fit = 0
         if not self.ar and spec.drafter in ("mtp", "replay"):
             from bole.speculative.tree_growth import node_capacity
             self.growth_capacity = node_capacity(self.topk, self.D)
@@ -260,6 +265,8 @@ class RoundRunner:
                 widths = (1,) + widths                # its plain rounds verify the roots alone
             for W in widths:
                 self._capture(R, StaticSampling.flags_for([]), W)
+            if self.calibrator is not None and not self.graphs.has(("fit",)):
+                self.graphs.capture(("fit",), self.calibrator.fit)
             for T in self.prefill_widths() if R <= PREFILL_BATCH_ROWS else ():
                 self.graphs.capture(("prefill", R, T), lambda: self._prefill(R, T))
         if progress:
@@ -354,23 +361,27 @@ class RoundRunner:
 
     def _verify(self, b: RoundBuffers, W: int):
         """The forest of this round (the batch-shared selection compacted to width W, or every
-        drafted node) and the target's forward over it; returns (batch, output, tokens)."""
-        tokens = b.tree_tokens
+        drafted node) and the target's forward over it; returns (batch, output, tokens, the
+        verified nodes' rho ``[R, W]`` or None for plain rounds)."""
+        tokens, rho = b.tree_tokens, b.tree_rho
+        gdn = None
         if self.ar or W == 1:                     # plain decoding (ar, goodput's plain rounds)
-            tokens = b.tree_tokens[:, :1]
+            tokens, rho = b.tree_tokens[:, :1], None
             tokens.copy_(b.roots[:, None])
             forest = DenseForest.chain(b.R, 1, self.device)
+            gdn = self.runner.gdn.split("-")[0] + "-decode"    # each state updated in place
         elif self.policy.shared:
             sel = select(b.tree_rho, b.tree_tokens, b.tree_parents, b.tree_valid, b.budget,
-                         b.active, self.spec.root_floor, W, self.D, goodput=b.goodput)
+                         b.active, self.spec.root_floor, W, self.D, goodput=b.goodput,
+                         acceptance=self.calibrator)
             b.kept.copy_(sel.kept)
-            tokens, forest = sel.tokens, sel.forest
+            tokens, forest, rho = sel.tokens, sel.forest, sel.rho
         else:
             forest = DenseForest.from_parents(b.tree_parents, b.tree_valid, self.D)
-        batch = self.runner.make_batch(tokens.reshape(-1), forest, b.slots)
-        return batch, self.runner.forward(batch), tokens
+        batch = self.runner.make_batch(tokens.reshape(-1), forest, b.slots, gdn)
+        return batch, self.runner.forward(batch), tokens, rho
 
-    def _accept_commit(self, b: RoundBuffers, batch, out, tokens) -> None:
+    def _accept_commit(self, b: RoundBuffers, batch, out, tokens, rho=None) -> None:
         R, W = tokens.shape
         logits = out.logits.view(R, W, -1)
         forced = None
@@ -379,8 +390,14 @@ class RoundRunner:
         acc = accept(logits, tokens, batch.forest, b.sampling.batch(), b.uniforms,
                      max_children=self.K, forced=forced)
         path_len = torch.where(b.active, acc.path_len, 0)
+        if self.calibrator is not None and rho is not None:
+            # every verified draft node of an active row: was it on the accepted path?
+            on_path = torch.zeros_like(tokens, dtype=torch.bool).scatter_(1, acc.path, True)
+            drafted = batch.forest.valid & (batch.forest.parents >= 0) & b.active[:, None]
+            self.calibrator.observe(rho, on_path, drafted)
         ctx = batch.ctx_lens
-        path_global = self.runner.commit(batch, out, acc.path, path_len, kv_in_place=self.ar)
+        # a lone root's KV row is its final row; in-place GDN decoding leaves no factors
+        path_global = self.runner.commit(batch, out, acc.path, path_len, kv_in_place=W == 1)
         if self.mtp is not None:
             self.mtp.observe_accepted(b.slots, tokens, acc.path, path_global, out.hidden, ctx,
                                       path_len)
@@ -523,6 +540,11 @@ class RoundRunner:
         verified = self.graphs.run(("verify", R, W), lambda: self._verify(b, W))
         mark(marks)
         self.graphs.run(("accept", R, W, flags), lambda: self._accept_commit(b, *verified))
+        if self.calibrator is not None and not plain:
+            self._rounds_since_fit += 1
+            if self._rounds_since_fit >= FIT_EVERY:
+                self.graphs.run(("fit",), self.calibrator.fit)
+                self._rounds_since_fit = 0
         mark(marks)
         b.emitted_host.copy_(b.emitted, non_blocking=True)
         b.num_host.copy_(b.num_emitted, non_blocking=True)

@@ -12,7 +12,11 @@ Policies (``SpecConfig.budget_policy``):
                 (one per request plus the kept nodes' rho) per ms of the round (the profile's
                 T_ver(N) plus the measured draft and accept time); when even the best is below
                 plain decoding's rate, the batch decodes plainly for :data:`AR_ROUNDS` rounds
-                (no drafting), then drafts again to look
+                (no drafting), then drafts again to look. A node's acceptance estimate starts
+                at its rho and follows what the rounds observe: an
+                :class:`~bole.speculative.calibration.AcceptanceCalibrator` per round runner
+                (binned by rho, monotone), counted in every drafting round and refitted every
+                :data:`FIT_EVERY` rounds, on the device
 
 The selection (:func:`bole.speculative.budget.select_dense`) runs on the device inside the verify
 graph. The forward takes the kept nodes compacted to the front of each row, in a width W picked
@@ -28,12 +32,15 @@ from dataclasses import dataclass
 import torch
 
 from bole.forest import DenseForest
+from bole.speculative.calibration import AcceptanceCalibrator
 from bole.speculative.budget import (compact, dense_inputs, expected_accepted_curve,
                                      goodput_budget, select_dense)
 
 POLICIES = ("fixed", "global", "calibrated", "goodput")
 #: rounds of plain decoding after the goodput policy finds drafting does not pay
 AR_ROUNDS = 8
+#: drafting rounds between refits of the goodput policy's acceptance estimates
+FIT_EVERY = 8
 
 
 def width_buckets(T: int) -> tuple[int, ...]:
@@ -47,12 +54,14 @@ def width_buckets(T: int) -> tuple[int, ...]:
 
 @dataclass
 class Selected:
-    """The compacted trees a verify forward takes: ``[R, W]`` tokens, the forest, and each
-    row's kept count before compaction ``[R]`` (what the next round's width follows)."""
+    """The compacted trees a verify forward takes: ``[R, W]`` tokens, the forest, each row's
+    kept count before compaction ``[R]`` (what the next round's width follows) and the kept
+    nodes' rho ``[R, W]`` (what the acceptance calibrator learns from)."""
 
     tokens: torch.Tensor
     forest: DenseForest
     kept: torch.Tensor
+    rho: torch.Tensor
 
 
 @dataclass
@@ -72,17 +81,19 @@ class Goodput:
 
 def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
            budget: torch.Tensor, active: torch.Tensor, root_floor: int, width: int,
-           max_depth: int, goodput: Goodput | None = None) -> Selected:
+           max_depth: int, goodput: Goodput | None = None,
+           acceptance: AcceptanceCalibrator | None = None) -> Selected:
     """Keep the batch's best ``budget`` draft nodes (``[R, T]`` inputs, ``budget`` a 0-d device
     tensor, inactive rows keep their roots only) and compact them to ``width`` slots a row.
-    With ``goodput`` the budget is chosen here, on the device, and a round that does not pay
-    keeps the roots alone (``goodput.use_ar`` records it)."""
+    With ``goodput`` the budget is chosen here, on the device, from the kept nodes' acceptance
+    estimates (rho, mapped by ``acceptance`` when given), and a round that does not pay keeps
+    the roots alone (``goodput.use_ar`` records it)."""
     forest = DenseForest.from_parents(parents, valid, max_depth)
     rho = rho.masked_fill(~valid, 0.0)
     if goodput is not None:
         p, r = dense_inputs(forest, active)
         curve = expected_accepted_curve(rho.reshape(-1), p, r, goodput.grid, root_floor,
-                                        max_depth=max_depth)
+                                        acceptance=acceptance, max_depth=max_depth)
         budget, use_ar = goodput_budget(goodput.grid, curve, goodput.t_ver, goodput.t_dec,
                                         goodput.active, round_overhead_ms=goodput.overhead_ms)
         goodput.use_ar.copy_(use_ar)
@@ -93,7 +104,7 @@ def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid
         keep = torch.where(goodput.use_ar, roots, keep)
     c = compact(keep, tokens, forest.parents, width=width)
     return Selected(c.tokens, DenseForest.from_parents(c.parents, c.valid, max_depth),
-                    keep.sum(1))
+                    keep.sum(1), c.gather(rho))
 
 
 class BudgetPolicy:

@@ -30,7 +30,10 @@ from torch import Tensor
 
 __all__ = ["FORMAT", "BudgetProfile", "cache_dir", "config_hash", "runtime_versions", "gpu_name",
            "dtype_name", "profile_path", "find_profile", "b_ver_from_curve", "calibrate",
-           "verification_budget", "plot_profile", "isotonic_fit", "AcceptanceCalibrator"]
+           "verification_budget", "plot_profile", "isotonic_fit", "isotonic_fit_device",
+           "AcceptanceCalibrator"]
+
+_INF = float("inf")
 
 #: version of the profile's JSON layout
 FORMAT = 1
@@ -314,6 +317,25 @@ def isotonic_fit(y: Sequence[float], weights: Sequence[float] | None = None) -> 
     return [mean for mean, _, n in blocks for _ in range(int(n))]
 
 
+def isotonic_fit_device(y: Tensor, weights: Tensor) -> Tensor:
+    """:func:`isotonic_fit` of ``y [K]`` with positive ``weights [K]`` as tensor code (no host
+    synchronisation), by the min-max formula of isotonic regression:
+    ``fit[i] = max_{j <= i} min_{k >= i} mean(y[j..k])``, the means weighted, over ``[K, K]``
+    interval means from prefix sums (K is a handful of bins)."""
+    K = y.shape[0]
+    w = weights.to(torch.float64)
+    zero = torch.zeros(1, dtype=torch.float64, device=y.device)
+    sw = torch.cat([zero, torch.cumsum(w, 0)])
+    swy = torch.cat([zero, torch.cumsum(w * y.to(torch.float64), 0)])
+    idx = torch.arange(K, device=y.device)
+    j, k = idx[:, None], idx[None, :]
+    span = sw[1:][None, :] - sw[:-1][:, None]                     # weight of y[j..k]
+    mean = (swy[1:][None, :] - swy[:-1][:, None]) / torch.where(k >= j, span, 1.0)
+    mean = torch.where(k >= j, mean, _INF)                        # [j, k], k < j never taken
+    suffix_min = torch.flip(torch.cummin(torch.flip(mean, [1]), 1).values, [1])  # min over k >= i
+    return torch.where(j <= k, suffix_min, -_INF).amax(0)       # max over j <= i
+
+
 @dataclasses.dataclass
 class AcceptanceCalibrator:
     """rho -> the probability that a draft node is accepted, learnt online per model.
@@ -325,8 +347,8 @@ class AcceptanceCalibrator:
     prior:  pseudo-observations per bin at the mid rho: the uncalibrated estimate acceptance =
             rho holds where little has been seen.
 
-    :meth:`observe` and :meth:`__call__` are device code without synchronisation; :meth:`fit`
-    reads the counts on the host (one copy) and should run every few rounds, not every round.
+    :meth:`observe`, :meth:`fit` and :meth:`__call__` are device code without synchronisation
+    that write only into these tensors, so a CUDA graph may replay them.
     """
 
     edges: Tensor
@@ -368,13 +390,13 @@ class AcceptanceCalibrator:
         self.hits.scatter_add_(0, index, (accepted.double() * weight).reshape(-1))
 
     def fit(self) -> Tensor:
-        """Refit ``table`` from the counts: per-bin rates with the prior, made non-decreasing in
-        rho by :func:`isotonic_fit` weighted by the observations. Returns the table."""
+        """Refit ``table`` in place from the counts: per-bin rates with the prior, made
+        non-decreasing in rho, weighted by the observations (:func:`isotonic_fit_device`). Device
+        code without synchronisation (a CUDA graph may replay it); returns the table."""
         mids = self._mids(self.edges)
-        n = (self.count + self.prior).cpu()
-        rate = ((self.hits + self.prior * mids) / (self.count + self.prior)).cpu()
-        fitted = isotonic_fit(rate.tolist(), n.tolist())
-        self.table = torch.tensor(fitted, dtype=torch.float64).to(self.edges.device)
+        weight = self.count + self.prior
+        rate = (self.hits + self.prior * mids) / weight
+        self.table.copy_(isotonic_fit_device(rate, weight))
         return self.table
 
     def __call__(self, rho: Tensor) -> Tensor:

@@ -116,3 +116,29 @@ def test_goodput_drafts_when_it_pays_and_decodes_plainly_when_not(model):
     rounds = res[0].accepted                    # tokens per round of the first request
     assert rounds[1:1 + AR_ROUNDS] == [1] * AR_ROUNDS      # the plain rounds after the first
     assert costly.rounds.policy.overhead_ms > 0
+
+
+def test_goodput_learns_acceptance_from_its_rounds(model):
+    """The goodput policy counts every verified draft node against whether it was accepted and
+    refits its rho -> acceptance map every FIT_EVERY drafting rounds: after a run the counts
+    equal the verified draft nodes, the accepted ones the drafted tokens that were emitted, and
+    the table has moved off its prior where nodes were seen."""
+    from bole.engine.selection import FIT_EVERY
+    params = GenerationParams(max_tokens=40)
+    ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar"), gdn_backend="torch-serial")
+          .generate(PROMPTS, params)]
+    spec = SpecConfig("bole", "replay", depth=4, topk=3, budget=12, budget_policy="goodput",
+                      acceptance="qwen3-next-mtp")
+    engine = Engine(model, spec, max_slots=3, budget_profile=_profile(50.0))
+    calib = engine.rounds.calibrator
+    prior = calib.table.clone()
+    res = engine.generate(PROMPTS, params, continuations=ar)
+    assert [r.token_ids for r in res] == ar
+    drafted_rounds = sum(len(r.accepted) for r in res)
+    assert drafted_rounds >= FIT_EVERY
+    accepted_drafts = sum(n - 1 for r in res for n in r.accepted)
+    assert float(calib.hits.sum()) == accepted_drafts > 0
+    assert float(calib.count.sum()) > accepted_drafts       # some drafted nodes were rejected
+    assert not torch.equal(calib.table, prior)
+    table = calib.table.tolist()
+    assert all(a <= b + 1e-12 for a, b in zip(table, table[1:]))

@@ -18,7 +18,7 @@ from bole.speculative.budget import (compact, dense_inputs, expected_accepted_cu
                                      select_dense, select_nodes)
 from bole.speculative.calibration import (AcceptanceCalibrator, BudgetProfile, b_ver_from_curve,
                                           cache_dir, calibrate, config_hash, find_profile,
-                                          isotonic_fit, plot_profile, profile_path,
+                                          isotonic_fit, isotonic_fit_device, plot_profile, profile_path,
                                           runtime_versions, verification_budget)
 from tests.no_sync import forbid_host_sync
 
@@ -574,6 +574,9 @@ def test_pool_adjacent_violators(y, data):
     assert all(a <= b for a, b in zip(fit, fit[1:]))
     assert fit == pytest.approx(brute_isotonic(y, w), abs=1e-9)
     assert isotonic_fit(sorted(y)) == sorted(y)
+    device = isotonic_fit_device(torch.tensor(y, dtype=torch.float64),
+                                 torch.tensor(w, dtype=torch.float64))
+    assert device.tolist() == pytest.approx(fit, abs=1e-9)
 
 
 def test_acceptance_calibrator_learns_a_monotone_map():

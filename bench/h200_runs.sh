@@ -8,9 +8,10 @@
 #   tests     the compiled test suite in 8 shards (~4 min)          -> $OUT/tests/summary.txt
 #   round     bole bench (bundled, batch 1 and 8) and model_forward (9B) (~4.5 min)
 #   e2e-9b-a  bench/e2e.py, 9B at batch 1 2 4 8, with bole-goodput (~5 min before that mode)
-#   e2e-9b-b  bench/e2e.py, 9B at batch 16 32 64, with bole-goodput (~7 min before that mode)
+#   e2e-9b-b  bench/e2e.py, 9B at batch 16 32 64 (the shapes that won there), with bole-goodput
 #   e2e-27b   bench/e2e.py, 27B at batch 1 8 32, then tree-serial's max batch confirmed (~9 min)
 #   budget    bench/budget.py, bundled and 9B at batch 1 8 32 (~8 min)
+#   budget-bundled  bench/budget.py, the bundled model at all 7 batches 1-64
 #   serve     bench/serve.py, all four modes (~5 min)
 #   serve-process  the same with bole serve --engine-process (not yet run)
 #   tp        bench/tp.py: 27B forwards and all-reduces at tp 1 and 2 (nvidia-h200-x2; not yet run)
@@ -18,7 +19,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|round|e2e-9b-a|e2e-9b-b|e2e-27b|budget|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|round|e2e-9b-a|e2e-9b-b|e2e-27b|budget|budget-bundled|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -39,13 +40,17 @@ case "$part" in
     timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 1 2 4 8 "${shapes[@]}" "${policy[@]}" \
       --out "$out" --tag=-9b-a ;;
   e2e-9b-b)
-    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 16 32 64 "${shapes[@]}" "${policy[@]}" \
+    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 16 32 64 --chain-depths 4 \
+      --tree-shapes 4,2,8 6,3,16 --draft-vocab 32768 "${policy[@]}" \
       --out "$out" --tag=-9b-b ;;
   e2e-27b)
     timeout 580 python3 bench/e2e.py --models qwen3.5-27b --batches 1 8 32 "${shapes[@]}" \
       --confirm-max-batch --out "$out" --tag=-27b ;;
   budget)
     timeout 580 python3 bench/budget.py --models bundled qwen3.5-9b --batches 1 8 32 \
+      --sweep 16 64 256 --out "$out" ;;
+  budget-bundled)
+    timeout 580 python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
       --sweep 16 64 256 --out "$out" ;;
   tp)
     timeout 580 python3 bench/tp.py --out "$out" ;;

@@ -95,17 +95,22 @@ def _profile(t_ver_ms: float, t_dec_ms: float = 50.0):
                          b_ver=[16, 16, 16], model="tiny", created="")
 
 
+def _goodput_case(model, params):
+    """Plain decoding's output of PROMPTS, and a goodput spec over the replay drafter (its rho
+    follows its profile, so drafting is likely to pay; the random head's rho is ~0)."""
+    ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar"), gdn_backend="torch-serial")
+          .generate(PROMPTS, params)]
+    return ar, SpecConfig("bole", "replay", depth=4, topk=3, budget=12, budget_policy="goodput",
+                          acceptance="qwen3-next-mtp")
+
+
 def test_goodput_drafts_when_it_pays_and_decodes_plainly_when_not(model):
     """A verify that costs a decode makes drafting pay (tokens per round > 1); a verify 100x a
     decode makes the batch decode plainly, drafting again every AR_ROUNDS rounds to look; greedy output is
     plain decoding's either way."""
     from bole.engine.selection import AR_ROUNDS
     params = GenerationParams(max_tokens=24)
-    ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar"), gdn_backend="torch-serial")
-          .generate(PROMPTS, params)]
-    # the replay drafter's rho follows its profile (likely drafts); the random head's is ~0
-    spec = SpecConfig("bole", "replay", depth=4, topk=3, budget=12, budget_policy="goodput",
-                      acceptance="qwen3-next-mtp")
+    ar, spec = _goodput_case(model, params)
     cheap = Engine(model, spec, max_slots=3, budget_profile=_profile(50.0))
     res = cheap.generate(PROMPTS, params, continuations=ar)
     assert [r.token_ids for r in res] == ar
@@ -125,10 +130,7 @@ def test_goodput_learns_acceptance_from_its_rounds(model):
     the table has moved off its prior where nodes were seen."""
     from bole.engine.selection import FIT_EVERY
     params = GenerationParams(max_tokens=40)
-    ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar"), gdn_backend="torch-serial")
-          .generate(PROMPTS, params)]
-    spec = SpecConfig("bole", "replay", depth=4, topk=3, budget=12, budget_policy="goodput",
-                      acceptance="qwen3-next-mtp")
+    ar, spec = _goodput_case(model, params)
     engine = Engine(model, spec, max_slots=3, budget_profile=_profile(50.0))
     calib = engine.rounds.calibrator
     prior = calib.table.clone()

@@ -10,6 +10,8 @@
 #   e2e-9b-a  bench/e2e.py, 9B at batch 1 2 4 8, with bole-goodput (~5 min before that mode)
 #   e2e-9b-b  bench/e2e.py, 9B at batch 16 32 64 (the shapes that won there), with bole-goodput
 #   e2e-27b   bench/e2e.py, 27B at batch 1 8 32, then tree-serial's max batch confirmed (~9 min)
+#   confirm-9b  bench/e2e.py, 9B at batch 1 with the 8,4,32 tree, then tree-serial's max batch at
+#             8k context run for a few rounds
 #   budget    bench/budget.py, bundled and 9B at batch 1 8 32 (~8 min)
 #   budget-bundled  bench/budget.py, the bundled model at all 7 batches 1-64
 #   serve     bench/serve.py, all four modes (~5 min)
@@ -19,7 +21,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|round|e2e-9b-a|e2e-9b-b|e2e-27b|budget|budget-bundled|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|round|e2e-9b-a|e2e-9b-b|e2e-27b|confirm-9b|budget|budget-bundled|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -46,6 +48,9 @@ case "$part" in
   e2e-27b)
     timeout 580 python3 bench/e2e.py --models qwen3.5-27b --batches 1 8 32 "${shapes[@]}" \
       --confirm-max-batch --out "$out" --tag=-27b ;;
+  confirm-9b)
+    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 1 --chain-depths 4 \
+      --tree-shapes 8,4,32 --draft-vocab 32768 --confirm-max-batch --out "$out" --tag=-9b-confirm ;;
   budget)
     timeout 580 python3 bench/budget.py --models bundled qwen3.5-9b --batches 1 8 32 \
       --sweep 16 64 256 --out "$out" ;;

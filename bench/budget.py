@@ -9,7 +9,10 @@ For each model and batch, bole runs with:
                  when drafting does not pay
 Models: the bundled model with its MTP head (real acceptance) and random-weight presets with the
 replay drafter (acceptance from --profile). Records {model, batch, policy, budget, tokens_per_s
-(decode: tokens after each request's first over the rounds' time), mean_accepted_tokens, round_ms} go to bench/results/budget-<date>-<model>.json with a plot.
+(decode: tokens after each request's first over the rounds' time), mean_accepted_tokens, round_ms,
+the round's split, plain_round_share (goodput's rounds without drafting),
+draft_nodes_per_round (draft nodes the batch verified, shared budgets)} go to
+bench/results/budget-<date>-<model>.json with a plot.
 
     python bench/budget.py --models bundled qwen3.5-9b             # on a GPU
     python bench/budget.py --models tiny --batches 1 2 --device cpu --max-tokens 12 --sweep 2 8
@@ -81,7 +84,11 @@ def main(argv=None) -> int:
                 rec = dict(model=name, batch=batch, policy=policy, budget=budget,
                            tokens_per_s=res["decode_tokens_per_s"],
                            mean_accepted_tokens=res["mean_accepted_tokens"],
-                           round_ms=res["round_ms"], ar_tokens_per_s=ar["decode_tokens_per_s"])
+                           round_ms=res["round_ms"], ar_tokens_per_s=ar["decode_tokens_per_s"],
+                           draft_ms=res["draft_ms"], verify_ms=res["verify_ms"],
+                           accept_commit_ms=res["accept_commit_ms"],
+                           plain_round_share=res["plain_round_share"],
+                           draft_nodes_per_round=res["draft_nodes_per_round"])
                 print(json.dumps(rec), flush=True)
                 return rec
             records.append(one("fixed", base, batch * (base.nodes_per_request - 1)))

@@ -117,6 +117,8 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
                tokens_per_verified_node=accepted / max(1, nodes), round_ms=split["round_ms"],
                draft_ms=split["draft_ms"], verify_ms=split["verify_ms"],
                accept_commit_ms=split["accept_commit_ms"], host_ms=split["host_ms"],
+               plain_round_share=split["plain_round_share"],
+               draft_nodes_per_round=split["draft_nodes_per_round"],
                eager_fallbacks=engine.rounds.graphs.stats["eager_fallbacks"],
                peak_mem_gib=(torch.cuda.max_memory_allocated() / 2 ** 30
                              if device == "cuda" else None),

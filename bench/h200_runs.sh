@@ -12,8 +12,8 @@
 #   e2e-27b   bench/e2e.py, 27B at batch 1 8 32, then tree-serial's max batch confirmed (~9 min)
 #   confirm-9b  bench/e2e.py, 9B at batch 1 with the 8,4,32 tree, then tree-serial's max batch at
 #             8k context run for a few rounds
-#   budget    bench/budget.py, bundled and 9B at batch 1 8 32 (~8 min)
-#   budget-bundled  bench/budget.py, the bundled model at all 7 batches 1-64
+#   budget-bundled  bench/budget.py, the bundled model at all 7 batches 1-64 (~3 min)
+#   budget-9b bench/budget.py, the 9B preset at all 7 batches 1-64 (~7 min)
 #   serve     bench/serve.py, all four modes (~5 min)
 #   serve-process  the same with bole serve --engine-process (not yet run)
 #   tp        bench/tp.py: 27B forwards and all-reduces at tp 1 and 2 (nvidia-h200-x2; not yet run)
@@ -21,7 +21,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|round|e2e-9b-a|e2e-9b-b|e2e-27b|confirm-9b|budget|budget-bundled|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|round|e2e-9b-a|e2e-9b-b|e2e-27b|confirm-9b|budget-bundled|budget-9b|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -51,12 +51,12 @@ case "$part" in
   confirm-9b)
     timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 1 --chain-depths 4 \
       --tree-shapes 8,4,32 --draft-vocab 32768 --confirm-max-batch --out "$out" --tag=-9b-confirm ;;
-  budget)
-    timeout 580 python3 bench/budget.py --models bundled qwen3.5-9b --batches 1 8 32 \
-      --sweep 16 64 256 --out "$out" ;;
   budget-bundled)
     timeout 580 python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
-      --sweep 16 64 256 --out "$out" ;;
+      --sweep 16 64 256 1024 2048 --out "$out" ;;
+  budget-9b)
+    timeout 580 python3 bench/budget.py --models qwen3.5-9b --batches 1 2 4 8 16 32 64 \
+      --sweep 64 256 1024 --out "$out" ;;
   tp)
     timeout 580 python3 bench/tp.py --out "$out" ;;
   tp-e2e)

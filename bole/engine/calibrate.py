@@ -25,7 +25,7 @@ from bole.speculative.calibration import (BudgetProfile, calibrate, config_hash,
                                           gpu_name, plot_profile, runtime_versions)
 from bole.tree import DraftTree, PackedForest
 
-DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
 def captured_ms(fn, device: torch.device, reps: int) -> float:
@@ -102,7 +102,8 @@ def calibrate_model(model, spec, batches, *, node_grid=DEFAULT_GRID, eps: float 
     """Measure, build and save this device's profile for ``model`` (with a plot beside it)."""
     batches = sorted(set(batches))
     T = spec.nodes_per_request
-    grid = [n for n in node_grid if n <= max(batches) * (T - 1)]
+    full = max(batches) * (T - 1)                # every draft node of the largest batch
+    grid = [n for n in node_grid if n < full] + [full]
     time_fn = forward_time_fn(model, spec, max(batches), context=context, reps=reps)
 
     def bar(done, total):

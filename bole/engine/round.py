@@ -47,7 +47,14 @@ log = logging.getLogger("bole.round")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def bucket_for(n: int) -> int | None:
+def bucket_for(n: int, max_slots: int | None = None) -> int | None:
+    """The rows a round of ``n`` requests pads to: the smallest bucket >= n, or ``max_slots``
+    when that is smaller (an engine of 51 slots pays for 51 rows, not 64; past the last
+    bucket it is the only one). None when n exceeds both."""
+    if max_slots is not None:
+        if n > max_slots:
+            return None
+        return next((b for b in BUCKETS if n <= b < max_slots), max_slots)
     return next((b for b in BUCKETS if b >= n), None)
 
 
@@ -63,11 +70,20 @@ class RoundTimings:
     host: float = 0.0
     total: float = 0.0
     syncs: int = 0
+    #: the goodput policy's plain rounds (no drafting)
+    plain_rounds: int = 0
+    #: draft nodes verified by the batch, over the drafting rounds of a shared budget
+    draft_nodes: int = 0
+    budget_rounds: int = 0
 
     def add(self, t: dict) -> None:
         self.rounds += 1
         for k in ("draft", "verify", "accept_commit", "host", "total", "syncs"):
             setattr(self, k, getattr(self, k) + t[k])
+        self.plain_rounds += int(t.get("plain", 0))
+        if t.get("draft_nodes") is not None:
+            self.draft_nodes += t["draft_nodes"]
+            self.budget_rounds += 1
 
     def decode_split(self, decoded_tokens: int, elapsed_s: float) -> tuple[float, float]:
         """``(decoded_tokens`` over the rounds' time in tokens/s, the seconds of a run of
@@ -80,7 +96,10 @@ class RoundTimings:
         return dict(round_ms=self.total / n, draft_ms=self.draft / n, verify_ms=self.verify / n,
                     accept_commit_ms=self.accept_commit / n, host_ms=self.host / n,
                     syncs_per_round=self.syncs / n,
-                    gpu_idle_share=self.host / max(self.total, 1e-9))
+                    gpu_idle_share=self.host / max(self.total, 1e-9),
+                    plain_round_share=self.plain_rounds / n,
+                    draft_nodes_per_round=(self.draft_nodes / self.budget_rounds
+                                           if self.budget_rounds else None))
 
 
 class StaticSampling:
@@ -189,6 +208,7 @@ class RoundRunner:
     def __init__(self, runner: ModelRunner, spec, *, max_slots: int, draft_model=None,
                  cuda_graphs: bool = True, progress: bool = False, budget_profile=None):
         self.runner, self.spec = runner, spec
+        self.max_slots = max_slots
         self.model, self.cache = runner.model, runner.cache
         self.device = self.model.device
         self.ar = spec.mode == "ar"
@@ -254,7 +274,7 @@ class RoundRunner:
         """Capture every bucket's greedy round up to ``max_slots`` rows, largest first, at
         every verify width the budget policy can pick (a capture inside a timed round costs
         hundreds of milliseconds)."""
-        buckets = [b for b in BUCKETS if b < max_slots] + [bucket_for(max_slots)]
+        buckets = [b for b in BUCKETS if b < max_slots] + [max_slots]
         t0 = time.perf_counter()
         for i, R in enumerate(sorted(set(buckets), reverse=True)):
             if progress:
@@ -340,7 +360,7 @@ class RoundRunner:
         if any(self.cache.host_lengths[s] for s in slots):
             raise ValueError("prefill fills fresh slots (no committed tokens)")
         tokens = self.runner.prefill_tokens(prompts)
-        R, T = bucket_for(len(slots)), tokens.shape[1]
+        R, T = bucket_for(len(slots), self.max_slots), tokens.shape[1]
         self._prefill_buffers(R, T).write(list(slots), tokens, lengths)
         logits = self.graphs.run(("prefill", R, T), lambda: self._prefill(R, T))
         self.cache.advance(slots, lengths)
@@ -500,10 +520,10 @@ class RoundRunner:
         the device; if the batch changes after all (a stop token, a cancellation), the next
         call rewrites the rows and drafts again, in stream order after the stale draft."""
         t_start = time.perf_counter()
-        R = bucket_for(len(requests))
+        R = bucket_for(len(requests), self.max_slots)
         if R is None:
-            raise ValueError(f"{len(requests)} requests exceed the largest batch bucket "
-                             f"{BUCKETS[-1]}")
+            raise ValueError(f"{len(requests)} requests exceed the engine's {self.max_slots} "
+                             "slots")
         b = self._buffers(R)
         flags = StaticSampling.flags_for([r.params.sampling for r in requests])
         W = self.policy.width(R, len(requests))
@@ -529,6 +549,7 @@ class RoundRunner:
         plain = self.policy.plain_round()
         if b.goodput is not None:
             b.goodput.overhead_ms.fill_(self.policy.overhead_ms)
+            b.goodput.plain_overhead_ms.fill_(self.policy.plain_overhead_ms)
         mark(marks)
         if plain:
             pass                                   # goodput decided drafting does not pay
@@ -581,8 +602,11 @@ class RoundRunner:
         t_sync = time.perf_counter()
         own_draft = elapsed(*next_marks) / 1e3 if next_marks and not cuda else 0.0
         counts = b.num_host[:len(requests)].tolist()
+        draft_nodes = None
         if self.policy.shared and not plain:
-            self.policy.observe(R, b.kept_host[:len(requests)].tolist())
+            kept = b.kept_host[:len(requests)].tolist()
+            self.policy.observe(R, kept)
+            draft_nodes = sum(min(k, W) - 1 for k in kept)      # verified, past the roots
         if b.goodput is not None:
             self.policy.after_round(bool(b.use_ar_host), plain, ms[0], ms[2])
         emitted = b.emitted_host[:len(requests)].tolist()
@@ -597,7 +621,8 @@ class RoundRunner:
         # the CPU ran the queued draft inside this call: it counts in the next round's time
         total = 1e3 * (t_return - t_start - own_draft + carry)
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
-                      host=max(0.0, total - sum(ms)), total=total, syncs=1)
+                      host=max(0.0, total - sum(ms)), total=total, syncs=1, plain=plain,
+                      draft_nodes=draft_nodes)
         return new, timing
 
     def _may_prelaunch(self, requests) -> bool:

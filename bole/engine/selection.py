@@ -11,7 +11,9 @@ Policies (``SpecConfig.budget_policy``):
     goodput     each round, the budget N of the profile's grid that maximises expected tokens
                 (one per request plus the kept nodes' rho) per ms of the round (the profile's
                 T_ver(N) plus the measured draft and accept time); when even the best is below
-                plain decoding's rate, the batch decodes plainly for :data:`AR_ROUNDS` rounds
+                plain decoding's rate (the profile's T_dec plus a plain round's measured accept
+                time, taken as a drafting round's until a plain round has run), the batch
+                decodes plainly for :data:`AR_ROUNDS` rounds
                 (no drafting), then drafts again to look. A node's acceptance estimate starts
                 at its rho and follows what the rounds observe: an
                 :class:`~bole.speculative.calibration.AcceptanceCalibrator` per round runner
@@ -33,8 +35,8 @@ import torch
 
 from bole.forest import DenseForest
 from bole.speculative.calibration import AcceptanceCalibrator
-from bole.speculative.budget import (compact, dense_inputs, expected_accepted_curve,
-                                     goodput_budget, select_dense)
+from bole.speculative.budget import (compact, expected_accepted_curve, goodput_budget,
+                                     rank_dense, select_dense)
 
 POLICIES = ("fixed", "global", "calibrated", "goodput")
 #: rounds of plain decoding after the goodput policy finds drafting does not pay
@@ -67,16 +69,21 @@ class Selected:
 @dataclass
 class Goodput:
     """The goodput policy's device inputs for one batch bucket: the profile's node grid ``[G]``,
-    its ``T_ver`` there ``[G]`` (ms), the round's draft and accept time (0-d, ms, measured),
-    the active requests (0-d), ``T_dec`` (a host constant of the bucket) and the decision
-    (``use_ar`` 0-d bool)."""
+    its ``T_ver`` there ``[G]`` (ms), a drafting round's draft and accept time (0-d, ms,
+    measured), the active requests (0-d), ``T_dec`` (a host constant of the bucket), a plain
+    round's accept time (0-d, ms, measured) and the decision (``use_ar`` 0-d bool)."""
 
     grid: torch.Tensor
     t_ver: torch.Tensor
     overhead_ms: torch.Tensor
     active: torch.Tensor
     t_dec: float
+    plain_overhead_ms: torch.Tensor
     use_ar: torch.Tensor
+
+    def plain_ms(self) -> torch.Tensor:
+        """A plain round's ms: the decode forward and its accept and commit (0-d)."""
+        return self.plain_overhead_ms + self.t_dec
 
 
 def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
@@ -90,14 +97,14 @@ def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid
     the roots alone (``goodput.use_ar`` records it)."""
     forest = DenseForest.from_parents(parents, valid, max_depth)
     rho = rho.masked_fill(~valid, 0.0)
+    rank = rank_dense(rho, forest, root_floor, active)        # one ranking for both uses
     if goodput is not None:
-        p, r = dense_inputs(forest, active)
-        curve = expected_accepted_curve(rho.reshape(-1), p, r, goodput.grid, root_floor,
-                                        acceptance=acceptance, max_depth=max_depth)
-        budget, use_ar = goodput_budget(goodput.grid, curve, goodput.t_ver, goodput.t_dec,
+        curve = expected_accepted_curve(rho.reshape(-1), None, None, goodput.grid, root_floor,
+                                        acceptance=acceptance, rank=rank)
+        budget, use_ar = goodput_budget(goodput.grid, curve, goodput.t_ver, goodput.plain_ms(),
                                         goodput.active, round_overhead_ms=goodput.overhead_ms)
         goodput.use_ar.copy_(use_ar)
-    keep = select_dense(rho, forest, budget, root_floor, active=active)
+    keep = select_dense(rho, forest, budget, root_floor, active=active, rank=rank)
     if goodput is not None:
         roots = torch.zeros_like(keep)
         roots[:, 0] = valid[:, 0]
@@ -125,6 +132,8 @@ class BudgetPolicy:
         self.last_kept: dict[int, int] = {}
         self.ar_rounds_left = 0                  # goodput: plain rounds before drafting again
         self.overhead_ms = 0.0                   # goodput: draft + accept time, averaged
+        self.plain_overhead_ms = 0.0             # goodput: a plain round's accept time
+        self.plain_measured = False              # whether plain_overhead_ms is a plain round's
 
     @property
     def shared(self) -> bool:
@@ -149,6 +158,7 @@ class BudgetPolicy:
                        torch.zeros((), dtype=torch.float64, device=device),
                        torch.zeros((), dtype=torch.int64, device=device),
                        float(self.profile.t_dec[row]),
+                       torch.zeros((), dtype=torch.float64, device=device),
                        torch.zeros((), dtype=torch.bool, device=device))
 
     def plain_round(self) -> bool:
@@ -156,12 +166,19 @@ class BudgetPolicy:
         return self.policy == "goodput" and self.ar_rounds_left > 0
 
     def after_round(self, use_ar: bool, plain: bool, draft_ms: float, accept_ms: float) -> None:
-        """Goodput's host side: count down plain rounds, or start them; average the overhead."""
+        """Goodput's host side: count down plain rounds, or start them; average what a drafting
+        round spends besides its verify forward, and what a plain round spends besides its
+        decode forward (a drafting round's accept time until a plain round has run: an upper
+        bound, since a plain round accepts and commits one token a row)."""
         if plain:
             self.ar_rounds_left -= 1
+            self.plain_overhead_ms = _average(self.plain_overhead_ms if self.plain_measured
+                                              else 0.0, accept_ms)
+            self.plain_measured = True
             return
-        self.overhead_ms = 0.8 * self.overhead_ms + 0.2 * (draft_ms + accept_ms) \
-            if self.overhead_ms else draft_ms + accept_ms
+        self.overhead_ms = _average(self.overhead_ms, draft_ms + accept_ms)
+        if not self.plain_measured:
+            self.plain_overhead_ms = _average(self.plain_overhead_ms, accept_ms)
         if use_ar:
             self.ar_rounds_left = AR_ROUNDS
 
@@ -179,3 +196,8 @@ class BudgetPolicy:
 
     def observe(self, R: int, kept: list[int]) -> None:
         self.last_kept[R] = max(kept, default=1)
+
+
+def _average(mean: float, x: float) -> float:
+    """An exponential moving average (weight 0.2 on the newest), started at its first value."""
+    return 0.8 * mean + 0.2 * x if mean else x

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from bole.forest import DenseForest
 
-__all__ = ["Ranking", "rank_nodes", "select_nodes", "dense_inputs", "select_dense",
+__all__ = ["Ranking", "rank_nodes", "select_nodes", "dense_inputs", "rank_dense", "select_dense",
            "Compacted", "compact", "safe_width", "expected_accepted_curve", "goodput_rates",
            "goodput_choice", "goodput_budget"]
 
@@ -154,7 +154,12 @@ def select_nodes(rho: Tensor, parents: Tensor, request_of_node: Tensor, budget: 
     or a 0-d tensor on the forest's device; negative counts as 0). The result is
     ancestor-closed, holds every root and the floors, and keeps exactly
     ``max(floors, min(budget, draft nodes))`` draft nodes. No host synchronisation."""
-    rank = rank_nodes(rho, parents, request_of_node, root_floor, max_depth=max_depth)
+    return _keep(rank_nodes(rho, parents, request_of_node, root_floor, max_depth=max_depth),
+                 budget)
+
+
+def _keep(rank: Ranking, budget: Budget) -> Tensor:
+    """``[N]`` bool: the roots, the floors and the first ``budget - floors`` eligible nodes."""
     _check_budget(budget)
     rest = (budget - rank.floor.sum()).clamp(min=0)
     taken = rank.eligible & (torch.cumsum(rank.eligible, 0) <= rest)
@@ -173,19 +178,29 @@ def dense_inputs(forest: DenseForest, active: Tensor | None = None) -> tuple[Ten
     return forest.parent_global(), torch.where(live, row, -1).reshape(-1)
 
 
-def select_dense(rho: Tensor, forest: DenseForest, budget: Budget, root_floor: int = 1,
-                 active: Tensor | None = None) -> Tensor:
-    """``[R, T]`` keep mask of :func:`select_nodes` over the dense layout.
-
-    rho: ``[R, T]`` cumulative draft probability (a :class:`DraftForest`'s ``rho``).
-    active: optional ``[R]`` bool; an inactive row keeps only its root slot 0 (so that the
-    forward stays well-formed) and takes no budget."""
+def rank_dense(rho: Tensor, forest: DenseForest, root_floor: int = 1,
+               active: Tensor | None = None) -> Ranking:
+    """:func:`rank_nodes` over the dense layout (inputs as in :func:`select_dense`), for callers
+    that both select and estimate (the goodput policy ranks once for both)."""
     R, T = forest.parents.shape
     if rho.shape != (R, T):
         raise ValueError(f"rho {tuple(rho.shape)} must match the forest's [R, T] = {[R, T]}")
     parents, request = dense_inputs(forest, active)
-    keep = select_nodes(rho.reshape(-1), parents, request, budget, root_floor,
-                        max_depth=forest.max_depth).view(R, T)
+    return rank_nodes(rho.reshape(-1), parents, request, root_floor, max_depth=forest.max_depth)
+
+
+def select_dense(rho: Tensor, forest: DenseForest, budget: Budget, root_floor: int = 1,
+                 active: Tensor | None = None, rank: Ranking | None = None) -> Tensor:
+    """``[R, T]`` keep mask of :func:`select_nodes` over the dense layout.
+
+    rho: ``[R, T]`` cumulative draft probability (a :class:`DraftForest`'s ``rho``).
+    active: optional ``[R]`` bool; an inactive row keeps only its root slot 0 (so that the
+    forward stays well-formed) and takes no budget. rank: :func:`rank_dense` of the same
+    inputs, when the caller has it."""
+    R, T = forest.parents.shape
+    if rank is None:
+        rank = rank_dense(rho, forest, root_floor, active)
+    keep = _keep(rank, budget).view(R, T)
     if active is not None:
         keep[:, 0] |= forest.valid[:, 0] & ~active
     return keep
@@ -258,10 +273,11 @@ def safe_width(T: int, max_budget: int, root_floor: int = 1) -> int:
 
 
 # ---- the goodput policy ----
-def expected_accepted_curve(rho: Tensor, parents: Tensor, request_of_node: Tensor,
+def expected_accepted_curve(rho: Tensor, parents: Tensor | None, request_of_node: Tensor | None,
                             node_grid: Tensor | Sequence[int], root_floor: int = 1, *,
                             acceptance: Callable[[Tensor], Tensor] | None = None,
-                            max_depth: int | None = None) -> Tensor:
+                            max_depth: int | None = None,
+                            rank: Ranking | None = None) -> Tensor:
     """``[G]`` float64 expected accepted tokens if the round kept ``budget = node_grid[g]``.
 
     Expected tokens = one per request (the bonus token) + the acceptance estimates of the kept
@@ -270,8 +286,10 @@ def expected_accepted_curve(rho: Tensor, parents: Tensor, request_of_node: Tenso
     fitted :class:`AcceptanceCalibrator`; its output is clamped to [0, 1] too). One ranking
     serves every budget: the kept set of budget n is the floors plus the first ``n - floors``
     eligible nodes, so a prefix sum answers them all. Inputs as in :func:`rank_nodes`; no host
-    synchronisation."""
-    rank = rank_nodes(rho, parents, request_of_node, root_floor, max_depth=max_depth)
+    synchronisation. ``rank``: these inputs' ranking when the caller has it already (then
+    ``parents`` and ``request_of_node`` are not read and may be None)."""
+    if rank is None:
+        rank = rank_nodes(rho, parents, request_of_node, root_floor, max_depth=max_depth)
     est = rank.score.to(torch.float64).clamp(0.0, 1.0)        # -inf (roots, NaN rho) -> 0
     if acceptance is not None:
         est = torch.nan_to_num(acceptance(est).to(torch.float64), nan=0.0).clamp(0.0, 1.0)

@@ -123,6 +123,25 @@ def test_rows_pad_to_a_bucket_no_wider_than_a_slot(model):
         assert together.prefill_tokens([prompt]).shape == (1, min(16, max_len - 1))
 
 
+def test_rounds_pad_to_a_bucket_no_larger_than_the_engine(model):
+    """An engine of 51 slots pads a round of 33-51 requests to 51 rows, not 64 (the memory of a
+    computed max batch is the memory of that many rows); past the last bucket the engine's
+    size is the bucket; more requests than slots have none."""
+    from bole.engine.round import bucket_for
+    assert [bucket_for(n, 51) for n in (1, 3, 17, 33, 51)] == [1, 4, 32, 51, 51]
+    assert bucket_for(257, 300) == 300 and bucket_for(52, 51) is None
+    assert bucket_for(3) == 4 and bucket_for(300) is None
+    prompts = [[5, 9, 17, 33, 2], [7, 7, 8, 9, 1], [100, 3, 100]]
+    params = GenerationParams(max_tokens=6)
+    spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=6)
+    engine = Engine(model, spec, max_slots=3, max_len=64)
+    got = [r.token_ids for r in engine.generate(prompts, params, seed=0)]
+    assert max(engine.rounds.buffers) == 3
+    want = [r.token_ids for r in Engine(model, SpecConfig("ar"), max_slots=3, max_len=64)
+            .generate(prompts, params, seed=0)]
+    assert got == want
+
+
 def test_padding_rows_stay_inside_the_dummy_slot_at_a_short_max_len(model):
     """Three prompts (a padding row) whose longest needs the 64-token width, in slots of 64
     positions: the width drops to 63, so the padding row on the dummy slot (which holds a

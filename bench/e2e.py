@@ -18,7 +18,8 @@ tree-serial runs bole's best shape, so the two see the same trees. Memory: peak 
 per run, and the largest batch that fits 80% of the device at --max-context tokens per request
 (weights + per-slot cache + the round's transient state: factors for bole, a snapshot per node
 for tree-serial, per position for chain); ``--confirm-max-batch`` runs tree-serial's limit for
-a few rounds to check it (``max_batch_confirmed`` in the JSON).
+a few rounds to check it, and 80% of the last batch tried while it does not fit (at most three
+times more; ``max_batch_confirmed`` in the JSON: every run and the largest that ran).
 
     python bench/e2e.py                           # on a GPU -> bench/results/e2e-<date>.{json,png}
     python bench/e2e.py --models tiny --batches 1 2 --device cpu --max-tokens 16   # smoke run
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import hashlib
 import json
 import sys
@@ -190,7 +192,23 @@ def confirm(model, spec: SpecConfig, context: int, batch: int, device: str) -> d
                    device_gib=torch.cuda.get_device_properties(
                        torch.cuda.current_device()).total_memory / 2 ** 30)
     del engine
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return rec
+
+
+def confirm_max_batch(model, spec: SpecConfig, context: int, computed: int, device: str,
+                      tries: int = 3) -> dict:
+    """:func:`confirm` at the computed max batch; when it does not fit, at 80% of the last
+    batch tried, up to ``tries`` more times. Returns every run and the largest that ran."""
+    runs, n = [confirm(model, spec, context, computed, device)], computed
+    while not runs[-1]["ok"] and len(runs) <= tries and n > 1:
+        n = max(1, int(n * 0.8))
+        runs.append(confirm(model, spec, context, n, device))
+    ran = [r["batch"] for r in runs if r["ok"]]
+    return dict(mode=spec.mode, computed=computed, context=context, runs=runs,
+                largest_run=max(ran, default=None))
 
 
 def main(argv=None) -> int:
@@ -329,9 +347,8 @@ def study(args, tp=None) -> Path | None:
         if args.confirm_max_batch and args.tp == 1:
             spec = best["tree-serial"][0]
             n = args.confirm_batch or max_batch(model, spec, args.max_context, args.device)
-            confirmations.append(dict(model=name, computed=max_batch(
-                model, spec, args.max_context, args.device), **confirm(
-                    model, spec, args.max_context, n, args.device)))
+            confirmations.append(dict(model=name, **confirm_max_batch(
+                model, spec, args.max_context, n, args.device)))
             print(json.dumps(confirmations[-1]), flush=True)
         del model
     if tp is not None and tp.rank:

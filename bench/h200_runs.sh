@@ -53,7 +53,7 @@ case "$part" in
       --tree-shapes 8,4,32 --draft-vocab 32768 --confirm-max-batch --out "$out" --tag=-9b-confirm ;;
   budget-bundled)
     timeout 580 python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
-      --sweep 16 64 256 1024 2048 --out "$out" ;;
+      --sweep 64 256 1024 2048 --out "$out" ;;
   budget-9b)
     timeout 580 python3 bench/budget.py --models qwen3.5-9b --batches 1 2 4 8 16 32 64 \
       --sweep 64 256 1024 --out "$out" ;;

@@ -80,5 +80,20 @@ def test_confirm_max_batch_runs_the_batch_and_records_it(tmp_path):
                                 "--out", str(tmp_path)]) == 0
     data = json.loads(next(tmp_path.glob("e2e-*.json")).read_text())
     [c] = data["max_batch_confirmed"]
-    assert c["model"] == "tiny" and c["mode"] == "tree-serial" and c["batch"] == 3
-    assert c["context"] == 24 and c["ok"] and c["tokens"] == 3 * 4
+    assert c["model"] == "tiny" and c["mode"] == "tree-serial" and c["computed"] == 3
+    [run] = c["runs"]
+    assert run["batch"] == 3 and run["context"] == 24 and run["ok"] and run["tokens"] == 3 * 4
+    assert c["largest_run"] == 3
+
+
+def test_a_max_batch_that_does_not_fit_is_retried_smaller(monkeypatch):
+    """When the computed batch runs out of memory, 80% of it is tried, and so on: the record
+    keeps every run and the largest that fit."""
+    e2e = _e2e()
+    monkeypatch.setattr(e2e, "confirm", lambda model, spec, ctx, n, dev: dict(
+        batch=n, ok=n <= 35))
+    got = e2e.confirm_max_batch(None, e2e.SpecConfig("tree-serial"), 8192, 51, "cuda")
+    assert [r["batch"] for r in got["runs"]] == [51, 40, 32] and got["largest_run"] == 32
+    monkeypatch.setattr(e2e, "confirm", lambda model, spec, ctx, n, dev: dict(batch=n, ok=False))
+    got = e2e.confirm_max_batch(None, e2e.SpecConfig("tree-serial"), 8192, 51, "cuda")
+    assert len(got["runs"]) == 4 and got["largest_run"] is None

@@ -34,7 +34,7 @@ from bole.engine.runner import (PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunn
                                 prefill_bucket)
 from bole.forest import DenseForest
 from bole.speculative.accept_device import SamplingBatch, accept, draw_uniforms
-from bole.speculative.calibration import AcceptanceCalibrator
+from bole.speculative.calibration import learnt_acceptance
 from bole.speculative.draft_tree import build_draft_trees, per_request
 from bole.speculative.drafters import NgramDrafter
 from bole.speculative.mtp import MTPDrafter
@@ -221,8 +221,10 @@ class RoundRunner:
             BudgetPolicy(type(spec)(mode="ar"), 1)
         self.mtp = self.draft = None
         self.ngram = NgramDrafter()
-        #: the goodput policy's acceptance estimates, learnt from this runner's rounds
-        self.calibrator = AcceptanceCalibrator.log_bins(device=self.device) \
+        #: the goodput policy's acceptance estimates, learnt from the rounds of every runner of
+        #: this model and drafter in the process
+        self.calibrator = learnt_acceptance(
+            self.model, (spec.drafter, spec.acceptance, spec.draft_vocab), self.device) \
             if self.policy.policy == "goodput" else None
         self._rounds_since_fit = 0
         if not self.ar and spec.drafter in ("mtp", "replay"):
@@ -248,6 +250,7 @@ class RoundRunner:
         #: when that call returned
         self._pending: RoundBuffers | None = None
         self._queued: tuple = ()
+        self.runner.reserve_snapshots(max_slots * self.T)   # tree-serial, chain: one store
         self.graphs = GraphRunner(self.device, cuda_graphs and self.model.graph_safe)
         if cuda_graphs and not self.model.graph_safe and self.device.type == "cuda":
             log.warning("MoE routing syncs the host: rounds of this model run eagerly")
@@ -577,7 +580,7 @@ class RoundRunner:
             done = torch.cuda.Event()
             done.record()
         next_marks: list = []
-        if prelaunch and self._may_prelaunch(requests):
+        if prelaunch and self._may_prelaunch(requests, plain):
             mark(next_marks)
             self.graphs.run(("draft", R), lambda: self._draft(b))
             mark(next_marks)
@@ -625,8 +628,10 @@ class RoundRunner:
                       draft_nodes=draft_nodes)
         return new, timing
 
-    def _may_prelaunch(self, requests) -> bool:
-        """Whether the next round's draft can be queued now: the device drafter grows it, the
-        policy drafts every round, and no request can reach its token limit in this round."""
-        return (self.mtp is not None and self.policy.policy != "goodput"
+    def _may_prelaunch(self, requests, plain: bool) -> bool:
+        """Whether the next round's draft can be queued now: the device drafter grows it, this
+        round drafted (under goodput the next may still be plain, if this round decided so:
+        the queued draft is then dropped, its time counted), and no request can reach its
+        token limit in this round."""
+        return (self.mtp is not None and not plain
                 and all(r.remaining > self.D + 1 for r in requests))

@@ -50,6 +50,21 @@ class ModelRunner:
         self.model, self.cache, self.gdn = model, cache, gdn
         self.device = model.device
         self.K = model.config.linear_conv_kernel_dim
+        self.snapshot_store: list[torch.Tensor] | None = None
+        self.snapshot_nodes = 0
+
+    def reserve_snapshots(self, max_nodes: int) -> None:
+        """One snapshot store of ``max_nodes`` nodes per GDN layer for the ``triton-serial``
+        backend (tree-serial and chain), shared by every forward and so by every captured
+        batch bucket: without it each bucket's graph keeps its own snapshots alive, and a
+        batch that fits alone runs out of memory beside its smaller buckets."""
+        if self.gdn != "triton-serial":
+            return
+        c = self.model.config
+        per_node = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        self.snapshot_store = [torch.empty(max_nodes * per_node, dtype=torch.float32,
+                                           device=self.device) for _ in c.gdn_layers]
+        self.snapshot_nodes = max_nodes
 
     # ---- batches ----
     def make_batch(self, tokens: torch.Tensor, forest: DenseForest, slots: torch.Tensor,
@@ -61,9 +76,12 @@ class ModelRunner:
         ctx = self.cache.lengths[slots.long()]
         windows = conv_windows_from_parents(forest.parents, forest.depth, self.K)
         meta = forest.kernel_meta() if gdn.startswith("triton") else None
+        store = self.snapshot_store if gdn == "triton-serial" else None
+        if store is not None and forest.num_nodes > self.snapshot_nodes:
+            store = None                         # larger than reserved: its own, per forward
         return ForwardBatch(tokens=tokens, positions=forest.positions(ctx), slots=slots,
                             ctx_lens=ctx, forest=forest, conv_windows=windows, gdn=gdn,
-                            meta=meta, prefill=prefill)
+                            meta=meta, prefill=prefill, snapshot_store=store)
 
     def forward(self, batch: ForwardBatch, *, logits: bool = True) -> ForwardOutput:
         return self.model.forward(self.cache, batch, logits=logits)

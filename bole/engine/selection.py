@@ -13,7 +13,8 @@ Policies (``SpecConfig.budget_policy``):
                 T_ver(N) plus the measured draft and accept time); when even the best is below
                 plain decoding's rate (the profile's T_dec plus a plain round's measured accept
                 time, taken as a drafting round's until a plain round has run), the batch
-                decodes plainly for :data:`AR_ROUNDS` rounds
+                decodes plainly for :data:`AR_ROUNDS` rounds (twice as many each time the
+                look that follows finds the same, up to :data:`AR_ROUNDS_MAX`)
                 (no drafting), then drafts again to look. A node's acceptance estimate starts
                 at its rho and follows what the rounds observe: an
                 :class:`~bole.speculative.calibration.AcceptanceCalibrator` per round runner
@@ -39,8 +40,10 @@ from bole.speculative.budget import (compact, expected_accepted_curve, goodput_b
                                      rank_dense, select_dense)
 
 POLICIES = ("fixed", "global", "calibrated", "goodput")
-#: rounds of plain decoding after the goodput policy finds drafting does not pay
+#: rounds of plain decoding after the goodput policy finds drafting does not pay; doubled
+#: after each look that finds the same, up to AR_ROUNDS_MAX (a look drafts a whole tree)
 AR_ROUNDS = 8
+AR_ROUNDS_MAX = 128
 #: drafting rounds between refits of the goodput policy's acceptance estimates
 FIT_EVERY = 8
 
@@ -131,6 +134,7 @@ class BudgetPolicy:
         self.widths = width_buckets(T)
         self.last_kept: dict[int, int] = {}
         self.ar_rounds_left = 0                  # goodput: plain rounds before drafting again
+        self.ar_stretch = AR_ROUNDS              # goodput: plain rounds after the next fallback
         self.overhead_ms = 0.0                   # goodput: draft + accept time, averaged
         self.plain_overhead_ms = 0.0             # goodput: a plain round's accept time
         self.plain_measured = False              # whether plain_overhead_ms is a plain round's
@@ -180,7 +184,10 @@ class BudgetPolicy:
         if not self.plain_measured:
             self.plain_overhead_ms = _average(self.plain_overhead_ms, accept_ms)
         if use_ar:
-            self.ar_rounds_left = AR_ROUNDS
+            self.ar_rounds_left = self.ar_stretch
+            self.ar_stretch = min(2 * self.ar_stretch, AR_ROUNDS_MAX)
+        else:
+            self.ar_stretch = AR_ROUNDS
 
     def width(self, R: int, batch: int) -> int:
         """The verify width for bucket R: the previous round's largest kept count, else an even

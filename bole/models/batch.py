@@ -36,7 +36,10 @@ class ForwardBatch:
     ``gdn``: one of :data:`GDN_BACKENDS`. ``meta``: the Triton kernels' forest view (triton
     backends). ``prefill``: ``(slot, committed length)`` as host ints for a prefill chunk (one
     request, a chain, no padding): attention then runs through SDPA over the pool and GDN
-    through fla's chunk kernel where it is installed.
+    through fla's chunk kernel where it is installed. ``snapshot_store``: per GDN layer a flat
+    fp32 buffer the ``triton-serial`` kernel writes its per-node snapshots into (its front
+    ``N x H_v x d_k x d_v``), so that the captured forwards of every batch bucket share one
+    store rather than each holding its own; None allocates per forward.
     """
 
     tokens: torch.Tensor
@@ -48,6 +51,7 @@ class ForwardBatch:
     gdn: str
     meta: ForestMeta | None = None
     prefill: tuple[int, int] | None = None
+    snapshot_store: list[torch.Tensor] | None = None
 
     @property
     def num_requests(self) -> int:

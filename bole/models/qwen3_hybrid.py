@@ -313,9 +313,13 @@ class HybridModel:
                 from bole.ops.gdn.triton_verify import tree_gdn_verify_triton as kernel
             else:
                 from bole.ops.gdn.triton_serial import tree_gdn_serial_triton as kernel
+            extra = {}
+            if batch.gdn == "triton-serial" and batch.snapshot_store is not None:
+                extra["snapshots"] = batch.snapshot_store[gi][:N * Hv * dk * dv].view(
+                    N, Hv, dk, dv)
             o, kept = kernel(q[None], k[None], v[None], batch.meta, a=a[None], b=b[None],
                              A_log=raw["A_log"], dt_bias=raw["dt_bias"], initial_state=pool,
-                             state_indices=slots, use_qk_l2norm_in_kernel=True)
+                             state_indices=slots, use_qk_l2norm_in_kernel=True, **extra)
             o = o[0]
             (out.factors if batch.gdn == "triton" else out.snapshots).append(kept)
         elif batch.gdn == "torch":

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import weakref
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -402,3 +403,21 @@ class AcceptanceCalibrator:
     def __call__(self, rho: Tensor) -> Tensor:
         """The fitted acceptance of every rho (same shape, float64)."""
         return self.table.gather(0, self.bin_of(rho).reshape(-1)).view(rho.shape)
+
+
+#: every model's acceptance estimates per drafter, shared by its round runners in this process
+_LEARNT: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def learnt_acceptance(model, drafter: tuple, device) -> AcceptanceCalibrator:
+    """The acceptance estimates of ``model`` drafting with ``drafter`` (a key such as
+    ``(drafter kind, acceptance profile, draft vocabulary)``) on ``device``: one
+    :class:`AcceptanceCalibrator` per model and drafter in this process, so that an engine
+    starts from what earlier engines of the same model learnt (acceptance per rho is a property
+    of the model and its drafter, not of a batch or an engine). Runners that share it must not
+    run rounds concurrently (they write the same counts)."""
+    per_model = _LEARNT.setdefault(model, {})
+    key = (tuple(drafter), str(torch.device(device)))
+    if key not in per_model:
+        per_model[key] = AcceptanceCalibrator.log_bins(device=device)
+    return per_model[key]

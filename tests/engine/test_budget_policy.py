@@ -173,6 +173,7 @@ def test_goodput_learns_acceptance_from_its_rounds(model):
     the table has moved off its prior where nodes were seen."""
     from bole.engine.selection import FIT_EVERY
     params = GenerationParams(max_tokens=40)
+    model = HybridModel(model.config, dict(model.w), gdn_backend="torch")   # nothing learnt yet
     ar, spec = _goodput_case(model, params)
     engine = Engine(model, spec, max_slots=3, budget_profile=_profile(1000.0))
     calib = engine.rounds.calibrator
@@ -187,3 +188,38 @@ def test_goodput_learns_acceptance_from_its_rounds(model):
     assert not torch.equal(calib.table, prior)
     table = calib.table.tolist()
     assert all(a <= b + 1e-12 for a, b in zip(table, table[1:]))
+
+
+def test_engines_of_one_model_share_what_goodput_learnt(model):
+    """Acceptance per rho belongs to a model and its drafter: a second engine of the same model
+    and drafter starts from the first one's estimates; another drafter or model does not."""
+    _, spec = _goodput_case(model, GenerationParams(max_tokens=4))
+    first = Engine(model, spec, max_slots=3, budget_profile=_profile(1000.0))
+    second = Engine(model, spec, max_slots=2, budget_profile=_profile(1000.0))
+    assert second.rounds.calibrator is first.rounds.calibrator
+    other_vocab = Engine(model, SpecConfig(**{**spec.__dict__, "draft_vocab": 64}), max_slots=3,
+                         budget_profile=_profile(1000.0))
+    assert other_vocab.rounds.calibrator is not first.rounds.calibrator
+    twin = HybridModel(model.config, dict(model.w), gdn_backend="torch")
+    assert Engine(twin, spec, max_slots=3, budget_profile=_profile(1000.0)).rounds.calibrator \
+        is not first.rounds.calibrator
+
+
+def test_goodput_looks_less_often_while_drafting_keeps_not_paying():
+    """Each look (a drafting round after plain ones) that again finds drafting does not pay
+    doubles the plain stretch, up to AR_ROUNDS_MAX; a look that drafts resets it."""
+    from bole.engine.selection import AR_ROUNDS, AR_ROUNDS_MAX
+    policy = BudgetPolicy(SpecConfig("bole", budget=4, budget_policy="goodput"), 4,
+                          profile=_profile(1.0, t_dec_ms=1.0))
+    stretches = []
+    for _ in range(7):
+        policy.after_round(True, False, draft_ms=1.0, accept_ms=0.1)      # a look: no
+        n = 0
+        while policy.plain_round():
+            policy.after_round(False, True, draft_ms=0.0, accept_ms=0.1)
+            n += 1
+        stretches.append(n)
+    assert stretches == [min(AR_ROUNDS * 2 ** i, AR_ROUNDS_MAX) for i in range(7)]
+    policy.after_round(False, False, draft_ms=1.0, accept_ms=0.1)         # a look: yes
+    policy.after_round(True, False, draft_ms=1.0, accept_ms=0.1)
+    assert policy.ar_rounds_left == AR_ROUNDS

@@ -81,6 +81,7 @@ def test_tree_verify_and_commit(pair):
     hf, model, backend = pair
     gen = torch.Generator().manual_seed(2)
     runner = runner_for(model, backend, 3, 64)
+    runner.reserve_snapshots(32)          # triton-serial: the snapshots land in a shared store
     cache = runner.cache
     prompts = [torch.randint(0, 64, (n,), generator=gen) for n in (7, 5)]
     slots = [cache.allocate(40) for _ in prompts]
@@ -92,6 +93,8 @@ def test_tree_verify_and_commit(pair):
     tokens = torch.randint(0, 64, (forest.num_nodes,), generator=gen)
     batch, out = runner.verify(slots, forest, tokens)
     T = batch.nodes_per_request
+    if backend == "triton-serial":
+        assert out.snapshots[0].data_ptr() == runner.snapshot_store[0].data_ptr()
     for r, tree in enumerate(trees):
         lo = int(forest.cu_nodes[r])
         for node in range(tree.num_nodes):

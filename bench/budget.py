@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--global-budget", type=int, default=64, help="the global policy's capacity")
     ap.add_argument("--sweep", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256],
                     help="global capacities the oracle tries")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="the MTP head's draft vocabulary (0: the full vocabulary)")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
@@ -70,7 +72,7 @@ def main(argv=None) -> int:
         model, given, drafter, _ = load(name, args.device, dtype)
         acceptance = args.profile if drafter == "replay" else None
         base = SpecConfig("bole", drafter, args.depth, args.topk, args.budget, acceptance,
-                          forced_acceptance=drafter == "replay")
+                          draft_vocab=args.draft_vocab, forced_acceptance=drafter == "replay")
         profile = load_or_calibrate(model, base, max(args.batches))
         records = []
         for batch in args.batches:
@@ -105,6 +107,7 @@ def main(argv=None) -> int:
             records.append(one("goodput", replace(base, budget_policy="goodput"), -1))
             # rewritten after every batch: a run cut short keeps its finished batches
             meta = dict(date=date, model=name, drafter=drafter, acceptance=acceptance,
+                        draft_vocab=args.draft_vocab,
                         device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                         torch=torch.__version__, profile_gpu=profile.gpu, eps=profile.eps,
                         b_ver=dict(zip(profile.batches, profile.b_ver)))

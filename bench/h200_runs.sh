@@ -56,7 +56,7 @@ case "$part" in
       --sweep 64 256 1024 2048 --out "$out" ;;
   budget-9b)
     timeout 580 python3 bench/budget.py --models qwen3.5-9b --batches 1 2 4 8 16 32 64 \
-      --sweep 64 256 1024 --out "$out" ;;
+      --sweep 64 256 1024 --draft-vocab 32768 --out "$out" ;;
   tp)
     timeout 580 python3 bench/tp.py --out "$out" ;;
   tp-e2e)

@@ -168,7 +168,6 @@ class RoundBuffers:
         self.num_host = torch.zeros(R, dtype=i64, pin_memory=pin)
         self.kept_host = torch.zeros(R, dtype=i64, pin_memory=pin)
         self.goodput = None                         # the goodput policy's inputs (selection.py)
-        self.use_ar_host = torch.zeros((), dtype=torch.bool, pin_memory=pin)
         self.rows: tuple = ()                      # (request index, slot) of the rows last written
 
 
@@ -552,7 +551,6 @@ class RoundRunner:
         plain = self.policy.plain_round()
         if b.goodput is not None:
             b.goodput.overhead_ms.fill_(self.policy.overhead_ms)
-            b.goodput.plain_overhead_ms.fill_(self.policy.plain_overhead_ms)
         mark(marks)
         if plain:
             pass                                   # goodput decided drafting does not pay
@@ -574,8 +572,6 @@ class RoundRunner:
         b.num_host.copy_(b.num_emitted, non_blocking=True)
         if self.policy.shared:
             b.kept_host.copy_(b.kept, non_blocking=True)
-        if b.goodput is not None:
-            b.use_ar_host.copy_(b.goodput.use_ar, non_blocking=True)
         if cuda:
             done = torch.cuda.Event()
             done.record()
@@ -610,8 +606,6 @@ class RoundRunner:
             kept = b.kept_host[:len(requests)].tolist()
             self.policy.observe(R, kept)
             draft_nodes = sum(min(k, W) - 1 for k in kept)      # verified, past the roots
-        if b.goodput is not None:
-            self.policy.after_round(bool(b.use_ar_host), plain, ms[0], ms[2])
         emitted = b.emitted_host[:len(requests)].tolist()
         new = [row[:n] for row, n in zip(emitted, counts)]
         self.cache.advance([r.slot for r in requests], counts)
@@ -623,6 +617,9 @@ class RoundRunner:
             self._queued = (tuple(next_marks), t_sync, t_return)
         # the CPU ran the queued draft inside this call: it counts in the next round's time
         total = 1e3 * (t_return - t_start - own_draft + carry)
+        if b.goodput is not None:              # what this round delivered, per request per ms
+            self.policy.after_round(R, plain, ms[0], ms[2],
+                                    sum(counts) / (len(requests) * max(total, 1e-6)))
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
                       host=max(0.0, total - sum(ms)), total=total, syncs=1, plain=plain,
                       draft_nodes=draft_nodes)

@@ -9,17 +9,20 @@ Policies (``SpecConfig.budget_policy``):
     calibrated  the same selection with the budget ``B_ver(batch)`` of this GPU's calibration
                 profile (:mod:`bole.speculative.calibration`)
     goodput     each round, the budget N of the profile's grid that maximises expected tokens
-                (one per request plus the kept nodes' rho) per ms of the round (the profile's
-                T_ver(N) plus the measured draft and accept time); when even the best is below
-                plain decoding's rate (the profile's T_dec plus a plain round's measured accept
-                time, taken as a drafting round's until a plain round has run), the batch
-                decodes plainly for :data:`AR_ROUNDS` rounds (twice as many each time the
-                look that follows finds the same, up to :data:`AR_ROUNDS_MAX`)
-                (no drafting), then drafts again to look. A node's acceptance estimate starts
-                at its rho and follows what the rounds observe: an
-                :class:`~bole.speculative.calibration.AcceptanceCalibrator` per round runner
-                (binned by rho, monotone), counted in every drafting round and refitted every
-                :data:`FIT_EVERY` rounds, on the device
+                (one per request plus the kept nodes' acceptance estimates) per ms of the
+                round (the profile's T_ver(N) plus the measured draft and accept time). Whether
+                to draft at all is decided on the host from what rounds deliver: tokens per
+                request per ms of wall time, averaged over drafting rounds against plain ones
+                (before any plain round has run, the profile's T_dec plus a drafting round's
+                accept time stands for them). When drafting delivers less, the batch decodes
+                plainly for :data:`AR_ROUNDS` rounds, then drafts one round to look again; a
+                look that finds the same doubles the stretch, up to :data:`AR_ROUNDS_MAX`. One
+                uncertain tree does not stop drafting: a drafted tree is already paid for, so
+                its round verifies its best N. A node's acceptance estimate starts at its rho
+                and follows what the rounds observe: an
+                :class:`~bole.speculative.calibration.AcceptanceCalibrator` per model and
+                drafter (binned by rho, monotone), counted in every drafting round and refitted
+                every :data:`FIT_EVERY` rounds, on the device
 
 The selection (:func:`bole.speculative.budget.select_dense`) runs on the device inside the verify
 graph. The forward takes the kept nodes compacted to the front of each row, in a width W picked
@@ -44,6 +47,9 @@ POLICIES = ("fixed", "global", "calibrated", "goodput")
 #: after each look that finds the same, up to AR_ROUNDS_MAX (a look drafts a whole tree)
 AR_ROUNDS = 8
 AR_ROUNDS_MAX = 128
+#: weight of the newest round in the goodput policy's averages (a look's: LOOK_WEIGHT)
+RATE_WEIGHT = 0.1
+LOOK_WEIGHT = 0.5
 #: drafting rounds between refits of the goodput policy's acceptance estimates
 FIT_EVERY = 8
 
@@ -73,20 +79,13 @@ class Selected:
 class Goodput:
     """The goodput policy's device inputs for one batch bucket: the profile's node grid ``[G]``,
     its ``T_ver`` there ``[G]`` (ms), a drafting round's draft and accept time (0-d, ms,
-    measured), the active requests (0-d), ``T_dec`` (a host constant of the bucket), a plain
-    round's accept time (0-d, ms, measured) and the decision (``use_ar`` 0-d bool)."""
+    measured), the active requests (0-d) and ``T_dec`` (a host constant of the bucket)."""
 
     grid: torch.Tensor
     t_ver: torch.Tensor
     overhead_ms: torch.Tensor
     active: torch.Tensor
     t_dec: float
-    plain_overhead_ms: torch.Tensor
-    use_ar: torch.Tensor
-
-    def plain_ms(self) -> torch.Tensor:
-        """A plain round's ms: the decode forward and its accept and commit (0-d)."""
-        return self.plain_overhead_ms + self.t_dec
 
 
 def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
@@ -96,22 +95,16 @@ def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid
     """Keep the batch's best ``budget`` draft nodes (``[R, T]`` inputs, ``budget`` a 0-d device
     tensor, inactive rows keep their roots only) and compact them to ``width`` slots a row.
     With ``goodput`` the budget is chosen here, on the device, from the kept nodes' acceptance
-    estimates (rho, mapped by ``acceptance`` when given), and a round that does not pay keeps
-    the roots alone (``goodput.use_ar`` records it)."""
+    estimates (rho, mapped by ``acceptance`` when given)."""
     forest = DenseForest.from_parents(parents, valid, max_depth)
     rho = rho.masked_fill(~valid, 0.0)
     rank = rank_dense(rho, forest, root_floor, active)        # one ranking for both uses
     if goodput is not None:
         curve = expected_accepted_curve(rho.reshape(-1), None, None, goodput.grid, root_floor,
                                         acceptance=acceptance, rank=rank)
-        budget, use_ar = goodput_budget(goodput.grid, curve, goodput.t_ver, goodput.plain_ms(),
-                                        goodput.active, round_overhead_ms=goodput.overhead_ms)
-        goodput.use_ar.copy_(use_ar)
+        budget, _ = goodput_budget(goodput.grid, curve, goodput.t_ver, goodput.t_dec,
+                                   goodput.active, round_overhead_ms=goodput.overhead_ms)
     keep = select_dense(rho, forest, budget, root_floor, active=active, rank=rank)
-    if goodput is not None:
-        roots = torch.zeros_like(keep)
-        roots[:, 0] = valid[:, 0]
-        keep = torch.where(goodput.use_ar, roots, keep)
     c = compact(keep, tokens, forest.parents, width=width)
     return Selected(c.tokens, DenseForest.from_parents(c.parents, c.valid, max_depth),
                     keep.sum(1), c.gather(rho))
@@ -135,9 +128,12 @@ class BudgetPolicy:
         self.last_kept: dict[int, int] = {}
         self.ar_rounds_left = 0                  # goodput: plain rounds before drafting again
         self.ar_stretch = AR_ROUNDS              # goodput: plain rounds after the next fallback
-        self.overhead_ms = 0.0                   # goodput: draft + accept time, averaged
-        self.plain_overhead_ms = 0.0             # goodput: a plain round's accept time
-        self.plain_measured = False              # whether plain_overhead_ms is a plain round's
+        # goodput: draft + accept time and accept time of drafting rounds (ms), and the tokens
+        # per request per ms that drafting and plain rounds delivered, averaged
+        self.overhead_ms = self.accept_ms = 0.0
+        self.draft_rate: float | None = None
+        self.plain_rate: float | None = None
+        self.looking = False                     # goodput: the next drafting round is a look
 
     @property
     def shared(self) -> bool:
@@ -161,29 +157,30 @@ class BudgetPolicy:
                        torch.tensor(self.profile.t_ver[row], dtype=torch.float64, device=device),
                        torch.zeros((), dtype=torch.float64, device=device),
                        torch.zeros((), dtype=torch.int64, device=device),
-                       float(self.profile.t_dec[row]),
-                       torch.zeros((), dtype=torch.float64, device=device),
-                       torch.zeros((), dtype=torch.bool, device=device))
+                       float(self.profile.t_dec[row]))
 
     def plain_round(self) -> bool:
         """Whether this round decodes plainly (goodput found drafting does not pay)."""
         return self.policy == "goodput" and self.ar_rounds_left > 0
 
-    def after_round(self, use_ar: bool, plain: bool, draft_ms: float, accept_ms: float) -> None:
-        """Goodput's host side: count down plain rounds, or start them; average what a drafting
-        round spends besides its verify forward, and what a plain round spends besides its
-        decode forward (a drafting round's accept time until a plain round has run: an upper
-        bound, since a plain round accepts and commits one token a row)."""
+    def after_round(self, R: int, plain: bool, draft_ms: float, accept_ms: float,
+                    rate: float) -> None:
+        """Goodput's host side after a round of bucket ``R`` that delivered ``rate`` tokens per
+        request per ms of its wall time: count a plain stretch down, or average what drafting
+        delivers and start a stretch when plain decoding delivers more (measured, or until a
+        plain round has run, one decode forward of the profile plus a drafting round's accept
+        time)."""
         if plain:
             self.ar_rounds_left -= 1
-            self.plain_overhead_ms = _average(self.plain_overhead_ms if self.plain_measured
-                                              else 0.0, accept_ms)
-            self.plain_measured = True
+            self.plain_rate = _average(self.plain_rate, rate)
             return
         self.overhead_ms = _average(self.overhead_ms, draft_ms + accept_ms)
-        if not self.plain_measured:
-            self.plain_overhead_ms = _average(self.plain_overhead_ms, accept_ms)
-        if use_ar:
+        self.accept_ms = _average(self.accept_ms, accept_ms)
+        self.draft_rate = _average(self.draft_rate, rate,
+                                   LOOK_WEIGHT if self.looking else RATE_WEIGHT)
+        plain_rate = self.plain_rate or 1.0 / (self.profile.t_dec_at(R) + self.accept_ms)
+        self.looking = self.draft_rate < plain_rate
+        if self.looking:                     # plain for a stretch, then a look
             self.ar_rounds_left = self.ar_stretch
             self.ar_stretch = min(2 * self.ar_stretch, AR_ROUNDS_MAX)
         else:
@@ -205,6 +202,7 @@ class BudgetPolicy:
         self.last_kept[R] = max(kept, default=1)
 
 
-def _average(mean: float, x: float) -> float:
-    """An exponential moving average (weight 0.2 on the newest), started at its first value."""
-    return 0.8 * mean + 0.2 * x if mean else x
+def _average(mean: float | None, x: float, weight: float = RATE_WEIGHT) -> float:
+    """An exponential moving average (``weight`` on the newest), started at its first value
+    (``mean`` None or 0: nothing averaged yet)."""
+    return (1.0 - weight) * mean + weight * x if mean else x

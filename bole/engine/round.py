@@ -619,7 +619,8 @@ class RoundRunner:
         total = 1e3 * (t_return - t_start - own_draft + carry)
         if b.goodput is not None:              # what this round delivered, per request per ms
             self.policy.after_round(R, plain, ms[0], ms[2],
-                                    sum(counts) / (len(requests) * max(total, 1e-6)))
+                                    sum(counts) / (len(requests) * max(total, 1e-6)),
+                                    host_ms=max(0.0, total - sum(ms)))
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
                       host=max(0.0, total - sum(ms)), total=total, syncs=1, plain=plain,
                       draft_nodes=draft_nodes)

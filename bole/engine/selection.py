@@ -14,8 +14,8 @@ Policies (``SpecConfig.budget_policy``):
                 to draft at all is decided on the host from what rounds deliver: tokens per
                 request per ms of wall time, averaged over drafting rounds against plain ones
                 (before any plain round has run, the profile's T_dec plus a drafting round's
-                accept time stands for them). When drafting delivers less, the batch decodes
-                plainly for :data:`AR_ROUNDS` rounds, then drafts one round to look again; a
+                accept and host time stand for them). When drafting delivers less, the batch
+                decodes plainly for :data:`AR_ROUNDS` rounds, then drafts one round to look; a
                 look that finds the same doubles the stretch, up to :data:`AR_ROUNDS_MAX`. One
                 uncertain tree does not stop drafting: a drafted tree is already paid for, so
                 its round verifies its best N. A node's acceptance estimate starts at its rho
@@ -128,9 +128,9 @@ class BudgetPolicy:
         self.last_kept: dict[int, int] = {}
         self.ar_rounds_left = 0                  # goodput: plain rounds before drafting again
         self.ar_stretch = AR_ROUNDS              # goodput: plain rounds after the next fallback
-        # goodput: draft + accept time and accept time of drafting rounds (ms), and the tokens
+        # goodput: draft + accept time and accept + host time of drafting rounds (ms), the tokens
         # per request per ms that drafting and plain rounds delivered, averaged
-        self.overhead_ms = self.accept_ms = 0.0
+        self.overhead_ms = self.plain_extra_ms = 0.0
         self.draft_rate: float | None = None
         self.plain_rate: float | None = None
         self.looking = False                     # goodput: the next drafting round is a look
@@ -164,21 +164,21 @@ class BudgetPolicy:
         return self.policy == "goodput" and self.ar_rounds_left > 0
 
     def after_round(self, R: int, plain: bool, draft_ms: float, accept_ms: float,
-                    rate: float) -> None:
+                    rate: float, host_ms: float = 0.0) -> None:
         """Goodput's host side after a round of bucket ``R`` that delivered ``rate`` tokens per
         request per ms of its wall time: count a plain stretch down, or average what drafting
         delivers and start a stretch when plain decoding delivers more (measured, or until a
         plain round has run, one decode forward of the profile plus a drafting round's accept
-        time)."""
+        and host time)."""
         if plain:
             self.ar_rounds_left -= 1
             self.plain_rate = _average(self.plain_rate, rate)
             return
         self.overhead_ms = _average(self.overhead_ms, draft_ms + accept_ms)
-        self.accept_ms = _average(self.accept_ms, accept_ms)
+        self.plain_extra_ms = _average(self.plain_extra_ms, accept_ms + host_ms)
         self.draft_rate = _average(self.draft_rate, rate,
                                    LOOK_WEIGHT if self.looking else RATE_WEIGHT)
-        plain_rate = self.plain_rate or 1.0 / (self.profile.t_dec_at(R) + self.accept_ms)
+        plain_rate = self.plain_rate or 1.0 / (self.profile.t_dec_at(R) + self.plain_extra_ms)
         self.looking = self.draft_rate < plain_rate
         if self.looking:                     # plain for a stretch, then a look
             self.ar_rounds_left = self.ar_stretch

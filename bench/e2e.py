@@ -184,7 +184,9 @@ def confirm(model, spec: SpecConfig, context: int, batch: int, device: str) -> d
         engine = Engine(model, spec, max_slots=batch, max_len=context + 4 + scratch + 1)
         res = engine.generate([prompt] * batch, GenerationParams(max_tokens=4), seed=0)
         rec.update(ok=True, tokens=sum(len(r.token_ids) for r in res))
-    except torch.OutOfMemoryError as exc:
+    except (torch.OutOfMemoryError, RuntimeError) as exc:   # cuBLAS, graph instantiation
+        if not isinstance(exc, torch.OutOfMemoryError) and not _out_of_memory(exc):
+            raise
         rec.update(ok=False, error=str(exc).splitlines()[0])
     rec["seconds"] = time.perf_counter() - t0
     if device == "cuda":
@@ -196,6 +198,12 @@ def confirm(model, spec: SpecConfig, context: int, batch: int, device: str) -> d
     if device == "cuda":
         torch.cuda.empty_cache()
     return rec
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether a RuntimeError says the device ran out of memory (a library's own words)."""
+    text = str(exc).lower()
+    return "out of memory" in text or "alloc_failed" in text
 
 
 def confirm_max_batch(model, spec: SpecConfig, context: int, computed: int, device: str,
@@ -346,9 +354,11 @@ def study(args, tp=None) -> Path | None:
                 write(args, records, confirmations)
         if args.confirm_max_batch and args.tp == 1:
             spec = best["tree-serial"][0]
-            n = args.confirm_batch or max_batch(model, spec, args.max_context, args.device)
-            confirmations.append(dict(model=name, **confirm_max_batch(
-                model, spec, args.max_context, n, args.device)))
+            computed = max_batch(model, spec, args.max_context, args.device)
+            confirmations.append(dict(model=name, computed_max_batch=computed,
+                                      **confirm_max_batch(model, spec, args.max_context,
+                                                          args.confirm_batch or computed,
+                                                          args.device)))
             print(json.dumps(confirmations[-1]), flush=True)
         del model
     if tp is not None and tp.rank:

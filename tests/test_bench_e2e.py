@@ -97,3 +97,6 @@ def test_a_max_batch_that_does_not_fit_is_retried_smaller(monkeypatch):
     monkeypatch.setattr(e2e, "confirm", lambda model, spec, ctx, n, dev: dict(batch=n, ok=False))
     got = e2e.confirm_max_batch(None, e2e.SpecConfig("tree-serial"), 8192, 51, "cuda")
     assert len(got["runs"]) == 4 and got["largest_run"] is None
+    assert e2e._out_of_memory(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling ..."))
+    assert e2e._out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert not e2e._out_of_memory(RuntimeError("shape mismatch"))

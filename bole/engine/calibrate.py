@@ -128,9 +128,16 @@ def load_or_calibrate(model, spec, max_batch: int) -> BudgetProfile:
     """This device's saved profile for ``model``, or a new calibration (with a message)."""
     key = (gpu_name(model.device), config_hash(model.config), model.dtype, runtime_versions())
     profile = find_profile(*key)
-    if profile is not None:
+    nodes = max_batch * (spec.nodes_per_request - 1)
+    if profile is not None and max(profile.batches) >= max_batch \
+            and max(profile.node_grid) >= nodes:
         return profile
-    print("[bole] no verification-budget profile for this GPU, model, dtype and versions: "
-          "calibrating now (bole calibrate does it ahead of time)", file=sys.stderr)
+    if profile is None:
+        print("[bole] no verification-budget profile for this GPU, model, dtype and versions: "
+              "calibrating now (bole calibrate does it ahead of time)", file=sys.stderr)
+    else:
+        print(f"[bole] the saved verification-budget profile reaches batch "
+              f"{max(profile.batches)} and {max(profile.node_grid)} draft nodes; this engine "
+              f"needs batch {max_batch} and {nodes}: calibrating again", file=sys.stderr)
     buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch]
     return calibrate_model(model, spec, buckets + [max_batch])

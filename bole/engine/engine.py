@@ -199,6 +199,10 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, gdn_backend or gdn[spec.gdn][on_gpu])
         if spec.drafter == "draft" and draft_model is None and spec.mode != "ar":
             raise ValueError("the draft drafter needs a draft_model (--draft-model)")
+        if spec.budget_policy == "goodput" and spec.mode != "ar" and model.tp.world > 1:
+            raise ValueError("the goodput policy decides each round on each rank's host from "
+                             "its own timings, which tensor-parallel ranks must not do apart: "
+                             "use --budget-policy fixed, global or calibrated with --tp")
         if (spec.budget_policy in ("calibrated", "goodput") and spec.mode != "ar"
                 and budget_profile is None):
             from bole.engine.calibrate import load_or_calibrate

@@ -223,7 +223,8 @@ class RoundRunner:
         #: the goodput policy's acceptance estimates, learnt from the rounds of every runner of
         #: this model and drafter in the process
         self.calibrator = learnt_acceptance(
-            self.model, (spec.drafter, spec.acceptance, spec.draft_vocab), self.device) \
+            self.model, (spec.drafter, spec.acceptance, spec.draft_vocab,
+                         spec.forced_acceptance), self.device) \
             if self.policy.policy == "goodput" else None
         self._rounds_since_fit = 0
         if not self.ar and spec.drafter in ("mtp", "replay"):
@@ -529,7 +530,8 @@ class RoundRunner:
         b = self._buffers(R)
         flags = StaticSampling.flags_for([r.params.sampling for r in requests])
         W = self.policy.width(R, len(requests))
-        if self.graphs.enabled and not self.graphs.has(("accept", R, W, flags)):
+        captures = self.graphs.enabled and not self.graphs.has(("accept", R, W, flags))
+        if captures:
             log.info("capturing the round for batch %d, width %d, sampling variant %s", R, W,
                      flags)
             self._capture(R, flags, W)
@@ -620,7 +622,8 @@ class RoundRunner:
         if b.goodput is not None:              # what this round delivered, per request per ms
             self.policy.after_round(R, plain, ms[0], ms[2],
                                     sum(counts) / (len(requests) * max(total, 1e-6)),
-                                    host_ms=max(0.0, total - sum(ms)))
+                                    host_ms=max(0.0, total - sum(ms)),
+                                    measured=not captures and not (plain and queued))
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
                       host=max(0.0, total - sum(ms)), total=total, syncs=1, plain=plain,
                       draft_nodes=draft_nodes)
@@ -628,8 +631,9 @@ class RoundRunner:
 
     def _may_prelaunch(self, requests, plain: bool) -> bool:
         """Whether the next round's draft can be queued now: the device drafter grows it, this
-        round drafted (under goodput the next may still be plain, if this round decided so:
-        the queued draft is then dropped, its time counted), and no request can reach its
-        token limit in this round."""
-        return (self.mtp is not None and not plain
+        round drafted and is not goodput's look (after a look the next round is as likely
+        plain; after other rounds it may still be, if this one decides so: the queued draft is
+        then dropped, its time counted in the plain round, which goodput does not average),
+        and no request can reach its token limit in this round."""
+        return (self.mtp is not None and not plain and not self.policy.looking
                 and all(r.remaining > self.D + 1 for r in requests))

@@ -61,7 +61,7 @@ class ModelRunner:
         if self.gdn != "triton-serial":
             return
         c = self.model.config
-        per_node = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        per_node = self.model.gdn_hv * c.linear_key_head_dim * c.linear_value_head_dim  # rank's
         self.snapshot_store = [torch.empty(max_nodes * per_node, dtype=torch.float32,
                                            device=self.device) for _ in c.gdn_layers]
         self.snapshot_nodes = max_nodes

@@ -8,21 +8,21 @@ Policies (``SpecConfig.budget_policy``):
                 fixed capacity)
     calibrated  the same selection with the budget ``B_ver(batch)`` of this GPU's calibration
                 profile (:mod:`bole.speculative.calibration`)
-    goodput     each round, the budget N of the profile's grid that maximises expected tokens
-                (one per request plus the kept nodes' acceptance estimates) per ms of the
-                round (the profile's T_ver(N) plus the measured draft and accept time). Whether
-                to draft at all is decided on the host from what rounds deliver: tokens per
-                request per ms of wall time, averaged over drafting rounds against plain ones
-                (before any plain round has run, the profile's T_dec plus a drafting round's
-                accept and host time stand for them). When drafting delivers less, the batch
-                decodes plainly for :data:`AR_ROUNDS` rounds, then drafts one round to look; a
-                look that finds the same doubles the stretch, up to :data:`AR_ROUNDS_MAX`. One
-                uncertain tree does not stop drafting: a drafted tree is already paid for, so
-                its round verifies its best N. A node's acceptance estimate starts at its rho
-                and follows what the rounds observe: an
-                :class:`~bole.speculative.calibration.AcceptanceCalibrator` per model and
-                drafter (binned by rho, monotone), counted in every drafting round and refitted
-                every :data:`FIT_EVERY` rounds, on the device
+    goodput     each round, the budget N of the profile's grid that maximises expected tokens (one
+                per request plus the kept nodes' acceptance estimates) per ms of the round (the
+                profile's T_ver(N) plus the measured draft and accept time). Whether to draft at all
+                is decided on the host from what rounds deliver: tokens per request per ms of wall
+                time, averaged per batch bucket over drafting rounds against plain ones (before a
+                plain round of the bucket has run, the profile's T_dec plus a drafting round's
+                accept and host time stand for them; rounds that held a graph capture or a dropped
+                draft are left out). When drafting delivers less, the batch decodes plainly for
+                :data:`AR_ROUNDS` rounds, then drafts one round to look; a look that finds the same
+                doubles the stretch, up to :data:`AR_ROUNDS_MAX`. One uncertain tree does not stop
+                drafting: a drafted tree is already paid for, so its round verifies its best N. A
+                node's acceptance estimate starts at its rho and follows what the rounds observe: an
+                :class:`~bole.speculative.calibration.AcceptanceCalibrator` per model and drafter
+                (binned by rho, monotone), counted in every drafting round and refitted every
+                :data:`FIT_EVERY` rounds, on the device
 
 The selection (:func:`bole.speculative.budget.select_dense`) runs on the device inside the verify
 graph. The forward takes the kept nodes compacted to the front of each row, in a width W picked
@@ -130,9 +130,10 @@ class BudgetPolicy:
         self.ar_stretch = AR_ROUNDS              # goodput: plain rounds after the next fallback
         # goodput: draft + accept time and accept + host time of drafting rounds (ms), the tokens
         # per request per ms that drafting and plain rounds delivered, averaged
+        # (rates per batch bucket: tokens per request per ms depend on the batch)
         self.overhead_ms = self.plain_extra_ms = 0.0
-        self.draft_rate: float | None = None
-        self.plain_rate: float | None = None
+        self.draft_rate: dict[int, float] = {}
+        self.plain_rate: dict[int, float] = {}
         self.looking = False                     # goodput: the next drafting round is a look
 
     @property
@@ -164,22 +165,27 @@ class BudgetPolicy:
         return self.policy == "goodput" and self.ar_rounds_left > 0
 
     def after_round(self, R: int, plain: bool, draft_ms: float, accept_ms: float,
-                    rate: float, host_ms: float = 0.0) -> None:
+                    rate: float, host_ms: float = 0.0, measured: bool = True) -> None:
         """Goodput's host side after a round of bucket ``R`` that delivered ``rate`` tokens per
         request per ms of its wall time: count a plain stretch down, or average what drafting
-        delivers and start a stretch when plain decoding delivers more (measured, or until a
-        plain round has run, one decode forward of the profile plus a drafting round's accept
-        and host time)."""
+        delivers at this bucket and start a stretch when plain decoding delivers more there
+        (measured, or until a plain round of R has run, one decode forward of the profile plus
+        a drafting round's accept and host time). ``measured`` False: the round's time holds
+        something else (a graph capture, a dropped prelaunched draft) and is not averaged."""
         if plain:
             self.ar_rounds_left -= 1
-            self.plain_rate = _average(self.plain_rate, rate)
+            if measured:
+                self.plain_rate[R] = _average(self.plain_rate.get(R), rate)
+            return
+        if not measured:
             return
         self.overhead_ms = _average(self.overhead_ms, draft_ms + accept_ms)
         self.plain_extra_ms = _average(self.plain_extra_ms, accept_ms + host_ms)
-        self.draft_rate = _average(self.draft_rate, rate,
-                                   LOOK_WEIGHT if self.looking else RATE_WEIGHT)
-        plain_rate = self.plain_rate or 1.0 / (self.profile.t_dec_at(R) + self.plain_extra_ms)
-        self.looking = self.draft_rate < plain_rate
+        self.draft_rate[R] = _average(self.draft_rate.get(R), rate,
+                                      LOOK_WEIGHT if self.looking else RATE_WEIGHT)
+        plain_rate = self.plain_rate.get(R) or \
+            1.0 / (self.profile.t_dec_at(R) + self.plain_extra_ms)
+        self.looking = self.draft_rate[R] < plain_rate
         if self.looking:                     # plain for a stretch, then a look
             self.ar_rounds_left = self.ar_stretch
             self.ar_stretch = min(2 * self.ar_stretch, AR_ROUNDS_MAX)

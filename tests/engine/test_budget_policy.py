@@ -84,14 +84,20 @@ def test_goodput_compares_what_drafting_and_plain_rounds_deliver():
     while not policy.plain_round():
         policy.after_round(1, False, draft_ms=0.6, accept_ms=0.5, rate=0.1)
         rounds += 1
-    assert rounds == 4 and policy.draft_rate < 1 / 1.5       # 0.8, 0.73, 0.667, 0.61
+    assert rounds == 4 and policy.draft_rate[1] < 1 / 1.5    # 0.8, 0.73, 0.667, 0.61
     assert policy.ar_rounds_left == AR_ROUNDS
     for _ in range(AR_ROUNDS):
         policy.after_round(1, True, draft_ms=0.0, accept_ms=0.2, rate=0.9)
-    assert not policy.plain_round() and policy.plain_rate == pytest.approx(0.9)
-    before = policy.draft_rate
+    assert not policy.plain_round() and policy.plain_rate[1] == pytest.approx(0.9)
+    before = policy.draft_rate[1]
     policy.after_round(1, False, draft_ms=0.6, accept_ms=0.5, rate=1.3)   # a look: weight 0.5
-    assert policy.draft_rate == pytest.approx((before + 1.3) / 2) and not policy.plain_round()
+    assert policy.draft_rate[1] == pytest.approx((before + 1.3) / 2) and not policy.plain_round()
+    # another batch bucket has rates of its own; rounds that held a capture are not averaged
+    policy.after_round(4, False, draft_ms=0.6, accept_ms=0.5, rate=0.2, measured=False)
+    assert 4 not in policy.draft_rate and not policy.plain_round()
+    policy.after_round(4, False, draft_ms=0.6, accept_ms=0.5, rate=0.3)
+    assert policy.draft_rate[4] == pytest.approx(0.3) and policy.draft_rate[1] > 0.9
+    assert policy.plain_round()              # 0.3 < 1 / (1 + 0.5): bucket 4 has no plain rate
 
 
 def test_goodput_verifies_the_best_budget_of_an_uncertain_tree():
@@ -127,6 +133,11 @@ def test_calibrated_policy_calibrates_on_first_use(model, tmp_path, monkeypatch,
     assert [r.token_ids for r in engine.generate(PROMPTS, params)] == ar
     Engine(model, spec, max_slots=3)                 # the saved profile is found: no new run
     assert "calibrating" not in capsys.readouterr().err
+    bigger = Engine(model, spec, max_slots=5)        # past the profile's batches: again
+    assert "reaches batch 3 and 21 draft nodes; this engine needs batch 5 and 35" in \
+        capsys.readouterr().err
+    assert bigger.rounds.policy.profile.batches[-1] == 5
+    assert max(bigger.rounds.policy.profile.node_grid) == 35
 
 
 def _profile(t_ver_ms: float, t_dec_ms: float = 1000.0):
@@ -229,3 +240,15 @@ def test_goodput_looks_less_often_while_drafting_keeps_not_paying():
     while not policy.plain_round():                  # drafting stops paying again
         policy.after_round(1, False, draft_ms=1.0, accept_ms=0.1, rate=0.0)
     assert policy.ar_rounds_left == AR_ROUNDS
+
+
+def test_goodput_is_refused_under_tensor_parallelism(model):
+    """Goodput decides on each rank's host from its own timings: tensor-parallel ranks could
+    part ways (one decoding plainly, one verifying trees) and their collectives would not
+    match, so an engine refuses it there and names the policies that work."""
+    import types
+    twin = HybridModel(model.config, dict(model.w), gdn_backend="torch")
+    twin.tp = types.SimpleNamespace(world=2)
+    _, spec = _goodput_case(model, GenerationParams(max_tokens=4))
+    with pytest.raises(ValueError, match="tensor-parallel ranks.*fixed, global or calibrated"):
+        Engine(twin, spec, max_slots=2, budget_profile=_profile(1000.0))

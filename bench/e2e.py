@@ -184,8 +184,8 @@ def confirm(model, spec: SpecConfig, context: int, batch: int, device: str) -> d
         engine = Engine(model, spec, max_slots=batch, max_len=context + 4 + scratch + 1)
         res = engine.generate([prompt] * batch, GenerationParams(max_tokens=4), seed=0)
         rec.update(ok=True, tokens=sum(len(r.token_ids) for r in res))
-    except (torch.OutOfMemoryError, RuntimeError) as exc:   # cuBLAS, graph instantiation
-        if not isinstance(exc, torch.OutOfMemoryError) and not _out_of_memory(exc):
+    except RuntimeError as exc:          # torch.OutOfMemoryError is one; so are cuBLAS's
+        if not _out_of_memory(exc):
             raise
         rec.update(ok=False, error=str(exc).splitlines()[0])
     rec["seconds"] = time.perf_counter() - t0
@@ -201,9 +201,11 @@ def confirm(model, spec: SpecConfig, context: int, batch: int, device: str) -> d
 
 
 def _out_of_memory(exc: BaseException) -> bool:
-    """Whether a RuntimeError says the device ran out of memory (a library's own words)."""
+    """Whether an error is the device running out of memory: torch's own, or a library's
+    RuntimeError saying so (cuBLAS, graph instantiation)."""
     text = str(exc).lower()
-    return "out of memory" in text or "alloc_failed" in text
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text \
+        or "alloc_failed" in text
 
 
 def confirm_max_batch(model, spec: SpecConfig, context: int, computed: int, device: str,

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import torch
 
+from bole.engine.round import buckets_upto
 from bole.engine.runner import ModelRunner
 from bole.engine.selection import width_buckets
 from bole.forest import DenseForest
@@ -139,5 +140,4 @@ def load_or_calibrate(model, spec, max_batch: int) -> BudgetProfile:
         print(f"[bole] the saved verification-budget profile reaches batch "
               f"{max(profile.batches)} and {max(profile.node_grid)} draft nodes; this engine "
               f"needs batch {max_batch} and {nodes}: calibrating again", file=sys.stderr)
-    buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < max_batch]
-    return calibrate_model(model, spec, buckets + [max_batch])
+    return calibrate_model(model, spec, buckets_upto(max_batch))

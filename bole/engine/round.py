@@ -47,15 +47,16 @@ log = logging.getLogger("bole.round")
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def bucket_for(n: int, max_slots: int | None = None) -> int | None:
-    """The rows a round of ``n`` requests pads to: the smallest bucket >= n, or ``max_slots``
-    when that is smaller (an engine of 51 slots pays for 51 rows, not 64; past the last
-    bucket it is the only one). None when n exceeds both."""
-    if max_slots is not None:
-        if n > max_slots:
-            return None
-        return next((b for b in BUCKETS if n <= b < max_slots), max_slots)
-    return next((b for b in BUCKETS if b >= n), None)
+def buckets_upto(max_slots: int) -> list[int]:
+    """The row counts rounds of an engine of ``max_slots`` slots pad to, ascending: the
+    buckets below it, then ``max_slots`` itself (51 slots pay for 51 rows, not 64)."""
+    return [b for b in BUCKETS if b < max_slots] + [max_slots]
+
+
+def bucket_for(n: int, max_slots: int) -> int | None:
+    """The rows a round of ``n`` requests pads to (the smallest of :func:`buckets_upto` >= n),
+    or None when n exceeds ``max_slots``."""
+    return next((b for b in buckets_upto(max_slots) if b >= n), None)
 
 
 @dataclass
@@ -277,7 +278,7 @@ class RoundRunner:
         """Capture every bucket's greedy round up to ``max_slots`` rows, largest first, at
         every verify width the budget policy can pick (a capture inside a timed round costs
         hundreds of milliseconds)."""
-        buckets = [b for b in BUCKETS if b < max_slots] + [max_slots]
+        buckets = buckets_upto(max_slots)
         t0 = time.perf_counter()
         for i, R in enumerate(sorted(set(buckets), reverse=True)):
             if progress:
@@ -475,8 +476,6 @@ class RoundRunner:
         b.remaining.copy_(dev[3])
         b.sampling.write([r.params.sampling for r in requests])
         b.budget.fill_(self.policy.budget(n))
-        if b.goodput is not None:
-            b.goodput.active.fill_(n)
         b.rows = rows
         return True
 

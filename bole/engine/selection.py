@@ -39,7 +39,7 @@ import torch
 
 from bole.forest import DenseForest
 from bole.speculative.calibration import AcceptanceCalibrator
-from bole.speculative.budget import (compact, expected_accepted_curve, goodput_budget,
+from bole.speculative.budget import (compact, expected_accepted_curve, goodput_best,
                                      rank_dense, select_dense)
 
 POLICIES = ("fixed", "global", "calibrated", "goodput")
@@ -78,14 +78,12 @@ class Selected:
 @dataclass
 class Goodput:
     """The goodput policy's device inputs for one batch bucket: the profile's node grid ``[G]``,
-    its ``T_ver`` there ``[G]`` (ms), a drafting round's draft and accept time (0-d, ms,
-    measured), the active requests (0-d) and ``T_dec`` (a host constant of the bucket)."""
+    its ``T_ver`` there ``[G]`` (ms) and a drafting round's draft and accept time (0-d, ms,
+    measured)."""
 
     grid: torch.Tensor
     t_ver: torch.Tensor
     overhead_ms: torch.Tensor
-    active: torch.Tensor
-    t_dec: float
 
 
 def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
@@ -102,8 +100,8 @@ def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid
     if goodput is not None:
         curve = expected_accepted_curve(rho.reshape(-1), None, None, goodput.grid, root_floor,
                                         acceptance=acceptance, rank=rank)
-        budget, _ = goodput_budget(goodput.grid, curve, goodput.t_ver, goodput.t_dec,
-                                   goodput.active, round_overhead_ms=goodput.overhead_ms)
+        budget, _ = goodput_best(goodput.grid, curve, goodput.t_ver,
+                                 round_overhead_ms=goodput.overhead_ms)
     keep = select_dense(rho, forest, budget, root_floor, active=active, rank=rank)
     c = compact(keep, tokens, forest.parents, width=width)
     return Selected(c.tokens, DenseForest.from_parents(c.parents, c.valid, max_depth),
@@ -156,9 +154,7 @@ class BudgetPolicy:
         row = self.profile.row(R)
         return Goodput(torch.tensor(self.profile.node_grid, device=device),
                        torch.tensor(self.profile.t_ver[row], dtype=torch.float64, device=device),
-                       torch.zeros((), dtype=torch.float64, device=device),
-                       torch.zeros((), dtype=torch.int64, device=device),
-                       float(self.profile.t_dec[row]))
+                       torch.zeros((), dtype=torch.float64, device=device))
 
     def plain_round(self) -> bool:
         """Whether this round decodes plainly (goodput found drafting does not pay)."""

@@ -29,7 +29,7 @@ a 0-d device tensor that changes between replays.
 
 The goodput policy picks the budget per round from the calibrated verify-time curve
 (:mod:`bole.speculative.calibration`): :func:`expected_accepted_curve` on the device, then
-:func:`goodput_budget` (device) or :func:`goodput_choice` (host).
+:func:`goodput_best` or :func:`goodput_budget` (device) or :func:`goodput_choice` (host).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from bole.forest import DenseForest
 
 __all__ = ["Ranking", "rank_nodes", "select_nodes", "dense_inputs", "rank_dense", "select_dense",
            "Compacted", "compact", "safe_width", "expected_accepted_curve", "goodput_rates",
-           "goodput_choice", "goodput_budget"]
+           "goodput_choice", "goodput_best", "goodput_budget"]
 
 #: a budget of draft nodes: a host int, or a 0-d tensor on the forest's device
 Budget = Union[int, Tensor]
@@ -345,19 +345,28 @@ def goodput_choice(expected_accepted: Expected, t_ver: Mapping[int, float], t_de
     return best, False
 
 
+def goodput_best(node_grid: Tensor, expected: Tensor, t_ver: Tensor, *,
+                 round_overhead_ms: float | Tensor = 0.0) -> tuple[Tensor, Tensor]:
+    """``(budget 0-d int64, its rate 0-d float64)``: the N of ``node_grid`` with the most
+    expected tokens per ms, on the device (the engine's per-round choice; the round has drafted
+    already, so it never falls back).
+
+    node_grid ``[G]`` ascending, expected ``[G]`` (from :func:`expected_accepted_curve`),
+    t_ver ``[G]`` ms. ``argmax`` takes the first maximum, the smaller N on ties."""
+    rate = expected.to(torch.float64) / (t_ver.to(torch.float64) + round_overhead_ms)
+    best = torch.argmax(rate).view(1)                  # gathers, not indexing: no .item()
+    return node_grid.to(torch.int64).gather(0, best)[0], rate.gather(0, best)[0]
+
+
 def goodput_budget(node_grid: Tensor, expected: Tensor, t_ver: Tensor, t_dec: float,
                    batch: Tensor | int, *, round_overhead_ms: float = 0.0,
                    min_gain: float = 1.0) -> tuple[Tensor, Tensor]:
-    """:func:`goodput_choice` on the device: ``(budget 0-d int64, use_ar 0-d bool)``.
-
-    node_grid ``[G]`` ascending, expected ``[G]`` (from :func:`expected_accepted_curve`),
-    t_ver ``[G]`` ms; ``batch`` the active requests (an int or a 0-d tensor). ``argmax`` takes
-    the first maximum, the smaller N on ties. The budget goes straight into
-    :func:`select_nodes`; ``use_ar`` reaches the host with the round's one copy."""
-    rate = expected.to(torch.float64) / (t_ver.to(torch.float64) + round_overhead_ms)
-    best = torch.argmax(rate).view(1)                  # gathers, not indexing: no .item()
-    use_ar = rate.gather(0, best)[0] < min_gain * batch / t_dec
-    return torch.where(use_ar, 0, node_grid.to(torch.int64).gather(0, best)[0]), use_ar
+    """:func:`goodput_choice` on the device: ``(budget 0-d int64, use_ar 0-d bool)``, the
+    budget of :func:`goodput_best`, or 0 with ``use_ar`` when its rate is below ``min_gain``
+    times plain decoding's ``batch / t_dec`` (``batch`` an int or a 0-d tensor)."""
+    budget, rate = goodput_best(node_grid, expected, t_ver, round_overhead_ms=round_overhead_ms)
+    use_ar = rate < min_gain * batch / t_dec
+    return torch.where(use_ar, 0, budget), use_ar
 
 
 # ---- argument checks (metadata only: no synchronisation) ----

@@ -107,7 +107,6 @@ def test_goodput_verifies_the_best_budget_of_an_uncertain_tree():
                           profile=_profile(3.0, t_dec_ms=1.0))
     goodput = policy.goodput_inputs(1, "cpu")
     goodput.t_ver.copy_(torch.tensor([1.0, 1.0, 1.0, 1.5, 2.0], dtype=torch.float64))
-    goodput.active.fill_(1)
     parents = torch.tensor([[-1, 0, 1]])
     valid = torch.ones(1, 3, dtype=torch.bool)
     tokens = torch.arange(3).view(1, 3)

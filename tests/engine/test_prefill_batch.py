@@ -130,7 +130,7 @@ def test_rounds_pad_to_a_bucket_no_larger_than_the_engine(model):
     from bole.engine.round import bucket_for
     assert [bucket_for(n, 51) for n in (1, 3, 17, 33, 51)] == [1, 4, 32, 51, 51]
     assert bucket_for(257, 300) == 300 and bucket_for(52, 51) is None
-    assert bucket_for(3) == 4 and bucket_for(300) is None
+    assert bucket_for(3, 256) == 4 and bucket_for(300, 256) is None
     prompts = [[5, 9, 17, 33, 2], [7, 7, 8, 9, 1], [100, 3, 100]]
     params = GenerationParams(max_tokens=6)
     spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=6)

@@ -74,8 +74,8 @@ def _tree_options(p: argparse.ArgumentParser) -> None:
                    help="which drafted nodes a verify takes: every request its tree (fixed), the "
                         "batch's best --shared-budget draft nodes (global), the budget of this "
                         "GPU's calibration profile (calibrated; bole calibrate), or the budget "
-                        "with the most expected tokens per ms, plain decoding when drafting "
-                        "does not pay (goodput)")
+                        "with the most expected tokens per ms, plain decoding while drafting "
+                        "delivers less than it (goodput; not with --tp)")
     p.add_argument("--shared-budget", type=int, default=0,
                    help="draft nodes verified per round across the batch (global policy)")
     p.add_argument("--root-floor", type=int, default=1,

@@ -110,7 +110,8 @@ def main(argv=None) -> int:
                         draft_vocab=args.draft_vocab,
                         device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                         torch=torch.__version__, profile_gpu=profile.gpu, eps=profile.eps,
-                        b_ver=dict(zip(profile.batches, profile.b_ver)))
+                        b_ver=dict(zip(profile.batches, profile.b_ver)),
+                        t_select_ms=dict(zip(profile.batches, profile.t_select)))
             path = out / f"budget-{date}-{name}.json"
             path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
         paths += [path, plot(path)]

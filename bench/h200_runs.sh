@@ -12,6 +12,7 @@
 #   e2e-27b   bench/e2e.py, 27B at batch 1 8 32, then tree-serial's max batch confirmed (~9 min)
 #   confirm-9b  bench/e2e.py, 9B at batch 1 with the 8,4,32 tree, then tree-serial's max batch at
 #             8k context run for a few rounds
+#   linear    bench/linear.py: decode-shape linear layers, cuBLAS against bole's kernels (~3 min)
 #   budget-bundled  bench/budget.py, the bundled model at all 7 batches 1-64 (~3 min)
 #   budget-9b bench/budget.py, the 9B preset at all 7 batches 1-64 (~7 min)
 #   serve     bench/serve.py, all four modes (~5 min)
@@ -21,7 +22,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|round|e2e-9b-a|e2e-9b-b|e2e-27b|confirm-9b|budget-bundled|budget-9b|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|round|e2e-9b-a|e2e-9b-b|e2e-27b|confirm-9b|budget-bundled|budget-9b|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -35,6 +36,8 @@ case "$part" in
     timeout 560 bash bench/gpu_tests.sh "$out/tests" 8 tests/ops tests/models tests/speculative \
       tests/engine tests/test_round_cuda.py tests/test_engine.py tests/test_forest.py > /dev/null
     head -20 "$out/tests/summary.txt" ;;
+  linear)
+    timeout 400 python3 bench/linear.py --out "$out" ;;
   round)
     timeout 150 python3 -m bole.cli bench --prompts 8 --batches 1 8 --max-tokens 256 --out "$out"
     timeout 400 python3 bench/model_forward.py --out "$out" ;;

@@ -6,7 +6,10 @@ row padded to the verify width bucket (:func:`bole.engine.selection.width_bucket
 request has ``context`` committed tokens. On a GPU each forward is captured in a CUDA graph and
 timed over replays with device events (the median), as the round replays it; on the CPU it runs
 eagerly under a wall clock. ``B_ver(b)`` is then the largest ``N`` whose forward costs at most
-``(1 + eps)`` times the decode (:func:`bole.speculative.calibration.calibrate`).
+``(1 + eps)`` times the decode (:func:`bole.speculative.calibration.calibrate`). ``T_select(b)``
+is the goodput policy's selection over ``b`` whole trees, timed the same way: where dropping
+nodes saves less verify time than the selection costs, rounds verify whole trees without it
+(:meth:`bole.engine.selection.BudgetPolicy.whole_trees`).
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import torch
 
 from bole.engine.round import buckets_upto
 from bole.engine.runner import ModelRunner
-from bole.engine.selection import width_buckets
+from bole.engine.selection import Goodput, select, width_buckets
 from bole.forest import DenseForest
-from bole.speculative.calibration import (BudgetProfile, calibrate, config_hash, find_profile,
-                                          gpu_name, plot_profile, runtime_versions)
+from bole.speculative.calibration import (AcceptanceCalibrator, BudgetProfile,
+                                          ProfileFormatError, calibrate, config_hash,
+                                          find_profile, gpu_name, plot_profile, runtime_versions)
 from bole.tree import DraftTree, PackedForest
 
 DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -98,6 +102,32 @@ def forward_time_fn(model, spec, max_batch: int, *, context: int = 1024, reps: i
     return time_fn
 
 
+def selection_time_fn(spec, node_grid, device, *, reps: int = 10, seed: int = 0):
+    """``select_fn(b)`` timing the goodput policy's selection (its budget choice over
+    ``node_grid``, the ranking, floors and compaction) over ``b`` random whole trees of the
+    spec's shape, at the full width, as a verify graph runs it before its forward."""
+    T, D = spec.nodes_per_request, spec.depth
+    rng = np.random.default_rng(seed)
+    acceptance = AcceptanceCalibrator.log_bins(device=device)
+    grid = torch.tensor(list(node_grid), device=device)
+    goodput = Goodput(grid, torch.ones(len(node_grid), dtype=torch.float64, device=device),
+                      torch.zeros((), dtype=torch.float64, device=device))
+
+    def select_fn(b: int) -> float:
+        trees = [DraftTree.random(T, D, rng) for _ in range(b)]
+        dense = DenseForest.from_packed(PackedForest.pack(trees), T, device=device)
+        parents, valid = dense.parents.view(b, T), dense.valid.view(b, T)
+        rho = torch.rand(b, T, dtype=torch.float64, device=device).masked_fill(~valid, 0.0)
+        rho[:, 0] = 1.0
+        tokens = torch.zeros(b, T, dtype=torch.int64, device=device)
+        budget = torch.zeros((), dtype=torch.int64, device=device)
+        active = torch.ones(b, dtype=torch.bool, device=device)
+        return captured_ms(lambda: select(rho, tokens, parents, valid, budget, active,
+                                          spec.root_floor, T, D, goodput=goodput,
+                                          acceptance=acceptance), device, reps)
+    return select_fn
+
+
 def calibrate_model(model, spec, batches, *, node_grid=DEFAULT_GRID, eps: float = 0.1,
                     context: int = 1024, reps: int = 10, progress: bool = True) -> BudgetProfile:
     """Measure, build and save this device's profile for ``model`` (with a plot beside it)."""
@@ -113,9 +143,10 @@ def calibrate_model(model, spec, batches, *, node_grid=DEFAULT_GRID, eps: float 
             print(f"\r[bole] calibrating [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}",
                   end="" if done < total else "\n", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    select_fn = selection_time_fn(spec, grid, model.device, reps=reps)
     profile = calibrate(time_fn, batches, grid, eps, gpu=gpu_name(model.device),
                         config_hash=config_hash(model.config), dtype=model.dtype,
-                        versions=runtime_versions(), progress=bar,
+                        versions=runtime_versions(), progress=bar, select_fn=select_fn,
                         model=f"hidden {model.config.hidden_size}, "
                               f"{model.config.num_hidden_layers} layers")
     path = profile.save()
@@ -128,7 +159,11 @@ def calibrate_model(model, spec, batches, *, node_grid=DEFAULT_GRID, eps: float 
 def load_or_calibrate(model, spec, max_batch: int) -> BudgetProfile:
     """This device's saved profile for ``model``, or a new calibration (with a message)."""
     key = (gpu_name(model.device), config_hash(model.config), model.dtype, runtime_versions())
-    profile = find_profile(*key)
+    try:
+        profile = find_profile(*key)
+    except ProfileFormatError as e:
+        print(f"[bole] {e}: calibrating now", file=sys.stderr)
+        return calibrate_model(model, spec, buckets_upto(max_batch))
     nodes = max_batch * (spec.nodes_per_request - 1)
     if profile is not None and max(profile.batches) >= max_batch \
             and max(profile.node_grid) >= nodes:

@@ -284,7 +284,7 @@ class RoundRunner:
             if progress:
                 print(f"\r[bole] capturing CUDA graphs: batch {R} ({i + 1}/{len(buckets)})",
                       end="", file=sys.stderr, flush=True)
-            widths = self.policy.widths if self.policy.shared else (self.policy.width(R, R),)
+            widths = self.policy.widths if not self.policy.whole_trees(R) else (self.policy.T,)
             if self.policy.policy == "goodput":
                 widths = (1,) + widths                # its plain rounds verify the roots alone
             for W in widths:
@@ -394,7 +394,7 @@ class RoundRunner:
             tokens.copy_(b.roots[:, None])
             forest = DenseForest.chain(b.R, 1, self.device)
             gdn = self.runner.gdn.split("-")[0] + "-decode"    # each state updated in place
-        elif self.policy.shared:
+        elif self.policy.shared and not self.policy.whole_trees(b.R):
             sel = select(b.tree_rho, b.tree_tokens, b.tree_parents, b.tree_valid, b.budget,
                          b.active, self.spec.root_floor, W, self.D, goodput=b.goodput,
                          acceptance=self.calibrator)
@@ -402,6 +402,8 @@ class RoundRunner:
             tokens, forest, rho = sel.tokens, sel.forest, sel.rho
         else:
             forest = DenseForest.from_parents(b.tree_parents, b.tree_valid, self.D)
+            if self.policy.shared:
+                b.kept.copy_(b.tree_valid.sum(1))
         batch = self.runner.make_batch(tokens.reshape(-1), forest, b.slots, gdn)
         return batch, self.runner.forward(batch), tokens, rho
 

@@ -25,7 +25,11 @@ Policies (``SpecConfig.budget_policy``):
                 :data:`FIT_EVERY` rounds, on the device
 
 The selection (:func:`bole.speculative.budget.select_dense`) runs on the device inside the verify
-graph. The forward takes the kept nodes compacted to the front of each row, in a width W picked
+graph, in the batch buckets where it can pay (:meth:`BudgetPolicy.whole_trees`): where a bucket's
+budget covers every drafted node (global, calibrated), or where verifying whole trees costs no
+more than the cheapest verify of the profile's grid plus the selection itself (goodput: the
+expected tokens of whole trees are at least those of any selection, so their rate is too), the
+round verifies whole trees without it. The forward takes the kept nodes compacted to the front of each row, in a width W picked
 from :data:`WIDTHS` by the host from the previous round's largest per-request count (known from
 the round's one copy, so no extra synchronisation); a request that keeps more than W nodes this
 round loses its lowest-ranked ones (a suffix of a topological order: still a tree).
@@ -123,6 +127,7 @@ class BudgetPolicy:
                              "(bole calibrate, or Engine(..., budget_profile=...))")
         self.policy, self.spec, self.T, self.profile = spec.budget_policy, spec, T, profile
         self.widths = width_buckets(T)
+        self._whole: dict[int, bool] = {}
         self.last_kept: dict[int, int] = {}
         self.ar_rounds_left = 0                  # goodput: plain rounds before drafting again
         self.ar_stretch = AR_ROUNDS              # goodput: plain rounds after the next fallback
@@ -148,6 +153,28 @@ class BudgetPolicy:
         if self.policy == "goodput":
             return max(self.profile.node_grid)
         return batch * (self.T - 1)
+
+    def whole_trees(self, R: int) -> bool:
+        """Whether rounds of bucket ``R`` verify whole trees, without the selection: every
+        batch of up to ``R`` requests may keep all its draft nodes (global, calibrated: then the
+        selection keeps them all), or (goodput) whole trees' verify costs at most the profile's
+        cheapest one plus the selection's measured cost, so that no selection's tokens per ms
+        exceed theirs."""
+        if R not in self._whole:
+            self._whole[R] = self._whole_trees(R)
+        return self._whole[R]
+
+    def _whole_trees(self, R: int) -> bool:
+        drafted = self.T - 1
+        if not self.shared or drafted < 1:
+            return True
+        if self.policy in ("global", "calibrated"):
+            return all(self.budget(n) >= n * drafted for n in range(1, R + 1))
+        curve = self.profile.t_ver_curve(R)
+        full = R * drafted
+        t_full = next((t for n, t in curve.items() if n >= full), list(curve.values())[-1])
+        cheapest = min((t for n, t in curve.items() if n < full), default=t_full)
+        return t_full <= cheapest + self.profile.t_select_at(R)
 
     def goodput_inputs(self, R: int, device) -> Goodput:
         """Static device inputs of the goodput choice for bucket R (profile row of R)."""
@@ -191,10 +218,10 @@ class BudgetPolicy:
     def width(self, R: int, batch: int) -> int:
         """The verify width for bucket R: the previous round's largest kept count, else an even
         share of the budget (at least the floor), rounded up to a bucket."""
-        if not self.shared:
-            return self.T
         if self.plain_round():
             return 1
+        if self.whole_trees(R):
+            return self.T
         need = self.last_kept.get(R)
         if need is None:
             need = 1 + max(self.spec.root_floor, -(-self.budget(batch) // max(batch, 1)))

@@ -42,6 +42,7 @@ from bole.ops.attention import prefill_attention, tree_attention
 from bole.ops.gdn.common import gates_from_raw
 from bole.ops.gdn.decode import gdn_decode_inplace
 from bole.ops.gdn.dense import tree_gdn_closed_form_dense, tree_gdn_serial_dense
+from bole.ops.linear import linear
 from bole.ops.triton_utils import check_kernel_device
 
 __all__ = ["HybridModel", "SectionTimer", "GDN_BACKENDS"]
@@ -235,7 +236,7 @@ class HybridModel:
         c, w = self.config, self.w
         N, hd = x.shape[0], c.head_dim
         Hq, Hkv = self.n_heads, self.n_kv
-        qkv = F.linear(x, w[prefix + "qkv_proj.weight"], w.get(prefix + "qkv_proj.bias"))
+        qkv = linear(x, w[prefix + "qkv_proj.weight"], w.get(prefix + "qkv_proj.bias"))
         q_gate, k, v = torch.split(qkv, [2 * Hq * hd, Hkv * hd, Hkv * hd], dim=-1)
         q, gate = q_gate.view(N, Hq, 2 * hd).chunk(2, dim=-1)
         q = rope.qk_norm_rope_to_pool(
@@ -259,7 +260,7 @@ class HybridModel:
             N, T = q.shape[0], batch.nodes_per_request
             o = tree_attention(q, k_pool, v_pool, batch.slots, batch.ctx_lens,
                                batch.forest.ancestors.reshape(N, T), scale=scale, gate=gate)
-        return self.tp.all_reduce(F.linear(o.reshape(x.shape[0], -1), w[prefix + "o_proj.weight"],
+        return self.tp.all_reduce(linear(o.reshape(x.shape[0], -1), w[prefix + "o_proj.weight"],
                                            w.get(prefix + "o_proj.bias")))
 
     def _gdn_projections(self, layer: int, x: torch.Tensor):
@@ -269,13 +270,13 @@ class HybridModel:
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         if c.family == "qwen3_next":   # grouped per key head: [q | k | v | z] and [b | a]
             r = Hv // Hk
-            proj = F.linear(x, w[p + "in_proj_qkvzba.weight"])
+            proj = linear(x, w[p + "in_proj_qkvzba.weight"])
             qkvz, ba = torch.split(proj, [Hk * (2 * dk + 2 * r * dv), Hk * 2 * r], dim=-1)
             q, k, v, z = torch.split(qkvz.view(N, Hk, -1), [dk, dk, r * dv, r * dv], dim=-1)
             b, a = torch.split(ba.reshape(N, Hk, 2 * r), [r, r], dim=-1)
             mixed = torch.cat([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], dim=-1)
             return mixed, z.reshape(N, Hv, dv), b.reshape(N, Hv), a.reshape(N, Hv)
-        proj = F.linear(x, w[p + "in_proj_all.weight"])
+        proj = linear(x, w[p + "in_proj_all.weight"])
         mixed, z, b, a = torch.split(proj, [self.conv_dim, Hv * dv, Hv, Hv], dim=-1)
         return mixed, z.view(N, Hv, dv), b, a
 
@@ -333,12 +334,12 @@ class HybridModel:
                                              max_depth=f.max_depth)
             out.snapshots.append(snaps)
         o = fused.gated_rms_norm(o.reshape(N, Hv, dv), z, w[p + "norm.weight"], c.rms_norm_eps)
-        return self.tp.all_reduce(F.linear(o.reshape(N, Hv * dv), w[p + "out_proj.weight"]))
+        return self.tp.all_reduce(linear(o.reshape(N, Hv * dv), w[p + "out_proj.weight"]))
 
     def dense_mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
         """SwiGLU MLP under prefix ``p`` (gate and up as one product)."""
         w = self.w
-        return F.linear(fused.silu_mul(F.linear(x, w[p + "gate_up_proj.weight"])),
+        return linear(fused.silu_mul(linear(x, w[p + "gate_up_proj.weight"])),
                         w[p + "down_proj.weight"])
 
     def mlp(self, layer: int, x: torch.Tensor, prefix: str | None = None) -> torch.Tensor:
@@ -417,7 +418,7 @@ class HybridModel:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final-norm hidden states (tied to the embedding when the config says
         so); each rank's vocabulary range, gathered over the ranks."""
-        return self.tp.all_gather_last(F.linear(hidden, self.lm_head_weight).float())
+        return self.tp.all_gather_last(linear(hidden, self.lm_head_weight).float())
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

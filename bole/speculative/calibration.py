@@ -29,15 +29,15 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["FORMAT", "BudgetProfile", "cache_dir", "config_hash", "runtime_versions", "gpu_name",
-           "dtype_name", "profile_path", "find_profile", "b_ver_from_curve", "calibrate",
-           "verification_budget", "plot_profile", "isotonic_fit", "isotonic_fit_device",
+__all__ = ["FORMAT", "BudgetProfile", "ProfileFormatError", "cache_dir", "config_hash",
+           "runtime_versions", "gpu_name", "dtype_name", "profile_path", "find_profile",
+           "b_ver_from_curve", "calibrate", "verification_budget", "plot_profile", "isotonic_fit", "isotonic_fit_device",
            "AcceptanceCalibrator"]
 
 _INF = float("inf")
 
-#: version of the profile's JSON layout
-FORMAT = 1
+#: version of the profile's JSON layout (2: ``t_select``)
+FORMAT = 2
 
 #: ``time_fn(batch, nodes) -> ms``: one round's verify forward over ``batch`` requests holding
 #: ``nodes`` draft nodes in all (plus one root each); ``nodes == 0`` is plain decoding
@@ -94,6 +94,10 @@ def profile_path(gpu: str, config_hash: str, dtype: torch.dtype | str,
 
 
 # ---- the profile ----
+class ProfileFormatError(ValueError):
+    """A profile written by another Bole, in another JSON layout: calibrate again."""
+
+
 @dataclasses.dataclass
 class BudgetProfile:
     """One GPU's verify-time curve for one model, dtype and software stack.
@@ -103,6 +107,8 @@ class BudgetProfile:
     t_dec:     ``[len(batches)]`` plain decoding's ms per round.
     t_ver:     ``[len(batches)][len(node_grid)]`` the verify forward's ms.
     b_ver:     ``[len(batches)]`` the largest N with ``t_ver <= (1 + eps) t_dec`` (0 if none).
+    t_select:  ``[len(batches)]`` ms of the goodput policy's selection over whole trees (the
+               device-side choice, ranking, floors and compaction a shared verify adds).
     """
 
     gpu: str
@@ -116,6 +122,7 @@ class BudgetProfile:
     t_dec: list[float]
     t_ver: list[list[float]]
     b_ver: list[int]
+    t_select: list[float]
     model: str = ""
     created: str = ""
 
@@ -129,9 +136,10 @@ class BudgetProfile:
         if list(self.node_grid) != sorted(set(self.node_grid)) or self.node_grid[0] < 1:
             raise ValueError(f"node_grid must be distinct, ascending and >= 1, got "
                              f"{self.node_grid}")
-        if (len(self.t_dec) != nb or len(self.b_ver) != nb or len(self.t_ver) != nb
-                or any(len(row) != ng for row in self.t_ver)):
-            raise ValueError(f"t_dec, b_ver need {nb} entries and t_ver {nb} rows of {ng}")
+        if (len(self.t_dec) != nb or len(self.b_ver) != nb or len(self.t_select) != nb
+                or len(self.t_ver) != nb or any(len(row) != ng for row in self.t_ver)):
+            raise ValueError(f"t_dec, b_ver, t_select need {nb} entries and t_ver {nb} rows "
+                             f"of {ng}")
 
     # ---- the key ----
     @property
@@ -168,6 +176,9 @@ class BudgetProfile:
     def t_dec_at(self, batch: int) -> float:
         return float(self.t_dec[self.row(batch)])
 
+    def t_select_at(self, batch: int) -> float:
+        return float(self.t_select[self.row(batch)])
+
     def t_ver_curve(self, batch: int) -> dict[int, float]:
         """``{N: ms}`` of the verify forward at ``batch`` (for :func:`goodput_choice`)."""
         return {int(n): float(t) for n, t in zip(self.node_grid, self.t_ver[self.row(batch)])}
@@ -182,8 +193,9 @@ class BudgetProfile:
     @classmethod
     def from_dict(cls, raw: dict, source: str = "profile") -> "BudgetProfile":
         if raw.get("format") != FORMAT:
-            raise ValueError(f"{source}: budget profile format {raw.get('format')!r}, this Bole "
-                             f"reads format {FORMAT}; recalibrate with `bole calibrate`")
+            raise ProfileFormatError(f"{source}: budget profile format {raw.get('format')!r}, "
+                                     f"this Bole reads format {FORMAT}; recalibrate with "
+                                     "`bole calibrate`")
         names = {f.name for f in dataclasses.fields(cls)}
         missing = sorted(n for n in names if n not in raw and n not in ("model", "created"))
         if missing:
@@ -228,18 +240,18 @@ def b_ver_from_curve(t_dec: float, node_grid: Sequence[int], t_ver: Sequence[flo
 def calibrate(time_fn: TimeFn, batches: Sequence[int], node_grid: Sequence[int],
               eps: float = 0.1, *, gpu: str = "unknown", config_hash: str = "",
               dtype: torch.dtype | str = "", versions: Mapping[str, str] | None = None,
-              model: str = "",
+              model: str = "", select_fn: Callable[[int], float] | None = None,
               progress: Callable[[int, int], None] | None = None) -> BudgetProfile:
     """Measure ``T_dec`` = ``time_fn(b, 0)`` and ``T_ver`` = ``time_fn(b, N)`` for every batch
-    and grid point, and derive ``B_ver``. ``progress(done, total)`` is called after each point
-    (a progress bar). The key fields are stored as given (``versions`` defaults to
-    :func:`runtime_versions`)."""
+    and grid point, and derive ``B_ver``; ``T_select`` = ``select_fn(b)`` (0 without one).
+    ``progress(done, total)`` is called after each point (a progress bar). The key fields are
+    stored as given (``versions`` defaults to :func:`runtime_versions`)."""
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
     batches, grid = sorted({int(b) for b in batches}), sorted({int(n) for n in node_grid})
     versions = dict(versions) if versions is not None else runtime_versions()
     total, done = len(batches) * (1 + len(grid)), 0
-    t_dec, t_ver, b_ver = [], [], []
+    t_dec, t_ver, b_ver, t_select = [], [], [], []
     for b in batches:
         times = []
         for n in [0, *grid]:
@@ -249,12 +261,13 @@ def calibrate(time_fn: TimeFn, batches: Sequence[int], node_grid: Sequence[int],
                 progress(done, total)
         t_dec.append(times[0])
         t_ver.append(times[1:])
+        t_select.append(float(select_fn(b)) if select_fn is not None else 0.0)
         b_ver.append(b_ver_from_curve(times[0], grid, times[1:], eps))
     return BudgetProfile(gpu=gpu, config_hash=config_hash, dtype=dtype_name(dtype),
                          torch_version=versions.get("torch", ""),
                          triton_version=versions.get("triton", ""), eps=float(eps),
                          batches=batches, node_grid=grid, t_dec=t_dec, t_ver=t_ver,
-                         b_ver=b_ver, model=model,
+                         b_ver=b_ver, t_select=t_select, model=model,
                          created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 

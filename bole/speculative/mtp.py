@@ -18,11 +18,11 @@ Everything is fixed-shape tensor code without host synchronisation (captured in 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from bole.models.qwen3_hybrid import HybridModel
 from bole.ops import fused
 from bole.ops.attention import tree_attention
+from bole.ops.linear import linear
 from bole.ops.topk_softmax import topk_softmax
 from bole.speculative.mtp_inputs import frontier_inputs
 from bole.speculative.observe_inputs import observe_inputs
@@ -71,14 +71,14 @@ class MTPDrafter:
             both = fused.embed_norm_pair(tokens, table, prev_hidden.to(m.dtype),
                                          w["mtp.pre_fc_norm_embedding.weight"],
                                          w["mtp.pre_fc_norm_hidden.weight"], eps)
-            return F.linear(both, w["mtp.fc.weight"])
+            return linear(both, w["mtp.fc.weight"])
         # both norms write their halves of fc's input (no concatenation)
         both = torch.empty(tokens.shape[0], 2 * H, dtype=m.dtype, device=tokens.device)
         fused.add_rms_norm(m.embed(tokens), w["mtp.pre_fc_norm_embedding.weight"], eps,
                            out=both[:, :H])
         fused.add_rms_norm(prev_hidden.to(m.dtype), w["mtp.pre_fc_norm_hidden.weight"], eps,
                            out=both[:, H:])
-        return F.linear(both, w["mtp.fc.weight"])
+        return linear(both, w["mtp.fc.weight"])
 
     def _qkv(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
              rows: torch.Tensor):
@@ -92,7 +92,7 @@ class MTPDrafter:
     def _finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Attention output ``o [n, H_q * hd]`` (gated) -> the layer's normalised output m."""
         m, w, eps = self.model, self.model.w, self.model.config.rms_norm_eps
-        attn = m.tp.all_reduce(F.linear(o, w[MTP_LAYER + "self_attn.o_proj.weight"],
+        attn = m.tp.all_reduce(linear(o, w[MTP_LAYER + "self_attn.o_proj.weight"],
                                         w.get(MTP_LAYER + "self_attn.o_proj.bias")))
         # the residual add inside the norm's kernel
         a, x = fused.add_rms_norm(attn, w[MTP_LAYER + "post_attention_layernorm.weight"], eps, x)
@@ -185,7 +185,7 @@ class MTPDrafter:
             if self.head is None:
                 probs, tokens = topk_softmax(m.lm_head(out), topk)
             else:
-                probs, rows = topk_softmax(F.linear(out, self.head), topk)
+                probs, rows = topk_softmax(linear(out, self.head), topk)
                 tokens = self.vocab_ids[rows]
             return tokens.view(R, K, topk), probs.view(R, K, topk)
         return step

@@ -139,15 +139,56 @@ def test_calibrated_policy_calibrates_on_first_use(model, tmp_path, monkeypatch,
     assert max(bigger.rounds.policy.profile.node_grid) == 35
 
 
-def _profile(t_ver_ms: float, t_dec_ms: float = 1000.0):
+def _profile(t_ver_ms: float, t_dec_ms: float = 1000.0, slope: float = 0.01,
+             t_select_ms: float = 0.0):
     """A synthetic profile: decode and verify times far above this CPU's measured draft and
-    accept overhead (15-100 ms on a busy CI machine), so that the choice follows the profile."""
+    accept overhead (15-100 ms on a busy CI machine), so that the choice follows the profile.
+    The verify time grows by ``slope`` a grid point (so that the selection can pay)."""
     from bole.speculative.calibration import BudgetProfile
     grid = [1, 2, 4, 8, 16]
     return BudgetProfile(gpu="test", config_hash="x", dtype="float32", torch_version="",
                          triton_version="", eps=0.1, batches=[1, 2, 4], node_grid=grid,
-                         t_dec=[t_dec_ms] * 3, t_ver=[[t_ver_ms] * len(grid)] * 3,
-                         b_ver=[16, 16, 16], model="tiny", created="")
+                         t_dec=[t_dec_ms] * 3,
+                         t_ver=[[t_ver_ms * (1 + slope * i) for i in range(len(grid))]] * 3,
+                         b_ver=[16, 16, 16], t_select=[t_select_ms] * 3, model="tiny",
+                         created="")
+
+
+def test_whole_trees_where_the_selection_cannot_pay():
+    """Buckets whose budget covers every drafted node, or (goodput) where whole trees' verify
+    costs at most the cheapest one plus the selection, verify whole trees without selecting."""
+    T = 4                                             # 3 draft nodes a request
+    glob = BudgetPolicy(SpecConfig(budget=T, budget_policy="global", shared_budget=6), T)
+    assert [glob.whole_trees(R) for R in (1, 2, 4)] == [True, True, False]
+    assert glob.width(2, 2) == T
+    calibrated = BudgetPolicy(SpecConfig(budget=T, budget_policy="calibrated"), T,
+                              profile=_profile(1.0))            # b_ver 16 at every batch
+    assert [calibrated.whole_trees(R) for R in (1, 2, 4)] == [True, True, True]
+    # goodput, bucket 2: 6 draft nodes -> grid 8 (1.03 ms) against grid 1 (1.0 ms)
+    goodput = lambda sel: BudgetPolicy(  # noqa: E731
+        SpecConfig("bole", budget=T, budget_policy="goodput"), T,
+        profile=_profile(1.0, slope=0.01, t_select_ms=sel))
+    assert not goodput(0.02).whole_trees(2) and goodput(0.03).whole_trees(2)
+    assert goodput(0.0).whole_trees(1) is False            # 3 nodes: grid 4 (1.02) vs 1.0
+    flat = BudgetPolicy(SpecConfig("bole", budget=T, budget_policy="goodput"), T,
+                        profile=_profile(1.0, slope=0.0))
+    assert all(flat.whole_trees(R) for R in (1, 2, 4)) and flat.width(4, 4) == T
+
+
+def test_whole_tree_rounds_verify_every_drafted_node(model):
+    """Against a flat verify curve, goodput rounds skip the selection: every drafted node is
+    verified (as the fixed policy verifies them), and greedy output is plain decoding's."""
+    params = GenerationParams(max_tokens=24)
+    ar, spec = _goodput_case(model, params)
+    engine = Engine(model, spec, max_slots=3, budget_profile=_profile(1000.0, slope=0.0))
+    fixed = Engine(model, SpecConfig(**{**spec.__dict__, "budget_policy": "fixed"}),
+                   max_slots=3)
+    res = engine.generate(PROMPTS, params, continuations=ar)
+    assert [r.token_ids for r in res] == ar
+    assert all(engine.rounds.policy.whole_trees(R) for R in engine.rounds.buffers)
+    want = fixed.generate(PROMPTS, params, continuations=ar)
+    assert [r.accepted for r in res] == [r.accepted for r in want]
+    assert engine.timings.summary()["draft_nodes_per_round"] > 0
 
 
 def _goodput_case(model, params):

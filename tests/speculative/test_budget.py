@@ -16,7 +16,8 @@ from bole.models.presets import preset_config
 from bole.speculative.budget import (compact, dense_inputs, expected_accepted_curve,
                                      goodput_budget, goodput_choice, rank_nodes, safe_width,
                                      select_dense, select_nodes)
-from bole.speculative.calibration import (AcceptanceCalibrator, BudgetProfile, b_ver_from_curve,
+from bole.speculative.calibration import (AcceptanceCalibrator, BudgetProfile, ProfileFormatError,
+                                          b_ver_from_curve,
                                           cache_dir, calibrate, config_hash, find_profile,
                                           isotonic_fit, isotonic_fit_device, plot_profile, profile_path,
                                           runtime_versions, verification_budget)
@@ -451,7 +452,7 @@ def make_profile(**key):
     defaults = dict(gpu="NVIDIA H200", config_hash="abc123", dtype=torch.bfloat16,
                     versions={"torch": "2.11.0", "triton": "3.6.0"}, model="bundled")
     return calibrate(synthetic_time_fn(), [1, 2, 4, 8, 16, 32, 64], GRID, 0.1,
-                     **{**defaults, **key})
+                     select_fn=lambda b: 0.01 * b, **{**defaults, **key})
 
 
 def test_calibrate_on_a_synthetic_curve():
@@ -495,7 +496,8 @@ def test_profile_round_trip(tmp_path, monkeypatch):
     assert find_profile(**{**key, "gpu": "NVIDIA A100"}) is None
     assert profile_path(**key) == path
     raw = json.loads(path.read_text())
-    assert raw["format"] == 1 and raw["b_ver"] == profile.b_ver
+    assert raw["format"] == 2 and raw["b_ver"] == profile.b_ver
+    assert raw["t_select"] == [0.01 * b for b in profile.batches]
 
 
 def test_cache_dir_default(monkeypatch, tmp_path):
@@ -527,12 +529,14 @@ def test_a_mismatched_profile_names_every_difference(tmp_path):
 
 def test_malformed_profiles_are_refused(tmp_path):
     raw = make_profile().to_dict()
-    with pytest.raises(ValueError, match="format"):
-        BudgetProfile.from_dict({**raw, "format": 99})
+    with pytest.raises(ProfileFormatError, match="format 1, this Bole reads format 2"):
+        BudgetProfile.from_dict({**raw, "format": 1})
     with pytest.raises(ValueError, match="lacks b_ver"):
         BudgetProfile.from_dict({k: v for k, v in raw.items() if k != "b_ver"})
     with pytest.raises(ValueError, match="t_ver"):
         BudgetProfile.from_dict({**raw, "t_ver": raw["t_ver"][:-1]})
+    with pytest.raises(ValueError, match="t_select"):
+        BudgetProfile.from_dict({**raw, "t_select": raw["t_select"][:-1]})
 
 
 def test_config_hash_covers_every_field():

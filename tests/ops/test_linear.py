@@ -1,0 +1,78 @@
+"""Decode-shape linear layers (bole/ops/linear.py): both kernels against an fp64 product (the CPU
+interpreter here, fp32 tiny shapes; compiled in bf16 on a GPU), the dispatcher against
+F.linear, and the errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+from bole.ops.linear import MAX_ROWS, LinearConfig, linear, linear_triton, pick_linear_config
+from tests.kernel_utils import DEV, assert_rel
+
+ON_GPU = DEV == "cuda"
+DTYPE = torch.bfloat16 if ON_GPU else torch.float32
+TOL = 2e-2 if ON_GPU else 1e-5
+CONFIGS = [LinearConfig("rows", 4, 16, 4, 1), LinearConfig("rows", 8, 32, 2, 2),
+           LinearConfig("dot", 16, 16, 4, 2), LinearConfig("dot", 32, 32, 4, 3)]
+
+
+def rnd(*shape, gen):
+    return torch.randn(*shape, generator=gen).to(DTYPE).to(DEV)
+
+
+@given(M=st.integers(1, MAX_ROWS), N=st.integers(1, 70), K=st.integers(1, 80),
+       cfg=st.sampled_from(CONFIGS), bias=st.booleans(), seed=st.integers(0, 2**31))
+@settings(max_examples=40, deadline=None)
+def test_kernels_equal_fp64_product(M, N, K, cfg, bias, seed):
+    """Every kernel and tile, at shapes that leave partial tiles in N and K and padding rows."""
+    if cfg.kernel == "rows" and M > 4:
+        M = 1 + M % 4
+    gen = torch.Generator().manual_seed(seed)
+    x, w = rnd(M, K, gen=gen), rnd(N, K, gen=gen)
+    b = rnd(N, gen=gen) if bias else None
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert_rel(linear_triton(x, w, b, config=cfg), want, TOL * max(1.0, K ** 0.5))
+
+
+def test_strided_rows_of_x():
+    """x may be a row-strided view (a slice of a wider buffer), as the model's splits are."""
+    gen = torch.Generator().manual_seed(1)
+    wide, w = rnd(3, 100, gen=gen), rnd(40, 48, gen=gen)
+    x = wide[:, 10:58]
+    assert not x.is_contiguous()
+    for cfg in CONFIGS:
+        assert_rel(linear_triton(x, w, config=cfg), x.double() @ w.double().T, TOL * 7)
+
+
+def test_dispatcher_is_f_linear_off_its_shapes():
+    """On the CPU, in fp32, with many rows: F.linear itself, bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(2, 5, 64, generator=gen), torch.randn(300, 64, generator=gen), \
+        torch.randn(300, generator=gen)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(linear(x[0, 0], w), F.linear(x[0, 0], w))
+
+
+def test_picked_launches():
+    """Decode shapes take a kernel; many rows, unaligned K and narrow weights take cuBLAS."""
+    assert pick_linear_config(1, 12352, 4096) is not None
+    assert pick_linear_config(MAX_ROWS, 4096, 4096) is not None
+    assert pick_linear_config(MAX_ROWS + 1, 4096, 4096) is None
+    assert pick_linear_config(1, 4096, 4100) is None
+    assert pick_linear_config(1, 64, 4096) is None
+    assert pick_linear_config(1, 768, 256) is None           # the bundled model's: cuBLAS
+
+
+def test_errors_say_what_is_wrong():
+    x, w = torch.zeros(2, 8, dtype=DTYPE, device=DEV), torch.zeros(4, 8, dtype=DTYPE, device=DEV)
+    with pytest.raises(ValueError, match="x \\[M, K\\] and w \\[N, K\\]"):
+        linear_triton(x, torch.zeros(4, 9, dtype=DTYPE, device=DEV))
+    with pytest.raises(ValueError, match="share a dtype"):
+        linear_triton(x, w.double())
+    with pytest.raises(ValueError, match="share a dtype"):
+        linear_triton(x, w, torch.zeros(5, dtype=DTYPE, device=DEV))
+    with pytest.raises(ValueError, match="unit stride"):
+        linear_triton(x, torch.zeros(8, 4, dtype=DTYPE, device=DEV).T)
+    with pytest.raises(ValueError, match="at most"):
+        linear_triton(torch.zeros(MAX_ROWS + 1, 8, dtype=DTYPE, device=DEV), w)

@@ -553,7 +553,8 @@ class RoundRunner:
                 into.append(time.perf_counter())
         plain = self.policy.plain_round()
         if b.goodput is not None:
-            b.goodput.overhead_ms.fill_(self.policy.overhead_ms)
+            b.goodput.overhead_ms.fill_(self.policy.round_overhead_ms(R))
+            b.goodput.explore.fill_(not plain and self.policy.exploring())
         mark(marks)
         if plain:
             pass                                   # goodput decided drafting does not pay

@@ -22,7 +22,10 @@ Policies (``SpecConfig.budget_policy``):
                 node's acceptance estimate starts at its rho and follows what the rounds observe: an
                 :class:`~bole.speculative.calibration.AcceptanceCalibrator` per model and drafter
                 (binned by rho, monotone), counted in every drafting round and refitted every
-                :data:`FIT_EVERY` rounds, on the device
+                :data:`FIT_EVERY` rounds, on the device. Nodes the choice drops are never
+                verified, so their estimates could not learn: one drafting round in
+                :data:`EXPLORE_EVERY` verifies whole trees. The choice weighs the round's time
+                with the selection's own measured cost
 
 The selection (:func:`bole.speculative.budget.select_dense`) runs on the device inside the verify
 graph, in the batch buckets where it can pay (:meth:`BudgetPolicy.whole_trees`): where a bucket's
@@ -56,6 +59,9 @@ RATE_WEIGHT = 0.1
 LOOK_WEIGHT = 0.5
 #: drafting rounds between refits of the goodput policy's acceptance estimates
 FIT_EVERY = 8
+#: the goodput policy verifies whole trees in one drafting round of this many (what its
+#: acceptance estimates learn low-rho nodes from)
+EXPLORE_EVERY = 8
 
 
 def width_buckets(T: int) -> tuple[int, ...]:
@@ -82,12 +88,13 @@ class Selected:
 @dataclass
 class Goodput:
     """The goodput policy's device inputs for one batch bucket: the profile's node grid ``[G]``,
-    its ``T_ver`` there ``[G]`` (ms) and a drafting round's draft and accept time (0-d, ms,
-    measured)."""
+    its ``T_ver`` there ``[G]`` (ms), a drafting round's draft, selection and accept time (0-d,
+    ms, measured) and whether this round verifies whole trees (0-d bool)."""
 
     grid: torch.Tensor
     t_ver: torch.Tensor
     overhead_ms: torch.Tensor
+    explore: torch.Tensor | None = None
 
 
 def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
@@ -106,6 +113,8 @@ def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid
                                         acceptance=acceptance, rank=rank)
         budget, _ = goodput_best(goodput.grid, curve, goodput.t_ver,
                                  round_overhead_ms=goodput.overhead_ms)
+        if goodput.explore is not None:
+            budget = torch.where(goodput.explore, goodput.grid[-1], budget)
     keep = select_dense(rho, forest, budget, root_floor, active=active, rank=rank)
     c = compact(keep, tokens, forest.parents, width=width)
     return Selected(c.tokens, DenseForest.from_parents(c.parents, c.valid, max_depth),
@@ -138,6 +147,7 @@ class BudgetPolicy:
         self.draft_rate: dict[int, float] = {}
         self.plain_rate: dict[int, float] = {}
         self.looking = False                     # goodput: the next drafting round is a look
+        self.drafted = 0                         # goodput: drafting rounds so far
 
     @property
     def shared(self) -> bool:
@@ -181,7 +191,18 @@ class BudgetPolicy:
         row = self.profile.row(R)
         return Goodput(torch.tensor(self.profile.node_grid, device=device),
                        torch.tensor(self.profile.t_ver[row], dtype=torch.float64, device=device),
-                       torch.zeros((), dtype=torch.float64, device=device))
+                       torch.zeros((), dtype=torch.float64, device=device),
+                       torch.zeros((), dtype=torch.bool, device=device))
+
+    def round_overhead_ms(self, R: int) -> float:
+        """What a drafting round of bucket R adds to its verify forward (ms): the measured draft
+        and accept time, and the profile's selection time where the bucket selects."""
+        select_ms = 0.0 if self.whole_trees(R) else self.profile.t_select_at(R)
+        return self.overhead_ms + select_ms
+
+    def exploring(self) -> bool:
+        """Whether this round (goodput, drafting) verifies whole trees for what they teach."""
+        return self.policy == "goodput" and self.drafted % EXPLORE_EVERY == EXPLORE_EVERY - 1
 
     def plain_round(self) -> bool:
         """Whether this round decodes plainly (goodput found drafting does not pay)."""
@@ -195,6 +216,8 @@ class BudgetPolicy:
         (measured, or until a plain round of R has run, one decode forward of the profile plus
         a drafting round's accept and host time). ``measured`` False: the round's time holds
         something else (a graph capture, a dropped prelaunched draft) and is not averaged."""
+        if not plain:
+            self.drafted += 1
         if plain:
             self.ar_rounds_left -= 1
             if measured:
@@ -220,7 +243,7 @@ class BudgetPolicy:
         share of the budget (at least the floor), rounded up to a bucket."""
         if self.plain_round():
             return 1
-        if self.whole_trees(R):
+        if self.whole_trees(R) or self.exploring():
             return self.T
         need = self.last_kept.get(R)
         if need is None:
@@ -228,7 +251,10 @@ class BudgetPolicy:
         return next((w for w in self.widths if w >= need), self.T)
 
     def observe(self, R: int, kept: list[int]) -> None:
-        self.last_kept[R] = max(kept, default=1)
+        """The kept counts of a round of bucket R (an exploring round's say nothing of the
+        next round's width)."""
+        if not self.exploring():
+            self.last_kept[R] = max(kept, default=1)
 
 
 def _average(mean: float | None, x: float, weight: float = RATE_WEIGHT) -> float:

@@ -1,19 +1,17 @@
 """Linear layers at decode shapes: ``y = x @ w.T (+ bias)`` for a few rows of ``x``.
 
 At one to a few tokens a forward is a weight read: each ``[N, K]`` weight crosses the memory
-bus once and every other cost is small. cuBLAS's kernels for ``M = 1`` reach about 78% of the
-H200's copy rate on the 9B preset's projections; the kernels here stream each weight in
-``[BLOCK_N, BLOCK_K]`` tiles, one program per ``BLOCK_N`` output columns, and keep the few rows of
-``x`` beside them:
+bus once and every other cost is small. On the H200, cuBLAS reads the 9B preset's weights at
+3.1-3.9 TB/s at one row (its LM head at 3.6); the kernel here streams each weight in
+``[BLOCK_N, BLOCK_K]`` tiles through a software pipeline of ``num_stages`` loads, one program
+per ``BLOCK_N`` output columns, the rows of ``x`` padded to 16 and multiplied by tensor cores
+(``tl.dot``; at these shapes the products cost nothing beside the read).
 
-    rows   (M <= 4)   each tile multiplied by every row of x on the CUDA cores, the products
-                      summed over K in fp32
-    dot    (M <= 16)  the rows padded to 16 and multiplied by tensor cores (``tl.dot``)
-
-:func:`linear` takes them where they are measured to win (:func:`pick_linear_config`, tuned by
+:func:`linear` takes it where it is measured to win (:func:`pick_linear_config`, from
 ``bench/linear.py`` on the H200) and ``torch.nn.functional.linear`` everywhere else: more rows,
-other devices and dtypes, strided weights. Both accumulate in fp32 and round once, as cuBLAS
-does; the sums run in another order, so results agree to rounding, not bit for bit.
+small weights, other devices and dtypes, strided weights. It accumulates in fp32 and rounds
+once, as cuBLAS does; the sums run in another order, so results agree to rounding, not bit for
+bit.
 """
 
 from __future__ import annotations
@@ -29,19 +27,18 @@ from bole.ops.triton_utils import check_kernel_device
 
 __all__ = ["LinearConfig", "pick_linear_config", "linear", "linear_triton", "MAX_ROWS"]
 
-#: the most rows of x the kernels take (more go to cuBLAS: the weight read is then shared by
+#: the most rows of x the kernel takes (more go to cuBLAS: the weight read is then shared by
 #: enough rows that cuBLAS's tiles are at the floor)
 MAX_ROWS = 16
-#: the smallest weight (elements) the kernels take: below it a product is launch-bound and
+#: the smallest weight (elements) the kernel takes: below it a product is launch-bound and
 #: cuBLAS's kernel costs the same
 MIN_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """One launch: the kernel (``rows`` or ``dot``), its tile and its warps and stages."""
+    """One launch: its tile, warps and pipeline stages."""
 
-    kernel: str
     block_n: int
     block_k: int
     num_warps: int = 4
@@ -49,30 +46,7 @@ class LinearConfig:
 
 
 @triton.jit
-def _linear_rows_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
-                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
-    nm, mm = n < N, m < M
-    w_rows = w + n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < K
-        wt = tl.load(w_rows + k[None, :], mask=nm[:, None] & km[None, :], other=0.0,
-                     eviction_policy="evict_first").to(tl.float32)
-        xt = tl.load(x + m[:, None] * stride_xm + k[None, :], mask=mm[:, None] & km[None, :],
-                     other=0.0).to(tl.float32)
-        acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)
-    if HAS_BIAS:
-        acc += tl.load(bias + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    tl.store(y + m[:, None] * stride_ym + n[None, :], acc.to(y.dtype.element_ty),
-             mask=mm[:, None] & nm[None, :])
-
-
-@triton.jit
-def _linear_dot_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
+def _linear_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -97,18 +71,21 @@ def _linear_dot_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym,
 def pick_linear_config(M: int, N: int, K: int) -> LinearConfig | None:
     """The launch for ``M`` rows of a ``[N, K]`` weight, or None where cuBLAS is as fast.
 
-    From ``bench/linear.py`` on the H200 (bf16; ``bench/NOTES.md``): ..."""
+    From ``bench/linear.py`` on the H200 (bf16, 1-16 rows,
+    ``bench/results/linear-2026-12-02-qwen3.5-9b.json``): wide weights (the MLP's gate and up,
+    the LM heads) stream best in 64 x 128 tiles, three stages deep; narrower ones in 32 x 256
+    tiles, five stages deep where N is the hidden size (each program then runs a long K)."""
     if M < 1 or M > MAX_ROWS or K % 8 or N < 256 or N * K < MIN_ELEMENTS:
         return None
-    if M <= 2:
-        return LinearConfig("rows", 8, 512, num_warps=4, num_stages=1)
-    return LinearConfig("dot", 32, 256, num_warps=4, num_stages=4)
+    if N >= 16384:
+        return LinearConfig(64, 128, num_warps=4, num_stages=3)
+    return LinearConfig(32, 256, num_warps=4, num_stages=5 if N <= 8192 else 3)
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                   config: LinearConfig | None = None) -> torch.Tensor:
-    """``x [M, K] @ w[N, K].T (+ bias [N])`` by this module's kernels (``config``, default
-    :func:`pick_linear_config`'s, else the ``rows`` kernel). ``x`` and ``w`` share a dtype;
+    """``x [M, K] @ w[N, K].T (+ bias [N])`` by this module's kernel (``config``, default
+    :func:`pick_linear_config`'s, else 32 x 256 tiles). ``x`` and ``w`` share a dtype;
     ``w`` and ``x`` have unit stride along K. Returns ``[M, N]`` in x's dtype."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear takes x [M, K] and w [N, K], got {tuple(x.shape)} and "
@@ -118,28 +95,26 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                          f"({None if bias is None else (bias.dtype, tuple(bias.shape))}) must "
                          f"share a dtype, the bias of shape [N]")
     if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError("linear's kernels read x and w with unit stride along K; pass "
+        raise ValueError("linear's kernel reads x and w with unit stride along K; pass "
                          ".contiguous() tensors")
     check_kernel_device(x.device, "linear")
     M, K = x.shape
     N = w.shape[0]
     if M > MAX_ROWS:
-        raise ValueError(f"linear's kernels take at most {MAX_ROWS} rows, got {M}")
-    config = config or pick_linear_config(M, N, K) or LinearConfig("rows", 8, 512)
+        raise ValueError(f"linear's kernel takes at most {MAX_ROWS} rows, got {M}")
+    config = config or pick_linear_config(M, N, K) or LinearConfig(32, 256)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    kernel = _linear_dot_kernel if config.kernel == "dot" else _linear_rows_kernel
-    block_m = 16 if config.kernel == "dot" else triton.next_power_of_2(M)
-    kernel[(triton.cdiv(N, config.block_n),)](
+    _linear_kernel[(triton.cdiv(N, config.block_n),)](
         x, w, bias if bias is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return y
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)``, through this module's kernels where they win: CUDA, fp16 or
+    """``F.linear(x, w, bias)``, through this module's kernel where it wins: CUDA, fp16 or
     bf16, ``x`` of at most :data:`MAX_ROWS` rows (leading dimensions flattened), contiguous
     weights (else cuBLAS)."""
     if (x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16)

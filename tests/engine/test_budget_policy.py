@@ -175,6 +175,38 @@ def test_whole_trees_where_the_selection_cannot_pay():
     assert all(flat.whole_trees(R) for R in (1, 2, 4)) and flat.width(4, 4) == T
 
 
+def test_goodput_explores_whole_trees_and_weighs_its_selection():
+    """One drafting round in EXPLORE_EVERY verifies whole trees (width T, every node kept,
+    whatever the estimates say), without moving the next round's width; the choice's overhead
+    holds the profile's selection time where the bucket selects."""
+    from bole.engine.selection import EXPLORE_EVERY
+    T = 4
+    policy = BudgetPolicy(SpecConfig("bole", budget=T, budget_policy="goodput"), T,
+                          profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, t_select_ms=0.25))
+    assert not policy.whole_trees(2)
+    policy.observe(2, [2, 1])
+    seen = []
+    for _ in range(2 * EXPLORE_EVERY):
+        seen.append((policy.exploring(), policy.width(2, 2)))
+        policy.observe(2, [T, T] if seen[-1][0] else [2, 1])
+        policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
+    assert [e for e, _ in seen] == ([False] * (EXPLORE_EVERY - 1) + [True]) * 2
+    assert all(w == (T if e else 2) for e, w in seen)
+    assert policy.round_overhead_ms(2) == pytest.approx(policy.overhead_ms + 0.25)
+    # on the device: an exploring round keeps every node, however unlikely
+    goodput = policy.goodput_inputs(2, "cpu")
+    parents = torch.tensor([[-1, 0, 1, 2]] * 2)
+    valid = torch.ones(2, T, dtype=torch.bool)
+    rho = torch.tensor([[1.0, 1e-3, 1e-6, 1e-9]] * 2, dtype=torch.float64)
+    tokens = torch.arange(2 * T).view(2, T)
+    active = torch.ones(2, dtype=torch.bool)
+    for explore, kept in ((False, [2, 2]), (True, [T, T])):
+        goodput.explore.fill_(explore)
+        sel = select(rho, tokens, parents, valid, torch.tensor(0), active, 1, T, 3,
+                     goodput=goodput)
+        assert sel.kept.tolist() == kept
+
+
 def test_whole_tree_rounds_verify_every_drafted_node(model):
     """Against a flat verify curve, goodput rounds skip the selection: every drafted node is
     verified (as the fixed policy verifies them), and greedy output is plain decoding's."""

@@ -529,6 +529,7 @@ class RoundRunner:
             raise ValueError(f"{len(requests)} requests exceed the engine's {self.max_slots} "
                              "slots")
         b = self._buffers(R)
+        uncapped = [r.remaining > self.D for r in requests]     # a whole path fits
         flags = StaticSampling.flags_for([r.params.sampling for r in requests])
         W = self.policy.width(R, len(requests))
         captures = self.graphs.enabled and not self.graphs.has(("accept", R, W, flags))
@@ -621,11 +622,16 @@ class RoundRunner:
             self._queued = (tuple(next_marks), t_sync, t_return)
         # the CPU ran the queued draft inside this call: it counts in the next round's time
         total = 1e3 * (t_return - t_start - own_draft + carry)
-        if b.goodput is not None:              # what this round delivered, per request per ms
+        if b.goodput is not None:
+            # what this round delivered per request per ms, over the requests whose whole tree
+            # could be accepted (one near its token limit drafts a shallower tree: its tokens
+            # say nothing of what drafting delivers, while a plain round's say everything)
+            full = [c for c, room in zip(counts, uncapped) if room or plain]
             self.policy.after_round(R, plain, ms[0], ms[2],
-                                    sum(counts) / (len(requests) * max(total, 1e-6)),
+                                    sum(full) / (max(len(full), 1) * max(total, 1e-6)),
                                     host_ms=max(0.0, total - sum(ms)),
-                                    measured=not captures and not (plain and queued))
+                                    measured=bool(full) and not captures
+                                    and not (plain and queued))
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
                       host=max(0.0, total - sum(ms)), total=total, syncs=1, plain=plain,
                       draft_nodes=draft_nodes)

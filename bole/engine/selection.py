@@ -32,8 +32,9 @@ graph, in the batch buckets where it can pay (:meth:`BudgetPolicy.whole_trees`):
 budget covers every drafted node (global, calibrated), or where verifying whole trees costs no
 more than the cheapest verify of the profile's grid plus the selection itself (goodput: the
 expected tokens of whole trees are at least those of any selection, so their rate is too), the
-round verifies whole trees without it. The forward takes the kept nodes compacted to the front of each row, in a width W picked
-from :data:`WIDTHS` by the host from the previous round's largest per-request count (known from
+round verifies whole trees without it, when its drafter grows full trees (host drafters' trees
+are often small, and compacting them narrows the verify). Elsewhere the forward takes the kept
+nodes compacted to the front of each row, in a width W picked from :data:`WIDTHS` by the host from the previous round's largest per-request count (known from
 the round's one copy, so no extra synchronisation); a request that keeps more than W nodes this
 round loses its lowest-ranked ones (a suffix of a topological order: still a tree).
 """
@@ -62,6 +63,8 @@ FIT_EVERY = 8
 #: the goodput policy verifies whole trees in one drafting round of this many (what its
 #: acceptance estimates learn low-rho nodes from)
 EXPLORE_EVERY = 8
+#: drafters that grow every request's tree to its full size (whole trees fill the verify width)
+DEVICE_DRAFTERS = ("mtp", "replay")
 
 
 def width_buckets(T: int) -> tuple[int, ...]:
@@ -178,6 +181,8 @@ class BudgetPolicy:
         drafted = self.T - 1
         if not self.shared or drafted < 1:
             return True
+        if self.spec.drafter not in DEVICE_DRAFTERS:
+            return False         # host trees are often small: compacting them narrows the verify
         if self.policy in ("global", "calibrated"):
             return all(self.budget(n) >= n * drafted for n in range(1, R + 1))
         curve = self.profile.t_ver_curve(R)
@@ -201,8 +206,11 @@ class BudgetPolicy:
         return self.overhead_ms + select_ms
 
     def exploring(self) -> bool:
-        """Whether this round (goodput, drafting) verifies whole trees for what they teach."""
-        return self.policy == "goodput" and self.drafted % EXPLORE_EVERY == EXPLORE_EVERY - 1
+        """Whether this round (goodput, drafting) verifies whole trees for what they teach. A
+        look (the drafting round after a plain stretch) never does: it measures the rounds
+        the policy would run."""
+        return (self.policy == "goodput" and not self.looking
+                and self.drafted % EXPLORE_EVERY == EXPLORE_EVERY - 1)
 
     def plain_round(self) -> bool:
         """Whether this round decodes plainly (goodput found drafting does not pay)."""

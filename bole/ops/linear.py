@@ -90,13 +90,14 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear takes x [M, K] and w [N, K], got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
-    if x.dtype != w.dtype or (bias is not None and bias.shape != (w.shape[0],)):
+    if x.dtype != w.dtype or (bias is not None and (bias.shape != (w.shape[0],)
+                                                    or bias.dtype != x.dtype)):
         raise ValueError(f"x ({x.dtype}), w ({w.dtype}) and bias "
                          f"({None if bias is None else (bias.dtype, tuple(bias.shape))}) must "
                          f"share a dtype, the bias of shape [N]")
-    if x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError("linear's kernel reads x and w with unit stride along K; pass "
-                         ".contiguous() tensors")
+    if x.stride(1) != 1 or w.stride(1) != 1 or (bias is not None and bias.stride(0) != 1):
+        raise ValueError("linear's kernel reads x and w with unit stride along K and the bias "
+                         "with unit stride; pass .contiguous() tensors")
     check_kernel_device(x.device, "linear")
     M, K = x.shape
     N = w.shape[0]
@@ -116,10 +117,10 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)``, through this module's kernel where it wins: CUDA, fp16 or
     bf16, ``x`` of at most :data:`MAX_ROWS` rows (leading dimensions flattened), contiguous
-    weights (else cuBLAS)."""
+    weights and bias (else cuBLAS)."""
     if (x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16)
             or w.dtype != x.dtype or not w.is_contiguous() or x.stride(-1) != 1
-            or (bias is not None and bias.dtype != x.dtype)):
+            or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
         return F.linear(x, w, bias)
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     config = pick_linear_config(rows.shape[0], w.shape[0], w.shape[1])

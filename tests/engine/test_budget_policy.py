@@ -137,6 +137,29 @@ def test_calibrated_policy_calibrates_on_first_use(model, tmp_path, monkeypatch,
         capsys.readouterr().err
     assert bigger.rounds.policy.profile.batches[-1] == 5
     assert max(bigger.rounds.policy.profile.node_grid) == 35
+    assert all(t > 0 for t in bigger.rounds.policy.profile.t_select)   # the selection, timed
+
+
+def test_a_profile_of_an_older_layout_is_calibrated_again(model, tmp_path, monkeypatch, capsys):
+    """A cached profile written by an older Bole (format 1: no selection times) is neither
+    used nor an error: the engine says so and calibrates again."""
+    import json
+    monkeypatch.setenv("BOLE_CACHE", str(tmp_path))
+    import bole.engine.calibrate as cal
+    monkeypatch.setattr(cal, "DEFAULT_GRID", (1, 4))
+    spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=8, budget_policy="calibrated")
+    Engine(model, spec, max_slots=2)
+    path = next(tmp_path.glob("budget-*.json"))
+    raw = json.loads(path.read_text())
+    raw["format"] = 1
+    del raw["t_select"]
+    path.write_text(json.dumps(raw))
+    capsys.readouterr()
+    engine = Engine(model, spec, max_slots=2)
+    err = capsys.readouterr().err
+    assert "format 1, this Bole reads format 2" in err and "calibrating now" in err
+    assert len(engine.rounds.policy.profile.t_select) == 2
+    assert json.loads(path.read_text())["format"] == 2
 
 
 def _profile(t_ver_ms: float, t_dec_ms: float = 1000.0, slope: float = 0.01,
@@ -158,19 +181,24 @@ def test_whole_trees_where_the_selection_cannot_pay():
     """Buckets whose budget covers every drafted node, or (goodput) where whole trees' verify
     costs at most the cheapest one plus the selection, verify whole trees without selecting."""
     T = 4                                             # 3 draft nodes a request
-    glob = BudgetPolicy(SpecConfig(budget=T, budget_policy="global", shared_budget=6), T)
+    glob = BudgetPolicy(SpecConfig(drafter="mtp", budget=T, budget_policy="global",
+                                   shared_budget=6), T)
     assert [glob.whole_trees(R) for R in (1, 2, 4)] == [True, True, False]
     assert glob.width(2, 2) == T
-    calibrated = BudgetPolicy(SpecConfig(budget=T, budget_policy="calibrated"), T,
-                              profile=_profile(1.0))            # b_ver 16 at every batch
+    calibrated = BudgetPolicy(SpecConfig(drafter="mtp", budget=T, budget_policy="calibrated"),
+                              T, profile=_profile(1.0))         # b_ver 16 at every batch
     assert [calibrated.whole_trees(R) for R in (1, 2, 4)] == [True, True, True]
+    # host drafters' trees are often small: their rounds always compact
+    ngram = BudgetPolicy(SpecConfig(drafter="ngram", budget=T, budget_policy="calibrated"), T,
+                         profile=_profile(1.0))
+    assert not any(ngram.whole_trees(R) for R in (1, 2, 4))
     # goodput, bucket 2: 6 draft nodes -> grid 8 (1.03 ms) against grid 1 (1.0 ms)
     goodput = lambda sel: BudgetPolicy(  # noqa: E731
-        SpecConfig("bole", budget=T, budget_policy="goodput"), T,
+        SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
         profile=_profile(1.0, slope=0.01, t_select_ms=sel))
     assert not goodput(0.02).whole_trees(2) and goodput(0.03).whole_trees(2)
     assert goodput(0.0).whole_trees(1) is False            # 3 nodes: grid 4 (1.02) vs 1.0
-    flat = BudgetPolicy(SpecConfig("bole", budget=T, budget_policy="goodput"), T,
+    flat = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                         profile=_profile(1.0, slope=0.0))
     assert all(flat.whole_trees(R) for R in (1, 2, 4)) and flat.width(4, 4) == T
 
@@ -181,7 +209,7 @@ def test_goodput_explores_whole_trees_and_weighs_its_selection():
     holds the profile's selection time where the bucket selects."""
     from bole.engine.selection import EXPLORE_EVERY
     T = 4
-    policy = BudgetPolicy(SpecConfig("bole", budget=T, budget_policy="goodput"), T,
+    policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                           profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, t_select_ms=0.25))
     assert not policy.whole_trees(2)
     policy.observe(2, [2, 1])
@@ -193,6 +221,15 @@ def test_goodput_explores_whole_trees_and_weighs_its_selection():
     assert [e for e, _ in seen] == ([False] * (EXPLORE_EVERY - 1) + [True]) * 2
     assert all(w == (T if e else 2) for e, w in seen)
     assert policy.round_overhead_ms(2) == pytest.approx(policy.overhead_ms + 0.25)
+    # a look (after a plain stretch) measures the rounds the policy runs: never an exploration
+    while policy.drafted % EXPLORE_EVERY != EXPLORE_EVERY - 2:
+        policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
+    policy.after_round(2, True, draft_ms=0.0, accept_ms=0.1, rate=100.0)  # plain beats it
+    policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=1.0)   # -> a plain stretch
+    assert policy.plain_round() and policy.drafted % EXPLORE_EVERY == EXPLORE_EVERY - 1
+    while policy.plain_round():
+        policy.after_round(2, True, draft_ms=0.0, accept_ms=0.1, rate=100.0)
+    assert policy.looking and not policy.exploring() and policy.width(2, 2) == 2
     # on the device: an exploring round keeps every node, however unlikely
     goodput = policy.goodput_inputs(2, "cpu")
     parents = torch.tensor([[-1, 0, 1, 2]] * 2)

@@ -42,8 +42,36 @@ def test_strided_rows_of_x():
         assert_rel(linear_triton(x, w, config=cfg), x.double() @ w.double().T, TOL * 7)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the dispatcher takes the kernel on CUDA only")
+def test_dispatcher_takes_the_kernel_at_decode_shapes():
+    """On CUDA in bf16: a 3-D x of few rows and a bias go through the kernel (and agree with
+    cuBLAS to rounding); more rows, a strided bias or fp32 go to F.linear itself."""
+    import bole.ops.linear as lin
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 1024, generator=gen).to(DTYPE).to(DEV)
+    w = (torch.randn(4096, 1024, generator=gen) * 0.03).to(DTYPE).to(DEV)
+    b = torch.randn(4096, generator=gen).to(DTYPE).to(DEV)
+    calls = []
+    real = lin.linear_triton
+    try:
+        lin.linear_triton = lambda *a, **k: calls.append(1) or real(*a, **k)
+        y = lin.linear(x, w, b)
+        assert calls and y.shape == (2, 3, 4096)
+        assert_rel(y, F.linear(x.float(), w.float(), b.float()), 2e-2)
+        calls.clear()
+        wide = torch.zeros(2 * 4096, dtype=DTYPE, device=DEV)[::2]
+        assert torch.equal(lin.linear(x, w, wide), F.linear(x, w, wide)) and not calls
+        many = torch.randn(MAX_ROWS + 1, 1024, generator=gen).to(DTYPE).to(DEV)
+        assert torch.equal(lin.linear(many, w), F.linear(many, w)) and not calls
+        assert torch.equal(lin.linear(x.float(), w.float()), F.linear(x.float(), w.float()))
+        assert not calls
+    finally:
+        lin.linear_triton = real
+
+
 def test_dispatcher_is_f_linear_off_its_shapes():
-    """On the CPU, in fp32, with many rows: F.linear itself, bit for bit."""
+    """On the CPU, in fp32, with many rows: F.linear itself, bit for bit (the interpreter's
+    kernel would round differently)."""
     gen = torch.Generator().manual_seed(2)
     x, w, b = torch.randn(2, 5, 64, generator=gen), torch.randn(300, 64, generator=gen), \
         torch.randn(300, generator=gen)
@@ -53,7 +81,9 @@ def test_dispatcher_is_f_linear_off_its_shapes():
 
 def test_picked_launches():
     """Decode shapes take the kernel; many rows, unaligned K and narrow weights take cuBLAS."""
-    assert pick_linear_config(1, 12352, 4096) is not None
+    assert pick_linear_config(1, 12352, 4096) == LinearConfig(32, 256, 4, 3)   # H200 sweep
+    assert pick_linear_config(1, 4096, 12288) == LinearConfig(32, 256, 4, 5)
+    assert pick_linear_config(1, 248320, 4096) == LinearConfig(64, 128, 4, 3)
     assert pick_linear_config(MAX_ROWS, 4096, 4096) is not None
     assert pick_linear_config(MAX_ROWS + 1, 4096, 4096) is None
     assert pick_linear_config(1, 4096, 4100) is None
@@ -69,6 +99,10 @@ def test_errors_say_what_is_wrong():
         linear_triton(x, w.double())
     with pytest.raises(ValueError, match="share a dtype"):
         linear_triton(x, w, torch.zeros(5, dtype=DTYPE, device=DEV))
+    with pytest.raises(ValueError, match="share a dtype"):
+        linear_triton(x, w, torch.zeros(4, dtype=torch.float64, device=DEV))
+    with pytest.raises(ValueError, match="unit stride"):
+        linear_triton(x, w, torch.zeros(8, dtype=DTYPE, device=DEV)[::2])
     with pytest.raises(ValueError, match="unit stride"):
         linear_triton(x, torch.zeros(8, 4, dtype=DTYPE, device=DEV).T)
     with pytest.raises(ValueError, match="at most"):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bole.engine.calibrate import captured_ms  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.ops.linear import LinearConfig, linear_triton, pick_linear_config  # noqa: E402
 from kernels import results_path, run_meta, save_png  # noqa: E402
@@ -68,23 +68,10 @@ def sweep_grid(quick: bool) -> list[LinearConfig]:
 
 def time_calls(fn_for, copies: int, reps: int) -> float:
     """Median ms per call over a captured graph of ``copies`` calls (``fn_for(i)`` the i-th)."""
-    for i in range(copies):
-        fn_for(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    def calls():
         for i in range(copies):
             fn_for(i)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / copies)
-    del graph
-    return statistics.median(times)
+    return captured_ms(calls, torch.device("cuda"), reps) / copies
 
 
 def main(argv=None) -> int:

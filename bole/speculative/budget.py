@@ -181,10 +181,17 @@ def dense_inputs(forest: DenseForest, active: Tensor | None = None) -> tuple[Ten
 def rank_dense(rho: Tensor, forest: DenseForest, root_floor: int = 1,
                active: Tensor | None = None) -> Ranking:
     """:func:`rank_nodes` over the dense layout (inputs as in :func:`select_dense`), for callers
-    that both select and estimate (the goodput policy ranks once for both)."""
+    that both select and estimate (the goodput policy ranks once for both). On CUDA it runs as
+    two Triton launches (:mod:`bole.speculative.rank_kernel`), equal to this torch code."""
     R, T = forest.parents.shape
     if rho.shape != (R, T):
         raise ValueError(f"rho {tuple(rho.shape)} must match the forest's [R, T] = {[R, T]}")
+    if rho.device.type == "cuda":              # two launches instead of about eighty
+        from bole.speculative.rank_kernel import rank_dense_triton
+        if not isinstance(root_floor, int) or root_floor < 0:
+            raise ValueError(f"root_floor must be an int >= 0, got {root_floor!r}")
+        return rank_dense_triton(rho, forest.parents, forest.valid, active, root_floor,
+                                 forest.max_depth)
     parents, request = dense_inputs(forest, active)
     return rank_nodes(rho.reshape(-1), parents, request, root_floor, max_depth=forest.max_depth)
 

@@ -88,16 +88,16 @@ def _order_kernel(score, depth, draft, floor, order, eligible, N, BI: tl.constex
     i = tl.program_id(0) * BI + tl.arange(0, BI)
     im = i < N
     s_i = tl.load(score + i, mask=im, other=0.0)
-    d_i = tl.load(depth + i, mask=im, other=0)
-    place = tl.zeros([BI], dtype=tl.int64)
+    d_i = tl.load(depth + i, mask=im, other=0).to(tl.int32)
+    place = tl.zeros([BI], dtype=tl.int32)
     for j0 in range(0, N, BJ):
         j = j0 + tl.arange(0, BJ)
         jm = j < N
         s_j = tl.load(score + j, mask=jm, other=0.0)
-        d_j = tl.load(depth + j, mask=jm, other=0)
+        d_j = tl.load(depth + j, mask=jm, other=0).to(tl.int32)
         first = _before(s_j[None, :], d_j[None, :], j[None, :], s_i[:, None], d_i[:, None],
                         i[:, None]) & jm[None, :]
-        place += tl.sum(first.to(tl.int64), axis=1)
+        place += tl.sum(first.to(tl.int32), axis=1)
     ok = (tl.load(draft + i, mask=im, other=0) != 0) & (tl.load(floor + i, mask=im, other=0) == 0)
     tl.store(order + place, i.to(tl.int64), mask=im)
     tl.store(eligible + place, ok.to(tl.int8), mask=im)
@@ -134,6 +134,6 @@ def rank_dense_triton(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Ten
                           num_warps=4)
         bi = 64
         _order_kernel[(triton.cdiv(N, bi),)](score, depth, flags[1], flags[2], order, eligible,
-                                             N, BI=bi, BJ=64, num_warps=4)
+                                             N, BI=bi, BJ=32, num_warps=4)
     bools = flags.view(torch.bool)
     return Ranking(order, eligible.view(torch.bool), bools[0], bools[2], score)

@@ -1,4 +1,4 @@
-"""Linear layers at decode shapes: cuBLAS against bole/ops/linear.py's kernel, against the copy rate.
+"""Linear layers at decode shapes: cuBLAS against bole/ops/linear.py's kernel and the copy rate.
 
 For every distinct projection of a preset (default Qwen3.5-9B; its MTP head's fc and a 32k
 draft-vocabulary head too) and every row count of --rows, times ``F.linear`` (cuBLAS) and each
@@ -8,7 +8,7 @@ each shape's best launch and its ratio to cuBLAS, then the preset's decode (one 
 layers: cuBLAS's sum, the best launches' sum, and the weight floor (bytes over the measured copy
 rate, read + write counted as bole's other benchmarks count it).
 
-    python bench/linear.py                                 # -> bench/results/linear-<date>-<preset>.{json,png}
+    python bench/linear.py             # -> bench/results/linear-<date>-<preset>.{json,png}
     python bench/linear.py --rows 1 --quick                # a smaller grid
 """
 

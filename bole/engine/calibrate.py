@@ -109,10 +109,7 @@ def selection_time_fn(spec, node_grid, device, *, reps: int = 10, seed: int = 0)
     T, D = spec.nodes_per_request, spec.depth
     rng = np.random.default_rng(seed)
     acceptance = AcceptanceCalibrator.log_bins(device=device)
-    grid = torch.tensor(list(node_grid), device=device)
-    goodput = Goodput(grid, torch.ones(len(node_grid), dtype=torch.float64, device=device),
-                      torch.zeros((), dtype=torch.float64, device=device),
-                      torch.zeros((), dtype=torch.bool, device=device))
+    goodput = Goodput.on(device, node_grid, [1.0] * len(node_grid))
 
     def select_fn(b: int) -> float:
         trees = [DraftTree.random(T, D, rng) for _ in range(b)]

@@ -529,7 +529,6 @@ class RoundRunner:
             raise ValueError(f"{len(requests)} requests exceed the engine's {self.max_slots} "
                              "slots")
         b = self._buffers(R)
-        uncapped = [r.remaining > self.D for r in requests]     # a whole path fits
         flags = StaticSampling.flags_for([r.params.sampling for r in requests])
         W = self.policy.width(R, len(requests))
         captures = self.graphs.enabled and not self.graphs.has(("accept", R, W, flags))
@@ -626,7 +625,7 @@ class RoundRunner:
             # what this round delivered per request per ms, over the requests whose whole tree
             # could be accepted (one near its token limit drafts a shallower tree: its tokens
             # say nothing of what drafting delivers, while a plain round's say everything)
-            full = [c for c, room in zip(counts, uncapped) if room or plain]
+            full = [c for c, r in zip(counts, requests) if plain or r.remaining > self.D]
             self.policy.after_round(R, plain, ms[0], ms[2],
                                     sum(full) / (max(len(full), 1) * max(total, 1e-6)),
                                     host_ms=max(0.0, total - sum(ms)),

@@ -34,9 +34,10 @@ more than the cheapest verify of the profile's grid plus the selection itself (g
 expected tokens of whole trees are at least those of any selection, so their rate is too), the
 round verifies whole trees without it, when its drafter grows full trees (host drafters' trees
 are often small, and compacting them narrows the verify). Elsewhere the forward takes the kept
-nodes compacted to the front of each row, in a width W picked from :data:`WIDTHS` by the host from the previous round's largest per-request count (known from
-the round's one copy, so no extra synchronisation); a request that keeps more than W nodes this
-round loses its lowest-ranked ones (a suffix of a topological order: still a tree).
+nodes compacted to the front of each row, in a width W picked from :data:`WIDTHS` by the host
+from the previous round's largest per-request count (known from the round's one copy, so no
+extra synchronisation); a request that keeps more than W nodes this round loses its
+lowest-ranked ones (a suffix of a topological order: still a tree).
 """
 
 from __future__ import annotations
@@ -98,6 +99,15 @@ class Goodput:
     t_ver: torch.Tensor
     overhead_ms: torch.Tensor
     explore: torch.Tensor | None = None
+
+    @classmethod
+    def on(cls, device, grid, t_ver) -> "Goodput":
+        """Static inputs on ``device`` for a grid and its verify times (host sequences); the
+        overhead 0 and no exploring until a round writes them."""
+        return cls(torch.tensor(list(grid), device=device),
+                   torch.tensor(list(t_ver), dtype=torch.float64, device=device),
+                   torch.zeros((), dtype=torch.float64, device=device),
+                   torch.zeros((), dtype=torch.bool, device=device))
 
 
 def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
@@ -193,11 +203,7 @@ class BudgetPolicy:
 
     def goodput_inputs(self, R: int, device) -> Goodput:
         """Static device inputs of the goodput choice for bucket R (profile row of R)."""
-        row = self.profile.row(R)
-        return Goodput(torch.tensor(self.profile.node_grid, device=device),
-                       torch.tensor(self.profile.t_ver[row], dtype=torch.float64, device=device),
-                       torch.zeros((), dtype=torch.float64, device=device),
-                       torch.zeros((), dtype=torch.bool, device=device))
+        return Goodput.on(device, self.profile.node_grid, self.profile.t_ver[self.profile.row(R)])
 
     def round_overhead_ms(self, R: int) -> float:
         """What a drafting round of bucket R adds to its verify forward (ms): the measured draft
@@ -224,13 +230,12 @@ class BudgetPolicy:
         (measured, or until a plain round of R has run, one decode forward of the profile plus
         a drafting round's accept and host time). ``measured`` False: the round's time holds
         something else (a graph capture, a dropped prelaunched draft) and is not averaged."""
-        if not plain:
-            self.drafted += 1
         if plain:
             self.ar_rounds_left -= 1
             if measured:
                 self.plain_rate[R] = _average(self.plain_rate.get(R), rate)
             return
+        self.drafted += 1
         if not measured:
             return
         self.overhead_ms = _average(self.overhead_ms, draft_ms + accept_ms)

@@ -261,7 +261,7 @@ class HybridModel:
             o = tree_attention(q, k_pool, v_pool, batch.slots, batch.ctx_lens,
                                batch.forest.ancestors.reshape(N, T), scale=scale, gate=gate)
         return self.tp.all_reduce(linear(o.reshape(x.shape[0], -1), w[prefix + "o_proj.weight"],
-                                           w.get(prefix + "o_proj.bias")))
+                                         w.get(prefix + "o_proj.bias")))
 
     def _gdn_projections(self, layer: int, x: torch.Tensor):
         """``(mixed_qkv [N, conv_dim], z [N, H_v, d_v], b [N, H_v], a [N, H_v])``, one product."""
@@ -340,7 +340,7 @@ class HybridModel:
         """SwiGLU MLP under prefix ``p`` (gate and up as one product)."""
         w = self.w
         return linear(fused.silu_mul(linear(x, w[p + "gate_up_proj.weight"])),
-                        w[p + "down_proj.weight"])
+                      w[p + "down_proj.weight"])
 
     def mlp(self, layer: int, x: torch.Tensor, prefix: str | None = None) -> torch.Tensor:
         c = self.config

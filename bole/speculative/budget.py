@@ -188,8 +188,6 @@ def rank_dense(rho: Tensor, forest: DenseForest, root_floor: int = 1,
         raise ValueError(f"rho {tuple(rho.shape)} must match the forest's [R, T] = {[R, T]}")
     if rho.device.type == "cuda":              # two launches instead of about eighty
         from bole.speculative.rank_kernel import rank_dense_triton
-        if not isinstance(root_floor, int) or root_floor < 0:
-            raise ValueError(f"root_floor must be an int >= 0, got {root_floor!r}")
         return rank_dense_triton(rho, forest.parents, forest.valid, active, root_floor,
                                  forest.max_depth)
     parents, request = dense_inputs(forest, active)

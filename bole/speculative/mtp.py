@@ -93,7 +93,7 @@ class MTPDrafter:
         """Attention output ``o [n, H_q * hd]`` (gated) -> the layer's normalised output m."""
         m, w, eps = self.model, self.model.w, self.model.config.rms_norm_eps
         attn = m.tp.all_reduce(linear(o, w[MTP_LAYER + "self_attn.o_proj.weight"],
-                                        w.get(MTP_LAYER + "self_attn.o_proj.bias")))
+                                      w.get(MTP_LAYER + "self_attn.o_proj.bias")))
         # the residual add inside the norm's kernel
         a, x = fused.add_rms_norm(attn, w[MTP_LAYER + "post_attention_layernorm.weight"], eps, x)
         return fused.add_rms_norm(m.mlp(0, a, prefix=MTP_LAYER), w["mtp.norm.weight"], eps, x)[0]

@@ -34,6 +34,7 @@ The goodput policy picks the budget per round from the calibrated verify-time cu
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence, Union
 
@@ -182,11 +183,12 @@ def rank_dense(rho: Tensor, forest: DenseForest, root_floor: int = 1,
                active: Tensor | None = None) -> Ranking:
     """:func:`rank_nodes` over the dense layout (inputs as in :func:`select_dense`), for callers
     that both select and estimate (the goodput policy ranks once for both). On CUDA it runs as
-    two Triton launches (:mod:`bole.speculative.rank_kernel`), equal to this torch code."""
+    two Triton launches (:mod:`bole.speculative.rank_kernel`), equal to this torch code;
+    ``BOLE_RANK_KERNEL=0`` in the environment keeps the torch code there too."""
     R, T = forest.parents.shape
     if rho.shape != (R, T):
         raise ValueError(f"rho {tuple(rho.shape)} must match the forest's [R, T] = {[R, T]}")
-    if rho.device.type == "cuda":              # two launches instead of about eighty
+    if rho.device.type == "cuda" and os.environ.get("BOLE_RANK_KERNEL", "1") != "0":
         from bole.speculative.rank_kernel import rank_dense_triton
         return rank_dense_triton(rho, forest.parents, forest.valid, active, root_floor,
                                  forest.max_depth)

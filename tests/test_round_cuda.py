@@ -66,16 +66,24 @@ def test_a_round_synchronises_once(bundled, mode, drafter, prelaunch):
         engine.release(r)
 
 
-@pytest.mark.parametrize("policy,shared", [("global", 20), ("fixed", 0)])
+@pytest.mark.parametrize("policy,shared", [("global", 20), ("fixed", 0), ("goodput", 0)])
 def test_every_width_is_captured_at_start_up(bundled, policy, shared):
-    """A shared budget changes the verify width from round to round: each width's graphs exist
-    before the first round, so no round captures (and output still equals the eager one)."""
+    """A shared budget changes the verify width and the kind of round (select, whole, plain)
+    from round to round: each one's graphs exist before the first round, so no round captures
+    (and output still equals the eager one)."""
+    from bole.speculative.calibration import BudgetProfile
     model, prompts = bundled
     spec = SpecConfig("bole", "mtp", depth=6, topk=3, budget=16, budget_policy=policy,
                       shared_budget=shared)
+    grid = [1, 4, 16, 64]                       # verify time rising steeply: goodput selects
+    profile = BudgetProfile(gpu="test", config_hash="x", dtype="bfloat16", torch_version="",
+                            triton_version="", eps=0.1, batches=[1, 2, 4], node_grid=grid,
+                            t_dec=[1.0] * 3, t_ver=[[1.0 + i for i in range(len(grid))]] * 3,
+                            b_ver=[16] * 3, t_select=[0.1] * 3, model="bundled", created="")
     outputs = []
     for graphs in (False, True):
-        engine = Engine(model, spec, max_slots=4, max_len=512, cuda_graphs=graphs)
+        engine = Engine(model, spec, max_slots=4, max_len=512, cuda_graphs=graphs,
+                        budget_profile=profile if policy == "goodput" else None)
         before = set(engine.rounds.graphs.graphs)
         res = engine.generate(prompts, GenerationParams(max_tokens=40), seed=3)
         outputs.append([r.token_ids for r in res])

@@ -284,11 +284,8 @@ class RoundRunner:
             if progress:
                 print(f"\r[bole] capturing CUDA graphs: batch {R} ({i + 1}/{len(buckets)})",
                       end="", file=sys.stderr, flush=True)
-            widths = self.policy.widths if not self.policy.whole_trees(R) else (self.policy.T,)
-            if self.policy.policy == "goodput":
-                widths = (1,) + widths                # its plain rounds verify the roots alone
-            for W in widths:
-                self._capture(R, StaticSampling.flags_for([]), W)
+            for kind, W, learn in self.policy.variants(R):
+                self._capture(R, StaticSampling.flags_for([]), kind, W, learn)
             if self.calibrator is not None and not self.graphs.has(("fit",)):
                 self.graphs.capture(("fit",), self.calibrator.fit)
             for T in self.prefill_widths() if R <= PREFILL_BATCH_ROWS else ():
@@ -297,9 +294,10 @@ class RoundRunner:
             print(f"\r[bole] captured {len(self.graphs.graphs)} CUDA graphs for batches up to "
                   f"{max(buckets)} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
-    def _capture(self, R: int, flags: tuple, W: int) -> None:
-        """Capture bucket R's phases at verify width W, the acceptance for sampling variant
-        ``flags``. The warm-up runs execute, so every row first points at the dummy slot."""
+    def _capture(self, R: int, flags: tuple, kind: str, W: int, learn: bool) -> None:
+        """Capture bucket R's phases for a round of ``kind`` at verify width W, the acceptance
+        for sampling variant ``flags`` (counting into the acceptance estimates when ``learn``).
+        The warm-up runs execute, so every row first points at the dummy slot."""
         b = self._buffers(R)
         b.rows = ()
         self._pending = None
@@ -311,14 +309,15 @@ class RoundRunner:
         b.budget.fill_(self.policy.budget(R))
         if self.mtp is not None and not self.graphs.has(("draft", R)):
             self.graphs.capture(("draft", R), lambda: self._draft(b))
-        if not self.graphs.has(("verify", R, W)):
-            self.graphs.capture(("verify", R, W), lambda: self._verify(b, W))
+        vkey = ("verify", R, W, kind)
+        if not self.graphs.has(vkey):
+            self.graphs.capture(vkey, lambda: self._verify(b, W, kind))
         # a capture runs nothing: replay the forward once so that its outputs hold real values
         # (of the dummy rows) before the acceptance's warm-up reads them
-        self.graphs.graphs[("verify", R, W)].replay()
-        verified = self.graphs.results[("verify", R, W)]
-        self.graphs.capture(("accept", R, W, b.sampling.flags),
-                            lambda: self._accept_commit(b, *verified))
+        self.graphs.graphs[vkey].replay()
+        verified = self.graphs.results[vkey]
+        self.graphs.capture(("accept", R, W, kind, b.sampling.flags, learn),
+                            lambda: self._accept_commit(b, learn, *verified))
 
     # ---- admission ----
     def prefill_widths(self) -> tuple[int, ...]:
@@ -383,18 +382,19 @@ class RoundRunner:
         b.tree_valid.copy_(trees.valid)
         b.tree_rho.copy_(trees.rho)
 
-    def _verify(self, b: RoundBuffers, W: int):
-        """The forest of this round (the batch-shared selection compacted to width W, or every
-        drafted node) and the target's forward over it; returns (batch, output, tokens, the
-        verified nodes' rho ``[R, W]`` or None for plain rounds)."""
+    def _verify(self, b: RoundBuffers, W: int, kind: str):
+        """The forest of a round of ``kind`` (a select round's batch-shared selection compacted
+        to width W, a whole round's every drafted node, a plain round's roots) and the target's
+        forward over it; returns (batch, output, tokens, the verified nodes' rho ``[R, W]`` or
+        None for plain rounds)."""
         tokens, rho = b.tree_tokens, b.tree_rho
         gdn = None
-        if self.ar or W == 1:                     # plain decoding (ar, goodput's plain rounds)
+        if self.ar or kind == "plain":            # plain decoding (ar, goodput's plain rounds)
             tokens, rho = b.tree_tokens[:, :1], None
             tokens.copy_(b.roots[:, None])
             forest = DenseForest.chain(b.R, 1, self.device)
             gdn = self.runner.gdn.split("-")[0] + "-decode"    # each state updated in place
-        elif self.policy.shared and not self.policy.whole_trees(b.R):
+        elif kind == "select":
             sel = select(b.tree_rho, b.tree_tokens, b.tree_parents, b.tree_valid, b.budget,
                          b.active, self.spec.root_floor, W, self.D, goodput=b.goodput,
                          acceptance=self.calibrator)
@@ -407,7 +407,8 @@ class RoundRunner:
         batch = self.runner.make_batch(tokens.reshape(-1), forest, b.slots, gdn)
         return batch, self.runner.forward(batch), tokens, rho
 
-    def _accept_commit(self, b: RoundBuffers, batch, out, tokens, rho=None) -> None:
+    def _accept_commit(self, b: RoundBuffers, learn: bool, batch, out, tokens,
+                       rho=None) -> None:
         R, W = tokens.shape
         logits = out.logits.view(R, W, -1)
         forced = None
@@ -416,7 +417,7 @@ class RoundRunner:
         acc = accept(logits, tokens, batch.forest, b.sampling.batch(), b.uniforms,
                      max_children=self.K, forced=forced)
         path_len = torch.where(b.active, acc.path_len, 0)
-        if self.calibrator is not None and rho is not None:
+        if learn and self.calibrator is not None and rho is not None:
             # every verified draft node of an active row: was it on the accepted path?
             on_path = torch.zeros_like(tokens, dtype=torch.bool).scatter_(1, acc.path, True)
             drafted = batch.forest.valid & (batch.forest.parents >= 0) & b.active[:, None]
@@ -530,12 +531,16 @@ class RoundRunner:
                              "slots")
         b = self._buffers(R)
         flags = StaticSampling.flags_for([r.params.sampling for r in requests])
-        W = self.policy.width(R, len(requests))
-        captures = self.graphs.enabled and not self.graphs.has(("accept", R, W, flags))
+        kind = self.policy.plan(R)
+        plain = kind == "plain"
+        W = self.policy.width(R, len(requests), kind)
+        learn = self.policy.learns(kind)
+        vkey, akey = ("verify", R, W, kind), ("accept", R, W, kind, flags, learn)
+        captures = self.graphs.enabled and not self.graphs.has(akey)
         if captures:
-            log.info("capturing the round for batch %d, width %d, sampling variant %s", R, W,
-                     flags)
-            self._capture(R, flags, W)
+            log.info("capturing the %s round for batch %d, width %d, sampling variant %s", kind,
+                     R, W, flags)
+            self._capture(R, flags, kind, W, learn)
         rewrote = self._write_rows(b, requests)
         queued, drafted = self._queued, self._pending is b and not rewrote
         self._pending, self._queued = None, ()
@@ -551,10 +556,8 @@ class RoundRunner:
                 into.append(ev)
             else:
                 into.append(time.perf_counter())
-        plain = self.policy.plain_round()
-        if b.goodput is not None:
+        if b.goodput is not None and kind == "select":
             b.goodput.overhead_ms.fill_(self.policy.round_overhead_ms(R))
-            b.goodput.explore.fill_(not plain and self.policy.exploring())
         mark(marks)
         if plain:
             pass                                   # goodput decided drafting does not pay
@@ -563,10 +566,10 @@ class RoundRunner:
         elif self.mtp is None and not self.ar:
             self._host_trees(b, requests)
         mark(marks)
-        verified = self.graphs.run(("verify", R, W), lambda: self._verify(b, W))
+        verified = self.graphs.run(vkey, lambda: self._verify(b, W, kind))
         mark(marks)
-        self.graphs.run(("accept", R, W, flags), lambda: self._accept_commit(b, *verified))
-        if self.calibrator is not None and not plain:
+        self.graphs.run(akey, lambda: self._accept_commit(b, learn, *verified))
+        if self.calibrator is not None and learn:
             self._rounds_since_fit += 1
             if self._rounds_since_fit >= FIT_EVERY:
                 self.graphs.run(("fit",), self.calibrator.fit)
@@ -608,7 +611,7 @@ class RoundRunner:
         draft_nodes = None
         if self.policy.shared and not plain:
             kept = b.kept_host[:len(requests)].tolist()
-            self.policy.observe(R, kept)
+            self.policy.observe(R, kept, kind)
             draft_nodes = sum(min(k, W) - 1 for k in kept)      # verified, past the roots
         emitted = b.emitted_host[:len(requests)].tolist()
         new = [row[:n] for row, n in zip(emitted, counts)]

@@ -21,23 +21,32 @@ Policies (``SpecConfig.budget_policy``):
                 drafting: a drafted tree is already paid for, so its round verifies its best N. A
                 node's acceptance estimate starts at its rho and follows what the rounds observe: an
                 :class:`~bole.speculative.calibration.AcceptanceCalibrator` per model and drafter
-                (binned by rho, monotone), counted in every drafting round and refitted every
-                :data:`FIT_EVERY` rounds, on the device. Nodes the choice drops are never
+                (binned by rho, monotone), counted in the rounds that learn (below) and refitted
+                every :data:`FIT_EVERY` of them, on the device. Nodes the choice drops are never
                 verified, so their estimates could not learn: one drafting round in
                 :data:`EXPLORE_EVERY` verifies whole trees. The choice weighs the round's time
-                with the selection's own measured cost
+                with the selection's own measured cost.
 
-The selection (:func:`bole.speculative.budget.select_dense`) runs on the device inside the verify
-graph, in the batch buckets where it can pay (:meth:`BudgetPolicy.whole_trees`): where a bucket's
-budget covers every drafted node (global, calibrated), or where verifying whole trees costs no
-more than the cheapest verify of the profile's grid plus the selection itself (goodput: the
-expected tokens of whole trees are at least those of any selection, so their rate is too), the
-round verifies whole trees without it, when its drafter grows full trees (host drafters' trees
-are often small, and compacting them narrows the verify). Elsewhere the forward takes the kept
-nodes compacted to the front of each row, in a width W picked from :data:`WIDTHS` by the host
-from the previous round's largest per-request count (known from the round's one copy, so no
-extra synchronisation); a request that keeps more than W nodes this round loses its
-lowest-ranked ones (a suffix of a topological order: still a tree).
+Each round is one of three kinds (:meth:`BudgetPolicy.plan`): "plain" (goodput's plain decoding),
+"select" or "whole". A select round runs the selection
+(:func:`bole.speculative.budget.select_dense`) on the device inside the verify graph and takes the kept nodes compacted to the front of each row,
+in a width W of :func:`width_buckets` picked by the host from the previous select round's largest
+per-request count (known from the round's one copy, so no extra synchronisation); a request that
+keeps more than W nodes this round loses its lowest-ranked ones (a suffix of a topological order:
+still a tree). A whole round verifies every drafted node without selecting:
+
+- in the batch buckets where selecting cannot pay (:meth:`BudgetPolicy.whole_trees`): where a
+  bucket's budget covers every drafted node (global, calibrated), or where verifying whole trees
+  costs no more than the cheapest verify of the profile's grid plus the selection itself (goodput:
+  the expected tokens of whole trees are at least those of any selection, so their rate is too),
+  when the drafter grows full trees (host drafters' trees are often small, and compacting them
+  narrows the verify);
+- in goodput's exploring rounds;
+- in goodput's :data:`WHOLE_ROUNDS` rounds after a choice that kept every drafted node (then it
+  chooses again).
+
+Goodput's acceptance estimates learn in select rounds and exploring rounds only: counting every
+whole round's nodes would cost each round what only the choice uses.
 """
 
 from __future__ import annotations
@@ -64,6 +73,8 @@ FIT_EVERY = 8
 #: the goodput policy verifies whole trees in one drafting round of this many (what its
 #: acceptance estimates learn low-rho nodes from)
 EXPLORE_EVERY = 8
+#: goodput: whole rounds after a choice that kept every drafted node, before it chooses again
+WHOLE_ROUNDS = 7
 #: drafters that grow every request's tree to its full size (whole trees fill the verify width)
 DEVICE_DRAFTERS = ("mtp", "replay")
 
@@ -92,22 +103,20 @@ class Selected:
 @dataclass
 class Goodput:
     """The goodput policy's device inputs for one batch bucket: the profile's node grid ``[G]``,
-    its ``T_ver`` there ``[G]`` (ms), a drafting round's draft, selection and accept time (0-d,
-    ms, measured) and whether this round verifies whole trees (0-d bool)."""
+    its ``T_ver`` there ``[G]`` (ms) and a drafting round's draft, selection and accept time
+    (0-d, ms, measured)."""
 
     grid: torch.Tensor
     t_ver: torch.Tensor
     overhead_ms: torch.Tensor
-    explore: torch.Tensor | None = None
 
     @classmethod
     def on(cls, device, grid, t_ver) -> "Goodput":
         """Static inputs on ``device`` for a grid and its verify times (host sequences); the
-        overhead 0 and no exploring until a round writes them."""
+        overhead 0 until a round writes it."""
         return cls(torch.tensor(list(grid), device=device),
                    torch.tensor(list(t_ver), dtype=torch.float64, device=device),
-                   torch.zeros((), dtype=torch.float64, device=device),
-                   torch.zeros((), dtype=torch.bool, device=device))
+                   torch.zeros((), dtype=torch.float64, device=device))
 
 
 def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
@@ -126,8 +135,6 @@ def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid
                                         acceptance=acceptance, rank=rank)
         budget, _ = goodput_best(goodput.grid, curve, goodput.t_ver,
                                  round_overhead_ms=goodput.overhead_ms)
-        if goodput.explore is not None:
-            budget = torch.where(goodput.explore, goodput.grid[-1], budget)
     keep = select_dense(rho, forest, budget, root_floor, active=active, rank=rank)
     c = compact(keep, tokens, forest.parents, width=width)
     return Selected(c.tokens, DenseForest.from_parents(c.parents, c.valid, max_depth),
@@ -161,6 +168,7 @@ class BudgetPolicy:
         self.plain_rate: dict[int, float] = {}
         self.looking = False                     # goodput: the next drafting round is a look
         self.drafted = 0                         # goodput: drafting rounds so far
+        self.whole_left: dict[int, int] = {}     # goodput: whole rounds before choosing again
 
     @property
     def shared(self) -> bool:
@@ -251,23 +259,56 @@ class BudgetPolicy:
         else:
             self.ar_stretch = AR_ROUNDS
 
-    def width(self, R: int, batch: int) -> int:
-        """The verify width for bucket R: the previous round's largest kept count, else an even
-        share of the budget (at least the floor), rounded up to a bucket."""
+    def plan(self, R: int) -> str:
+        """This round's kind for bucket ``R``: "plain", "select" or "whole" (see the module
+        docstring). Call once per round, before it runs: a whole stretch counts down here."""
         if self.plain_round():
+            return "plain"
+        if self.whole_left.get(R, 0) > 0:
+            self.whole_left[R] -= 1
+            return "whole"
+        return "whole" if self.whole_trees(R) or self.exploring() else "select"
+
+    def learns(self, kind: str) -> bool:
+        """Whether a round of this kind counts its nodes into goodput's acceptance estimates:
+        select rounds, and whole rounds that explore."""
+        return self.policy == "goodput" and (
+            kind == "select" or (kind == "whole" and self.exploring()))
+
+    def variants(self, R: int) -> list[tuple[str, int, bool]]:
+        """Every ``(kind, width, learns)`` a round of bucket ``R`` can run (a graph each)."""
+        goodput = self.policy == "goodput"
+        out = [] if self.whole_trees(R) else [("select", W, goodput) for W in self.widths]
+        if goodput:
+            return [("plain", 1, False), ("whole", self.T, False), ("whole", self.T, True)] + out
+        return out or [("whole", self.T, False)]
+
+    def width(self, R: int, batch: int, kind: str | None = None) -> int:
+        """The verify width of a round of ``kind`` (None: the kind :meth:`plan` would give, its
+        stretch not counted down): 1 plain, the tree whole, else the previous select round's
+        largest kept count, or an even share of the budget (at least the floor), rounded up to
+        a bucket."""
+        if kind is None:
+            kind = "plain" if self.plain_round() else \
+                "whole" if self.whole_trees(R) or self.exploring() else "select"
+        if kind == "plain":
             return 1
-        if self.whole_trees(R) or self.exploring():
+        if kind == "whole":
             return self.T
         need = self.last_kept.get(R)
         if need is None:
             need = 1 + max(self.spec.root_floor, -(-self.budget(batch) // max(batch, 1)))
         return next((w for w in self.widths if w >= need), self.T)
 
-    def observe(self, R: int, kept: list[int]) -> None:
-        """The kept counts of a round of bucket R (an exploring round's say nothing of the
-        next round's width)."""
-        if not self.exploring():
-            self.last_kept[R] = max(kept, default=1)
+    def observe(self, R: int, kept: list[int], kind: str = "select") -> None:
+        """The kept counts of a round of bucket R. A select round's set the next one's width;
+        goodput's choice keeping every drafted node starts :data:`WHOLE_ROUNDS` whole rounds.
+        Whole rounds' counts say nothing of the next choice."""
+        if kind != "select":
+            return
+        self.last_kept[R] = max(kept, default=1)
+        if self.policy == "goodput" and kept and min(kept) >= self.T:
+            self.whole_left[R] = WHOLE_ROUNDS
 
 
 def _average(mean: float | None, x: float, weight: float = RATE_WEIGHT) -> float:

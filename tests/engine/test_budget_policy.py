@@ -201,12 +201,13 @@ def test_whole_trees_where_the_selection_cannot_pay():
     flat = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                         profile=_profile(1.0, slope=0.0))
     assert all(flat.whole_trees(R) for R in (1, 2, 4)) and flat.width(4, 4) == T
+    assert flat.plan(4) == "whole" and not flat.learns("whole")
 
 
 def test_goodput_explores_whole_trees_and_weighs_its_selection():
-    """One drafting round in EXPLORE_EVERY verifies whole trees (width T, every node kept,
-    whatever the estimates say), without moving the next round's width; the choice's overhead
-    holds the profile's selection time where the bucket selects."""
+    """One drafting round in EXPLORE_EVERY is a whole round (width T, no selection) that
+    learns, without moving the next round's width; the choice's overhead holds the profile's
+    selection time where the bucket selects."""
     from bole.engine.selection import EXPLORE_EVERY
     T = 4
     policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
@@ -215,11 +216,12 @@ def test_goodput_explores_whole_trees_and_weighs_its_selection():
     policy.observe(2, [2, 1])
     seen = []
     for _ in range(2 * EXPLORE_EVERY):
-        seen.append((policy.exploring(), policy.width(2, 2)))
-        policy.observe(2, [T, T] if seen[-1][0] else [2, 1])
+        kind = policy.plan(2)
+        seen.append((kind, policy.width(2, 2, kind), policy.learns(kind)))
+        policy.observe(2, [T, T] if kind == "whole" else [2, 1], kind)
         policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
-    assert [e for e, _ in seen] == ([False] * (EXPLORE_EVERY - 1) + [True]) * 2
-    assert all(w == (T if e else 2) for e, w in seen)
+    assert [k for k, _, _ in seen] == (["select"] * (EXPLORE_EVERY - 1) + ["whole"]) * 2
+    assert all(w == (T if k == "whole" else 2) and learn for k, w, learn in seen)
     assert policy.round_overhead_ms(2) == pytest.approx(policy.overhead_ms + 0.25)
     # a look (after a plain stretch) measures the rounds the policy runs: never an exploration
     while policy.drafted % EXPLORE_EVERY != EXPLORE_EVERY - 2:
@@ -227,21 +229,58 @@ def test_goodput_explores_whole_trees_and_weighs_its_selection():
     policy.after_round(2, True, draft_ms=0.0, accept_ms=0.1, rate=100.0)  # plain beats it
     policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=1.0)   # -> a plain stretch
     assert policy.plain_round() and policy.drafted % EXPLORE_EVERY == EXPLORE_EVERY - 1
+    assert policy.plan(2) == "plain" and policy.width(2, 2, "plain") == 1
     while policy.plain_round():
         policy.after_round(2, True, draft_ms=0.0, accept_ms=0.1, rate=100.0)
-    assert policy.looking and not policy.exploring() and policy.width(2, 2) == 2
-    # on the device: an exploring round keeps every node, however unlikely
-    goodput = policy.goodput_inputs(2, "cpu")
-    parents = torch.tensor([[-1, 0, 1, 2]] * 2)
-    valid = torch.ones(2, T, dtype=torch.bool)
-    rho = torch.tensor([[1.0, 1e-3, 1e-6, 1e-9]] * 2, dtype=torch.float64)
-    tokens = torch.arange(2 * T).view(2, T)
-    active = torch.ones(2, dtype=torch.bool)
-    for explore, kept in ((False, [2, 2]), (True, [T, T])):
-        goodput.explore.fill_(explore)
-        sel = select(rho, tokens, parents, valid, torch.tensor(0), active, 1, T, 3,
-                     goodput=goodput)
-        assert sel.kept.tolist() == kept
+    assert policy.looking and policy.plan(2) == "select" and policy.width(2, 2) == 2
+
+
+def test_a_choice_of_every_node_is_followed_by_whole_rounds():
+    """When goodput's choice keeps every drafted node, the next WHOLE_ROUNDS rounds verify
+    whole trees without selecting (and learn only when they explore), then it chooses again;
+    a choice that drops nodes, or another policy, starts no such stretch."""
+    from bole.engine.selection import EXPLORE_EVERY, WHOLE_ROUNDS
+    T = 4
+    policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+                          profile=_profile(1.0, t_dec_ms=100.0, slope=0.5))
+    assert policy.plan(2) == "select"
+    policy.observe(2, [T, 3], "select")                # one request lost a node: no stretch
+    assert policy.plan(2) == "select"
+    policy.observe(2, [T, T], "select")
+    policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
+    kinds = []
+    for _ in range(WHOLE_ROUNDS + 1):
+        kind = policy.plan(2)
+        kinds.append((kind, policy.learns(kind), policy.exploring()))
+        policy.observe(2, [T, T], kind)            # whole rounds' counts start nothing
+        policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
+    assert [k for k, _, _ in kinds] == ["whole"] * WHOLE_ROUNDS + ["select"]
+    assert all(learn == (k == "select" or explore) for k, learn, explore in kinds)
+    assert sum(explore for _, _, explore in kinds) == (WHOLE_ROUNDS + 1) // EXPLORE_EVERY
+    assert policy.last_kept[2] == T
+    glob = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="global",
+                                   shared_budget=2), T)
+    glob.observe(2, [T, T], "select")
+    assert glob.plan(2) == "select" and not glob.learns("select")
+
+
+def test_each_policy_names_the_rounds_it_can_run():
+    """The graphs a bucket captures: fixed and whole-tree buckets one whole round, selecting
+    buckets every width, goodput its plain round and a whole round with and without learning."""
+    T = 4
+    fixed = BudgetPolicy(SpecConfig("bole", "mtp", budget=T), T)
+    assert fixed.variants(2) == [("whole", T, False)]
+    glob = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="global",
+                                   shared_budget=6), T)
+    assert glob.variants(2) == [("whole", T, False)]
+    assert glob.variants(4) == [("select", W, False) for W in width_buckets(T)]
+    goodput = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+                           profile=_profile(1.0, slope=0.5))
+    extra = [("plain", 1, False), ("whole", T, False), ("whole", T, True)]
+    assert goodput.variants(2) == extra + [("select", W, True) for W in width_buckets(T)]
+    flat = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+                        profile=_profile(1.0, slope=0.0))
+    assert flat.variants(2) == extra
 
 
 def test_whole_tree_rounds_verify_every_drafted_node(model):

@@ -25,11 +25,15 @@ import triton.language as tl
 
 from bole.ops.triton_utils import check_kernel_device
 
-__all__ = ["LinearConfig", "pick_linear_config", "linear", "linear_triton", "MAX_ROWS"]
+__all__ = ["LinearConfig", "pick_linear_config", "linear", "linear_triton", "MAX_ROWS",
+           "KERNEL_ROWS"]
 
-#: the most rows of x the kernel takes (more go to cuBLAS: the weight read is then shared by
-#: enough rows that cuBLAS's tiles are at the floor)
+#: the most rows of x that :func:`linear` sends to the kernel (more go to cuBLAS: the weight
+#: read is then shared by enough rows that cuBLAS's tiles are at the floor)
 MAX_ROWS = 16
+#: the most rows :func:`linear_triton` takes (padded to a power of two of at least 16 for
+#: ``tl.dot``): what ``bench/linear.py`` can time beyond MAX_ROWS
+KERNEL_ROWS = 64
 #: the smallest weight (elements) the kernel takes: below it a product is launch-bound and
 #: cuBLAS's kernel costs the same
 MIN_ELEMENTS = 1 << 22
@@ -84,7 +88,8 @@ def pick_linear_config(M: int, N: int, K: int) -> LinearConfig | None:
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                   config: LinearConfig | None = None) -> torch.Tensor:
-    """``x [M, K] @ w[N, K].T (+ bias [N])`` by this module's kernel (``config``, default
+    """``x [M, K] @ w[N, K].T (+ bias [N])`` by this module's kernel, M at most
+    :data:`KERNEL_ROWS` (``config``, default
     :func:`pick_linear_config`'s, else 32 x 256 tiles). ``x`` and ``w`` share a dtype;
     ``w`` and ``x`` have unit stride along K. Returns ``[M, N]`` in x's dtype."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
@@ -101,15 +106,16 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     check_kernel_device(x.device, "linear")
     M, K = x.shape
     N = w.shape[0]
-    if M > MAX_ROWS:
-        raise ValueError(f"linear's kernel takes at most {MAX_ROWS} rows, got {M}")
+    if M > KERNEL_ROWS:
+        raise ValueError(f"linear's kernel takes at most {KERNEL_ROWS} rows, got {M}")
     config = config or pick_linear_config(M, N, K) or LinearConfig(32, 256)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return y
     _linear_kernel[(triton.cdiv(N, config.block_n),)](
         x, w, bias if bias is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=config.block_n,
+        HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(M)),
+        BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return y
 

@@ -16,6 +16,7 @@
 #   linear    bench/linear.py: decode-shape linear layers, cuBLAS against bole's kernels (~3 min)
 #   budget-bundled  bench/budget.py, the bundled model at all 7 batches 1-64 (~3 min)
 #   budget-9b bench/budget.py, the 9B preset at all 7 batches 1-64 (~7 min)
+#   budget-both  budget-bundled, then the 9B preset with a two-point sweep (~9.5 min)
 #   serve     bench/serve.py, all four modes (~5 min)
 #   serve-process  the same with bole serve --engine-process (not yet run)
 #   tp        bench/tp.py: 27B forwards and all-reduces at tp 1 and 2 (nvidia-h200-x2; not yet run)
@@ -23,7 +24,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|round|e2e-9b-a|e2e-9b-b|e2e-27b|confirm-9b|budget-bundled|budget-9b|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|round|e2e-9b-a|e2e-9b-b|e2e-27b|confirm-9b|budget-bundled|budget-9b|budget-both|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -62,6 +63,11 @@ case "$part" in
   budget-9b)
     timeout 580 python3 bench/budget.py --models qwen3.5-9b --batches 1 2 4 8 16 32 64 \
       --sweep 64 256 1024 --draft-vocab 32768 --out "$out" ;;
+  budget-both)
+    timeout 185 python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
+      --sweep 64 256 1024 2048 --out "$out"
+    timeout 395 python3 bench/budget.py --models qwen3.5-9b --batches 8 16 1 64 2 4 32 \
+      --sweep 64 256 --draft-vocab 32768 --out "$out" ;;
   tp)
     timeout 580 python3 bench/tp.py --out "$out" ;;
   tp-e2e)

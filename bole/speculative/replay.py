@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -393,8 +394,15 @@ class ReplayDrafter:
                  table: NodeTable, topk: int) -> tuple[Tensor, Tensor]:
         """The replayed proposals of ``frontier [R, K]`` (slots of ``table``, -1 for none):
         ``tokens [R, K, topk]`` int64 and ``probs [R, K, topk]`` float32 (``q`` per rank).
-        Rows of -1 frontier entries hold arbitrary (valid) values, which the growth ignores."""
+        Rows of -1 frontier entries hold arbitrary (valid) values, which the growth ignores.
+        On CUDA one Triton launch (:mod:`bole.speculative.replay_kernel`) computes what this
+        torch code does (``BOLE_REPLAY_KERNEL=0`` keeps the torch code there)."""
         R, K = frontier.shape
+        if frontier.device.type == "cuda" and os.environ.get("BOLE_REPLAY_KERNEL", "1") != "0":
+            from bole.speculative.replay_kernel import propose_triton      # one launch
+            tokens = propose_triton(self.continuation, row, ctx, keys, frontier, table.tokens,
+                                    table.depth, self.cum, topk, self.vocab, self.max_len)
+            return tokens, self.q[:topk].expand(R, K, topk)
         C = table.capacity
         f = frontier.clamp(min=0)
         depth = torch.gather(table.depth, 1, f)

@@ -633,7 +633,7 @@ class RoundRunner:
                                     sum(full) / (max(len(full), 1) * max(total, 1e-6)),
                                     host_ms=max(0.0, total - sum(ms)),
                                     measured=bool(full) and not captures
-                                    and not (plain and queued))
+                                    and not (queued and (plain or not drafted)))
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
                       host=max(0.0, total - sum(ms)), total=total, syncs=1, plain=plain,
                       draft_nodes=draft_nodes)

@@ -14,8 +14,10 @@ Policies (``SpecConfig.budget_policy``):
                 is decided on the host from what rounds deliver: tokens per request per ms of wall
                 time, averaged per batch bucket over drafting rounds against plain ones (before a
                 plain round of the bucket has run, the profile's T_dec plus a drafting round's
-                accept and host time stand for them; rounds that held a graph capture or a dropped
-                draft are left out). When drafting delivers less, the batch decodes plainly for
+                accept and host time stand for them; rounds that held a graph capture or paid for
+                a dropped draft are left out; a bucket's first :data:`FIRST_ROUNDS` rates are
+                averaged by their median, and it falls back only after that many drafting rounds).
+                When drafting delivers less, the batch decodes plainly for
                 :data:`AR_ROUNDS` rounds, then drafts one round to look; a look that finds the same
                 doubles the stretch, up to :data:`AR_ROUNDS_MAX`. One uncertain tree does not stop
                 drafting: a drafted tree is already paid for, so its round verifies its best N. A
@@ -51,6 +53,7 @@ whole round's nodes would cost each round what only the choice uses.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -65,7 +68,12 @@ POLICIES = ("fixed", "global", "calibrated", "goodput")
 #: after each look that finds the same, up to AR_ROUNDS_MAX (a look drafts a whole tree)
 AR_ROUNDS = 8
 AR_ROUNDS_MAX = 128
-#: weight of the newest round in the goodput policy's averages (a look's: LOOK_WEIGHT)
+#: goodput: a batch bucket's first rates (drafting, plain) are averaged by their median, and it
+#: falls back to plain decoding only once it has this many drafting rounds (one slow round, a
+#: host pause or a dropped draft, is no evidence)
+FIRST_ROUNDS = 3
+#: weight of the newest round in the goodput policy's averages after the first rounds (a
+#: look's: LOOK_WEIGHT)
 RATE_WEIGHT = 0.1
 LOOK_WEIGHT = 0.5
 #: drafting rounds between refits of the goodput policy's acceptance estimates
@@ -169,6 +177,7 @@ class BudgetPolicy:
         self.looking = False                     # goodput: the next drafting round is a look
         self.drafted = 0                         # goodput: drafting rounds so far
         self.whole_left: dict[int, int] = {}     # goodput: whole rounds before choosing again
+        self._first: dict[tuple[bool, int], list[float]] = {}   # (plain, R): first rates
 
     @property
     def shared(self) -> bool:
@@ -241,23 +250,35 @@ class BudgetPolicy:
         if plain:
             self.ar_rounds_left -= 1
             if measured:
-                self.plain_rate[R] = _average(self.plain_rate.get(R), rate)
+                self._sample(True, R, rate, RATE_WEIGHT)
             return
         self.drafted += 1
         if not measured:
             return
         self.overhead_ms = _average(self.overhead_ms, draft_ms + accept_ms)
         self.plain_extra_ms = _average(self.plain_extra_ms, accept_ms + host_ms)
-        self.draft_rate[R] = _average(self.draft_rate.get(R), rate,
-                                      LOOK_WEIGHT if self.looking else RATE_WEIGHT)
+        seen = self._sample(False, R, rate, LOOK_WEIGHT if self.looking else RATE_WEIGHT)
         plain_rate = self.plain_rate.get(R) or \
             1.0 / (self.profile.t_dec_at(R) + self.plain_extra_ms)
-        self.looking = self.draft_rate[R] < plain_rate
+        self.looking = seen >= FIRST_ROUNDS and self.draft_rate[R] < plain_rate
         if self.looking:                     # plain for a stretch, then a look
             self.ar_rounds_left = self.ar_stretch
             self.ar_stretch = min(2 * self.ar_stretch, AR_ROUNDS_MAX)
         else:
             self.ar_stretch = AR_ROUNDS
+
+    def _sample(self, plain: bool, R: int, rate: float, weight: float) -> int:
+        """Average a round's rate into bucket R's plain or drafting rate: the median of the
+        first :data:`FIRST_ROUNDS`, then an exponential average of ``weight``. Returns how
+        many rounds the rate holds, up to FIRST_ROUNDS."""
+        rates = self.plain_rate if plain else self.draft_rate
+        first = self._first.setdefault((plain, R), [])
+        if len(first) < FIRST_ROUNDS:
+            first.append(rate)
+            rates[R] = statistics.median(first)
+        else:
+            rates[R] = _average(rates[R], rate, weight)
+        return len(first)
 
     def plan(self, R: int) -> str:
         """This round's kind for bucket ``R``: "plain", "select" or "whole" (see the module

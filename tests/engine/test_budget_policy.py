@@ -74,17 +74,23 @@ def test_widths_follow_the_previous_round():
 def test_goodput_compares_what_drafting_and_plain_rounds_deliver():
     """The host decides whether to draft from realised tokens per request per ms: drafting
     rounds against plain ones, or before any plain round has run, one decode forward of the
-    profile (1 ms) plus a drafting round's accept time (0.5 ms): 0.67 a ms."""
-    from bole.engine.selection import AR_ROUNDS
+    profile (1 ms) plus a drafting round's accept time (0.5 ms): 0.67 a ms. A bucket's first
+    FIRST_ROUNDS rates are averaged by their median, and it falls back only after that many."""
+    from bole.engine.selection import AR_ROUNDS, FIRST_ROUNDS
+    assert FIRST_ROUNDS == 3
     policy = BudgetPolicy(SpecConfig("bole", budget=3, budget_policy="goodput"), 3,
                           profile=_profile(3.0, t_dec_ms=1.0))
-    policy.after_round(1, False, draft_ms=0.6, accept_ms=0.5, rate=0.8)
+    policy.after_round(1, False, draft_ms=0.6, accept_ms=0.5, rate=0.01)   # a slow first round
     assert not policy.plain_round() and policy.overhead_ms == pytest.approx(1.1)
-    rounds = 1
+    policy.after_round(1, False, draft_ms=0.6, accept_ms=0.5, rate=0.9)
+    assert not policy.plain_round() and policy.draft_rate[1] == pytest.approx(0.455)
+    policy.after_round(1, False, draft_ms=0.6, accept_ms=0.5, rate=0.8)
+    assert not policy.plain_round() and policy.draft_rate[1] == pytest.approx(0.8)  # median
+    rounds = 3
     while not policy.plain_round():
         policy.after_round(1, False, draft_ms=0.6, accept_ms=0.5, rate=0.1)
         rounds += 1
-    assert rounds == 4 and policy.draft_rate[1] < 1 / 1.5    # 0.8, 0.73, 0.667, 0.61
+    assert rounds == 6 and policy.draft_rate[1] < 1 / 1.5    # 0.8, 0.73, 0.667, 0.61
     assert policy.ar_rounds_left == AR_ROUNDS
     for _ in range(AR_ROUNDS):
         policy.after_round(1, True, draft_ms=0.0, accept_ms=0.2, rate=0.9)
@@ -95,7 +101,9 @@ def test_goodput_compares_what_drafting_and_plain_rounds_deliver():
     # another batch bucket has rates of its own; rounds that held a capture are not averaged
     policy.after_round(4, False, draft_ms=0.6, accept_ms=0.5, rate=0.2, measured=False)
     assert 4 not in policy.draft_rate and not policy.plain_round()
-    policy.after_round(4, False, draft_ms=0.6, accept_ms=0.5, rate=0.3)
+    for n in range(FIRST_ROUNDS):
+        assert not policy.plain_round()
+        policy.after_round(4, False, draft_ms=0.6, accept_ms=0.5, rate=0.3)
     assert policy.draft_rate[4] == pytest.approx(0.3) and policy.draft_rate[1] > 0.9
     assert policy.plain_round()              # 0.3 < 1 / (1 + 0.5): bucket 4 has no plain rate
 
@@ -312,7 +320,7 @@ def test_goodput_drafts_when_it_pays_and_decodes_plainly_when_not(model):
     """Against a profile whose decode takes 1 s, drafting delivers more (tokens per round > 1);
     against a decode of 1 us it delivers less, and the batch decodes plainly, drafting again
     after AR_ROUNDS rounds to look; greedy output is plain decoding's either way."""
-    from bole.engine.selection import AR_ROUNDS
+    from bole.engine.selection import AR_ROUNDS, FIRST_ROUNDS
     params = GenerationParams(max_tokens=24)
     ar, spec = _goodput_case(model, params)
     cheap = Engine(model, spec, max_slots=3, budget_profile=_profile(1000.0))
@@ -323,7 +331,8 @@ def test_goodput_drafts_when_it_pays_and_decodes_plainly_when_not(model):
     res = costly.generate(PROMPTS, params, continuations=ar)
     assert [r.token_ids for r in res] == ar
     rounds = res[0].accepted                    # tokens per round of the first request
-    assert rounds[1:1 + AR_ROUNDS] == [1] * AR_ROUNDS      # the plain rounds after the first
+    # the plain rounds after the bucket's first FIRST_ROUNDS drafting rounds
+    assert rounds[FIRST_ROUNDS:FIRST_ROUNDS + AR_ROUNDS] == [1] * AR_ROUNDS
     assert costly.rounds.policy.overhead_ms > 0
     assert costly.timings.summary()["plain_round_share"] > 0.5
     assert cheap.timings.summary()["plain_round_share"] < 0.5
@@ -371,9 +380,12 @@ def test_engines_of_one_model_share_what_goodput_learnt(model):
 def test_goodput_looks_less_often_while_drafting_keeps_not_paying():
     """Each look (a drafting round after plain ones) that again finds drafting does not pay
     doubles the plain stretch, up to AR_ROUNDS_MAX; a look that drafts resets it."""
-    from bole.engine.selection import AR_ROUNDS, AR_ROUNDS_MAX
+    from bole.engine.selection import AR_ROUNDS, AR_ROUNDS_MAX, FIRST_ROUNDS
     policy = BudgetPolicy(SpecConfig("bole", budget=4, budget_policy="goodput"), 4,
                           profile=_profile(1.0, t_dec_ms=1.0))
+    for _ in range(FIRST_ROUNDS - 1):                # the bucket's first rounds: no decision
+        policy.after_round(1, False, draft_ms=1.0, accept_ms=0.1, rate=0.1)
+        assert not policy.plain_round()
     stretches = []
     for _ in range(7):
         policy.after_round(1, False, draft_ms=1.0, accept_ms=0.1, rate=0.1)   # a look: no

@@ -1,5 +1,6 @@
 """bench/budget.py runs end to end on a tiny preset (CPU smoke run): every policy's record at
-every batch, the oracle as the best of its sweep, the calibration profile made on first use."""
+every batch, the oracle as the best capacity of its sweep run again, the calibration profile made
+on first use."""
 
 import importlib.util
 import json
@@ -24,7 +25,10 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
         mine = {r["policy"]: r for r in recs if r["batch"] == batch and r["policy"] != "sweep"}
         assert set(mine) == {"fixed", "global", "oracle", "calibrated", "goodput"}
         sweep = [r for r in recs if r["batch"] == batch and r["policy"] == "sweep"]
-        assert mine["oracle"]["tokens_per_s"] == max(r["tokens_per_s"] for r in sweep)
+        best = max(sweep, key=lambda r: r["tokens_per_s"])
+        assert mine["oracle"]["budget"] == best["budget"]
+        assert mine["oracle"]["sweep_best_tokens_per_s"] == best["tokens_per_s"]
+        assert mine["oracle"]["mean_accepted_tokens"] == best["mean_accepted_tokens"]
         assert mine["global"]["budget"] == 4
     assert data["meta"]["b_ver"] and list((tmp_path / "cache").glob("budget-*.json"))
     assert list(tmp_path.glob("budget-*-tiny.png"))

@@ -109,7 +109,7 @@ def selection_time_fn(spec, node_grid, device, *, reps: int = 10, seed: int = 0)
     T, D = spec.nodes_per_request, spec.depth
     rng = np.random.default_rng(seed)
     acceptance = AcceptanceCalibrator.log_bins(device=device)
-    goodput = Goodput.on(device, node_grid, [1.0] * len(node_grid))
+    goodput = Goodput.on(device, node_grid, [1.0] * len(node_grid), width_buckets(T))
 
     def select_fn(b: int) -> float:
         trees = [DraftTree.random(T, D, rng) for _ in range(b)]

@@ -10,7 +10,8 @@ Policies (``SpecConfig.budget_policy``):
                 profile (:mod:`bole.speculative.calibration`)
     goodput     each round, the budget N of the profile's grid that maximises expected tokens (one
                 per request plus the kept nodes' acceptance estimates) per ms of the round (the
-                profile's T_ver(N) plus the measured draft and accept time). Whether to draft at all
+                profile's T_ver at the width the budget's fullest row needs, plus the measured
+                draft and accept time). Whether to draft at all
                 is decided on the host from what rounds deliver: tokens per request per ms of wall
                 time, averaged per batch bucket over drafting rounds against plain ones (before a
                 plain round of the bucket has run, the profile's T_dec plus a drafting round's
@@ -61,7 +62,7 @@ import torch
 from bole.forest import DenseForest
 from bole.speculative.calibration import AcceptanceCalibrator
 from bole.speculative.budget import (compact, expected_accepted_curve, goodput_best,
-                                     rank_dense, select_dense)
+                                     rank_dense, select_dense, width_priced_t_ver)
 
 POLICIES = ("fixed", "global", "calibrated", "goodput")
 #: rounds of plain decoding after the goodput policy finds drafting does not pay; doubled
@@ -111,20 +112,23 @@ class Selected:
 @dataclass
 class Goodput:
     """The goodput policy's device inputs for one batch bucket: the profile's node grid ``[G]``,
-    its ``T_ver`` there ``[G]`` (ms) and a drafting round's draft, selection and accept time
-    (0-d, ms, measured)."""
+    its ``T_ver`` there ``[G]`` (ms), a drafting round's draft, selection and accept time (0-d,
+    ms, measured) and the verify widths ``[W]`` (each budget is priced at the width it needs:
+    :func:`~bole.speculative.budget.width_priced_t_ver`; None prices it at its count)."""
 
     grid: torch.Tensor
     t_ver: torch.Tensor
     overhead_ms: torch.Tensor
+    widths: torch.Tensor | None = None
 
     @classmethod
-    def on(cls, device, grid, t_ver) -> "Goodput":
-        """Static inputs on ``device`` for a grid and its verify times (host sequences); the
-        overhead 0 until a round writes it."""
+    def on(cls, device, grid, t_ver, widths=None) -> "Goodput":
+        """Static inputs on ``device`` for a grid, its verify times and the widths (host
+        sequences); the overhead 0 until a round writes it."""
         return cls(torch.tensor(list(grid), device=device),
                    torch.tensor(list(t_ver), dtype=torch.float64, device=device),
-                   torch.zeros((), dtype=torch.float64, device=device))
+                   torch.zeros((), dtype=torch.float64, device=device),
+                   None if widths is None else torch.tensor(list(widths), device=device))
 
 
 def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
@@ -141,7 +145,9 @@ def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid
     if goodput is not None:
         curve = expected_accepted_curve(rho.reshape(-1), None, None, goodput.grid, root_floor,
                                         acceptance=acceptance, rank=rank)
-        budget, _ = goodput_best(goodput.grid, curve, goodput.t_ver,
+        t_ver = goodput.t_ver if goodput.widths is None else width_priced_t_ver(
+            rank, rho.shape[0], goodput.grid, goodput.t_ver, goodput.widths)
+        budget, _ = goodput_best(goodput.grid, curve, t_ver,
                                  round_overhead_ms=goodput.overhead_ms)
     keep = select_dense(rho, forest, budget, root_floor, active=active, rank=rank)
     c = compact(keep, tokens, forest.parents, width=width)
@@ -220,7 +226,8 @@ class BudgetPolicy:
 
     def goodput_inputs(self, R: int, device) -> Goodput:
         """Static device inputs of the goodput choice for bucket R (profile row of R)."""
-        return Goodput.on(device, self.profile.node_grid, self.profile.t_ver[self.profile.row(R)])
+        return Goodput.on(device, self.profile.node_grid, self.profile.t_ver[self.profile.row(R)],
+                          self.widths)
 
     def round_overhead_ms(self, R: int) -> float:
         """What a drafting round of bucket R adds to its verify forward (ms): the measured draft

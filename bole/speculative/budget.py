@@ -45,7 +45,7 @@ from bole.forest import DenseForest
 
 __all__ = ["Ranking", "rank_nodes", "select_nodes", "dense_inputs", "rank_dense", "select_dense",
            "Compacted", "compact", "safe_width", "expected_accepted_curve", "goodput_rates",
-           "goodput_choice", "goodput_best", "goodput_budget"]
+           "goodput_choice", "goodput_best", "goodput_budget", "width_priced_t_ver"]
 
 #: a budget of draft nodes: a host int, or a 0-d tensor on the forest's device
 Budget = Union[int, Tensor]
@@ -350,6 +350,34 @@ def goodput_choice(expected_accepted: Expected, t_ver: Mapping[int, float], t_de
     if rates[best] < min_gain * batch / t_dec:
         return 0, True
     return best, False
+
+
+def width_priced_t_ver(rank: Ranking, rows: int, node_grid: Tensor, t_ver: Tensor,
+                       widths: Tensor) -> Tensor:
+    """``[G]`` ms: each budget of ``node_grid [G]`` priced at the verify width it needs.
+
+    A dense forest of ``rows`` rows verifies every row at one width, the bucket of ``widths``
+    (ascending, the last the whole tree) that holds the fullest row's kept nodes, so a budget
+    whose nodes land unevenly costs more than its count: the profile's ``t_ver [G]`` measured
+    N nodes spread evenly. Budget g's kept count per row follows from ``rank`` (a ranking of
+    the ``rows x T`` dense layout, as :func:`rank_dense` gives); its width W_g is priced at the
+    largest grid point whose even spread needs no more than W_g (at most ``rows * (W_g - 1)``
+    nodes; the first point when none is). On the device, no synchronisation."""
+    N = rank.root.shape[0]
+    T = N // rows
+    grid = node_grid.to(torch.int64)
+    take = (grid - rank.floor.sum()).clamp(min=0)                                  # [G]
+    position = torch.cumsum(rank.eligible, 0)               # 1-based among eligible nodes
+    taken = rank.eligible[None, :] & (position[None, :] <= take[:, None])          # [G, N]
+    row = (rank.order // T)[None, :].expand_as(taken)
+    kept = torch.zeros(grid.shape[0], rows, dtype=torch.int64, device=grid.device)
+    kept.scatter_add_(1, row, taken.to(torch.int64))
+    kept += (rank.root | rank.floor).view(rows, T).sum(1)[None, :]
+    need = kept.max(1).values
+    widths = widths.to(torch.int64)
+    width = widths.gather(0, torch.searchsorted(widths, need).clamp(max=widths.shape[0] - 1))
+    point = (torch.searchsorted(grid, rows * (width - 1), right=True) - 1).clamp(min=0)
+    return t_ver.gather(0, point)
 
 
 def goodput_best(node_grid: Tensor, expected: Tensor, t_ver: Tensor, *,

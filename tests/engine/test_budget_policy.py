@@ -125,6 +125,23 @@ def test_goodput_verifies_the_best_budget_of_an_uncertain_tree():
         assert sel.kept.tolist() == [kept]      # grid 1, 2 cost the same: both nodes
 
 
+def test_goodput_prices_a_budget_at_the_width_it_needs():
+    """Four nodes that fill one row to the whole tree cost a forward of the whole width: priced
+    so, two nodes (both rows at width 2) win; priced at their count, the four."""
+    from bole.engine.selection import Goodput
+    parents = torch.tensor([[-1, 0, 1, 2]] * 2)
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    rho = torch.tensor([[1.0, 0.9, 0.8, 0.7], [1.0, 0.1, 0.01, 0.001]], dtype=torch.float64)
+    tokens = torch.arange(8).view(2, 4)
+    active = torch.ones(2, dtype=torch.bool)
+    grid, t_ver = [1, 2, 3, 4, 6], [1.0, 1.0, 1.0, 1.0, 3.0]
+    for widths, kept in ((None, [4, 2]), ((2, 4), [2, 2])):
+        goodput = Goodput.on("cpu", grid, t_ver, widths)
+        sel = select(rho, tokens, parents, valid, torch.tensor(0), active, 1, 4, 3,
+                     goodput=goodput)
+        assert sel.kept.tolist() == kept, widths
+
+
 def test_calibrated_policy_calibrates_on_first_use(model, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("BOLE_CACHE", str(tmp_path))
     import bole.engine.calibrate as cal

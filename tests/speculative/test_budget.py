@@ -14,8 +14,8 @@ from hypothesis import given, settings, strategies as st
 from bole.forest import DenseForest
 from bole.models.presets import preset_config
 from bole.speculative.budget import (compact, dense_inputs, expected_accepted_curve,
-                                     goodput_budget, goodput_choice, rank_nodes, safe_width,
-                                     select_dense, select_nodes)
+                                     goodput_budget, goodput_choice, rank_dense, rank_nodes,
+                                     safe_width, select_dense, select_nodes, width_priced_t_ver)
 from bole.speculative.calibration import (AcceptanceCalibrator, BudgetProfile, ProfileFormatError,
                                           b_ver_from_curve,
                                           cache_dir, calibrate, config_hash, find_profile,
@@ -352,11 +352,15 @@ def test_no_host_synchronisation(monkeypatch):
         out = compact(keep, torch.arange(R * T).view(R, T), dense.parents, 3)
         curve = expected_accepted_curve(rho, parents, req, grid, acceptance=calib)
         budget, use_ar = goodput_budget(grid, curve, torch.tensor([1.0, 1.1, 1.5]), 1.0, 2)
+        priced = width_priced_t_ver(rank_dense(drho, dense, 1), R, grid,
+                                    torch.tensor([1.0, 1.1, 1.5], dtype=torch.float64),
+                                    torch.tensor([2, 4]))
         calib.observe(rho, torch.ones(8, dtype=torch.bool), mask=parents >= 0)
         calib(rho)
     assert kept_set(a) == brute_select(f, 2, 1) and kept_set(b) == brute_select(f, 3, 1)
     assert out.valid.tolist() == [[True, True, True], [True, False, False]]
     assert budget.dim() == 0 and use_ar.dtype == torch.bool
+    assert priced.tolist() == [1.1, 1.1, 1.5]      # widths 2, 2, 4 -> grid points 2, 2, 4
 
 
 # ---- the goodput policy ----
@@ -376,6 +380,28 @@ def test_expected_accepted_curve_matches_brute_force(f, data):
         est = [min(max(score[i], 0.0), 1.0) for i in kept]
         want = len(roots) + sum(e * e if square else e for e in est)
         assert curve[g].item() == pytest.approx(want, abs=1e-12)
+
+
+@given(case=dense_forests(), data=st.data())
+@settings(max_examples=150)
+def test_width_priced_t_ver_matches_brute_force(case, data):
+    """Each budget priced at the width its fullest row needs: the kept counts per row from the
+    selection itself, the width bucket that holds them, the largest grid point whose even
+    spread fits that width."""
+    rho, forest, _ = case
+    R, T = rho.shape
+    floor = data.draw(st.integers(0, 2))
+    active = torch.tensor(data.draw(st.lists(st.booleans(), min_size=R, max_size=R)))
+    grid = sorted(set(data.draw(st.lists(st.integers(1, R * T + 2), min_size=1, max_size=6))))
+    t_ver = torch.tensor([1.0 + 0.1 * i for i in range(len(grid))], dtype=torch.float64)
+    widths = sorted(set(data.draw(st.lists(st.integers(1, T), min_size=0, max_size=3))) | {T})
+    rank = rank_dense(rho, forest, floor, active)
+    got = width_priced_t_ver(rank, R, torch.tensor(grid), t_ver, torch.tensor(widths))
+    for g, n in enumerate(grid):
+        need = int(select_dense(rho, forest, n, floor, active=active).sum(1).max())
+        width = next((w for w in widths if w >= need), widths[-1])
+        fits = [i for i, m in enumerate(grid) if m <= R * (width - 1)]
+        assert got[g].item() == t_ver[fits[-1] if fits else 0].item(), (g, need, width)
 
 
 def brute_goodput(expected, t_ver, t_dec, batch, overhead=0.0, min_gain=1.0):

@@ -14,6 +14,7 @@
 #   confirm-9b  bench/e2e.py, 9B at batch 1 with the 8,4,32 tree, then tree-serial's max batch at
 #             8k context run for a few rounds
 #   linear    bench/linear.py: decode-shape linear layers, cuBLAS against bole's kernels (~3 min)
+#   linear-rows  the same at 24-64 rows, past the dispatcher's 16 (not yet run)
 #   budget-bundled  bench/budget.py, the bundled model at all 7 batches 1-64 (~3 min)
 #   budget-9b bench/budget.py, the 9B preset at all 7 batches 1-64 (~7 min)
 #   budget-both  budget-bundled, then the 9B preset with a two-point sweep (~9.5 min)
@@ -24,7 +25,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|round|e2e-9b-a|e2e-9b-b|e2e-27b|confirm-9b|budget-bundled|budget-9b|budget-both|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-27b|confirm-9b|budget-bundled|budget-9b|budget-both|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -40,6 +41,8 @@ case "$part" in
     head -20 "$out/tests/summary.txt" ;;
   linear)
     timeout 400 python3 bench/linear.py --out "$out" ;;
+  linear-rows)
+    timeout 400 python3 bench/linear.py --rows 24 32 48 64 --quick --tag=-rows --out "$out" ;;
   round)
     timeout 150 python3 -m bole.cli bench --prompts 8 --batches 1 8 --max-tokens 256 --out "$out"
     timeout 400 python3 bench/model_forward.py --out "$out" ;;

@@ -45,8 +45,8 @@ still a tree). A whole round verifies every drafted node without selecting:
   when the drafter grows full trees (host drafters' trees are often small, and compacting them
   narrows the verify);
 - in goodput's exploring rounds;
-- in goodput's :data:`WHOLE_ROUNDS` rounds after a choice that kept every drafted node (then it
-  chooses again).
+- in goodput's :data:`WHOLE_ROUNDS` rounds after a choice that kept every row's whole tree (then
+  it chooses again; a plain stretch or another batch bucket ends them).
 
 Goodput's acceptance estimates learn in select rounds and exploring rounds only: counting every
 whole round's nodes would cost each round what only the choice uses.
@@ -268,7 +268,8 @@ class BudgetPolicy:
         plain_rate = self.plain_rate.get(R) or \
             1.0 / (self.profile.t_dec_at(R) + self.plain_extra_ms)
         self.looking = seen >= FIRST_ROUNDS and self.draft_rate[R] < plain_rate
-        if self.looking:                     # plain for a stretch, then a look
+        if self.looking:                     # plain for a stretch, then a look that chooses
+            self.whole_left.clear()
             self.ar_rounds_left = self.ar_stretch
             self.ar_stretch = min(2 * self.ar_stretch, AR_ROUNDS_MAX)
         else:
@@ -292,6 +293,8 @@ class BudgetPolicy:
         docstring). Call once per round, before it runs: a whole stretch counts down here."""
         if self.plain_round():
             return "plain"
+        for other in [n for n in self.whole_left if n != R]:    # a stretch follows its batch
+            del self.whole_left[other]
         if self.whole_left.get(R, 0) > 0:
             self.whole_left[R] -= 1
             return "whole"
@@ -317,8 +320,9 @@ class BudgetPolicy:
         largest kept count, or an even share of the budget (at least the floor), rounded up to
         a bucket."""
         if kind is None:
-            kind = "plain" if self.plain_round() else \
-                "whole" if self.whole_trees(R) or self.exploring() else "select"
+            kind = "plain" if self.plain_round() else "whole" if (
+                self.whole_left.get(R, 0) > 0 or self.whole_trees(R) or self.exploring()) \
+                else "select"
         if kind == "plain":
             return 1
         if kind == "whole":
@@ -330,8 +334,9 @@ class BudgetPolicy:
 
     def observe(self, R: int, kept: list[int], kind: str = "select") -> None:
         """The kept counts of a round of bucket R. A select round's set the next one's width;
-        goodput's choice keeping every drafted node starts :data:`WHOLE_ROUNDS` whole rounds.
-        Whole rounds' counts say nothing of the next choice."""
+        goodput's choice keeping every row's whole tree (T nodes: a request near its token
+        limit grows a shallower one, and its round keeps choosing) starts :data:`WHOLE_ROUNDS`
+        whole rounds. Whole rounds' counts say nothing of the next choice."""
         if kind != "select":
             return
         self.last_kept[R] = max(kept, default=1)

@@ -283,6 +283,14 @@ def test_a_choice_of_every_node_is_followed_by_whole_rounds():
     assert all(learn == (k == "select" or explore) for k, learn, explore in kinds)
     assert sum(explore for _, _, explore in kinds) == (WHOLE_ROUNDS + 1) // EXPLORE_EVERY
     assert policy.last_kept[2] == T
+    # a stretch follows its batch: another bucket's round, or a plain stretch, ends it
+    policy.observe(2, [T, T], "select")
+    assert policy.width(2, 2) == T and policy.plan(4) == "select" and policy.plan(2) == "select"
+    policy.observe(2, [T, T], "select")
+    while not policy.plain_round():
+        assert policy.whole_left
+        policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=1e-6)
+    assert not policy.whole_left
     glob = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="global",
                                    shared_budget=2), T)
     glob.observe(2, [T, T], "select")

@@ -115,8 +115,10 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
     nodes = engine.timings.rounds * len(prompts) * spec.nodes_per_request
     outputs = [r.token_ids for r in res]
     decode_rate, prefill_s = engine.timings.decode_split(tokens - len(prompts), elapsed)
+    full_rate, full_rounds = engine.timings.full_batch_rate() or (None, 0)
     out = dict(tokens_per_s=tokens / elapsed,
                decode_tokens_per_s=decode_rate, prefill_s=prefill_s,
+               full_batch_tokens_per_s=full_rate, full_batch_rounds=full_rounds,
                mean_accepted_tokens=accepted / max(1, rounds),
                tokens_per_verified_node=accepted / max(1, nodes), round_ms=split["round_ms"],
                draft_ms=split["draft_ms"], verify_ms=split["verify_ms"],
@@ -388,8 +390,11 @@ def write(args, records: list[dict], confirmations: list[dict]) -> Path:
                 context=args.context, max_context=args.max_context, max_tokens=args.max_tokens,
                 draft_vocab=args.draft_vocab,
                 throughput_note=("decode_tokens_per_s: tokens after each request's first over "
-                                 "the rounds' time (the speculative rounds); tokens_per_s: over "
-                                 "the whole run, prefills included"),
+                                 "the rounds' time (the speculative rounds); "
+                                 "full_batch_tokens_per_s: the same over the rounds that ran "
+                                 "every request (a static batch's last rounds run only the "
+                                 "requests not done yet); tokens_per_s: over the whole run, "
+                                 "prefills included"),
                 acceptance_note=("presets: random weights, acceptance replayed from profile "
                                  f"{args.profile!r} (bole/speculative/profiles), not measured"
                                  + ("" if args.unforced else

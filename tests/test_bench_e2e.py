@@ -37,6 +37,8 @@ def test_e2e_smoke_run(tmp_path):
         assert r["profile"] == "qwen3-next-mtp" and r["tokens_per_s"] > 0 and r["tp"] == 1
         if r["mode"] != "ar":
             assert r["equal_to_ar"] and r["mean_accepted_tokens"] > 1.0
+        # the rounds that ran every request: all of ar's, some of the speculative modes'
+        assert r["full_batch_rounds"] >= 1 and r["full_batch_tokens_per_s"] > 0
         # chain's best of two depths is run again for its figure; bole tried one shape
         assert ("sweep_best_decode_tokens_per_s" in r) == (r["mode"] == "chain")
     assert "replayed" in meta["acceptance_note"]

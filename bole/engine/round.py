@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -76,6 +76,8 @@ class RoundTimings:
     #: draft nodes verified by the batch, over the drafting rounds of a shared budget
     draft_nodes: int = 0
     budget_rounds: int = 0
+    #: per batch size (requests in the round): [rounds, tokens emitted, ms]
+    by_batch: dict = field(default_factory=dict)
 
     def add(self, t: dict) -> None:
         self.rounds += 1
@@ -85,6 +87,20 @@ class RoundTimings:
         if t.get("draft_nodes") is not None:
             self.draft_nodes += t["draft_nodes"]
             self.budget_rounds += 1
+        if "requests" in t:
+            row = self.by_batch.setdefault(t["requests"], [0, 0, 0.0])
+            row[0] += 1
+            row[1] += t["tokens"]
+            row[2] += t["total"]
+
+    def full_batch_rate(self) -> tuple[float, int] | None:
+        """``(tokens/s, rounds)`` over the rounds that ran the most requests: what the batch
+        decodes while every request is running (a static batch's last rounds run only the
+        requests that are not done yet, a batch kept full never does). None before a round."""
+        if not self.by_batch:
+            return None
+        rounds, tokens, ms = self.by_batch[max(self.by_batch)]
+        return tokens / max(ms / 1e3, 1e-9), rounds
 
     def decode_split(self, decoded_tokens: int, elapsed_s: float) -> tuple[float, float]:
         """``(decoded_tokens`` over the rounds' time in tokens/s, the seconds of a run of
@@ -636,7 +652,7 @@ class RoundRunner:
                                     and not (queued and (plain or not drafted)))
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
                       host=max(0.0, total - sum(ms)), total=total, syncs=1, plain=plain,
-                      draft_nodes=draft_nodes)
+                      draft_nodes=draft_nodes, requests=len(requests), tokens=sum(counts))
         return new, timing
 
     def _may_prelaunch(self, requests, plain: bool) -> bool:

@@ -59,6 +59,11 @@ def bucket_for(n: int, max_slots: int) -> int | None:
     return next((b for b in buckets_upto(max_slots) if b >= n), None)
 
 
+def _round_keys(R: int, W: int, kind: str, flags: tuple, learn: bool) -> tuple[tuple, tuple]:
+    """The graph keys of a round's verify forward and of its acceptance and commit."""
+    return ("verify", R, W, kind), ("accept", R, W, kind, flags, learn)
+
+
 @dataclass
 class RoundTimings:
     """Per-phase time summed over rounds (ms): device time between events on a GPU, wall time
@@ -325,15 +330,14 @@ class RoundRunner:
         b.budget.fill_(self.policy.budget(R))
         if self.mtp is not None and not self.graphs.has(("draft", R)):
             self.graphs.capture(("draft", R), lambda: self._draft(b))
-        vkey = ("verify", R, W, kind)
+        vkey, akey = _round_keys(R, W, kind, b.sampling.flags, learn)
         if not self.graphs.has(vkey):
             self.graphs.capture(vkey, lambda: self._verify(b, W, kind))
         # a capture runs nothing: replay the forward once so that its outputs hold real values
         # (of the dummy rows) before the acceptance's warm-up reads them
         self.graphs.graphs[vkey].replay()
         verified = self.graphs.results[vkey]
-        self.graphs.capture(("accept", R, W, kind, b.sampling.flags, learn),
-                            lambda: self._accept_commit(b, learn, *verified))
+        self.graphs.capture(akey, lambda: self._accept_commit(b, learn, *verified))
 
     # ---- admission ----
     def prefill_widths(self) -> tuple[int, ...]:
@@ -551,7 +555,7 @@ class RoundRunner:
         plain = kind == "plain"
         W = self.policy.width(R, len(requests), kind)
         learn = self.policy.learns(kind)
-        vkey, akey = ("verify", R, W, kind), ("accept", R, W, kind, flags, learn)
+        vkey, akey = _round_keys(R, W, kind, flags, learn)
         captures = self.graphs.enabled and not self.graphs.has(akey)
         if captures:
             log.info("capturing the %s round for batch %d, width %d, sampling variant %s", kind,
@@ -640,6 +644,7 @@ class RoundRunner:
             self._queued = (tuple(next_marks), t_sync, t_return)
         # the CPU ran the queued draft inside this call: it counts in the next round's time
         total = 1e3 * (t_return - t_start - own_draft + carry)
+        host = max(0.0, total - sum(ms))
         if b.goodput is not None:
             # what this round delivered per request per ms, over the requests whose whole tree
             # could be accepted (one near its token limit drafts a shallower tree: its tokens
@@ -647,11 +652,11 @@ class RoundRunner:
             full = [c for c, r in zip(counts, requests) if plain or r.remaining > self.D]
             self.policy.after_round(R, plain, ms[0], ms[2],
                                     sum(full) / (max(len(full), 1) * max(total, 1e-6)),
-                                    host_ms=max(0.0, total - sum(ms)),
+                                    host_ms=host,
                                     measured=bool(full) and not captures
                                     and not (queued and (plain or not drafted)))
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
-                      host=max(0.0, total - sum(ms)), total=total, syncs=1, plain=plain,
+                      host=host, total=total, syncs=1, plain=plain,
                       draft_nodes=draft_nodes, requests=len(requests), tokens=sum(counts))
         return new, timing
 

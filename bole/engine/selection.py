@@ -291,14 +291,20 @@ class BudgetPolicy:
     def plan(self, R: int) -> str:
         """This round's kind for bucket ``R``: "plain", "select" or "whole" (see the module
         docstring). Call once per round, before it runs: a whole stretch counts down here."""
-        if self.plain_round():
-            return "plain"
         for other in [n for n in self.whole_left if n != R]:    # a stretch follows its batch
             del self.whole_left[other]
-        if self.whole_left.get(R, 0) > 0:
+        kind = self._kind(R)
+        if kind == "whole" and self.whole_left.get(R, 0) > 0:
             self.whole_left[R] -= 1
+        return kind
+
+    def _kind(self, R: int) -> str:
+        """The kind :meth:`plan` gives bucket ``R`` now, without counting anything down."""
+        if self.plain_round():
+            return "plain"
+        if self.whole_left.get(R, 0) > 0 or self.whole_trees(R) or self.exploring():
             return "whole"
-        return "whole" if self.whole_trees(R) or self.exploring() else "select"
+        return "select"
 
     def learns(self, kind: str) -> bool:
         """Whether a round of this kind counts its nodes into goodput's acceptance estimates:
@@ -319,10 +325,7 @@ class BudgetPolicy:
         stretch not counted down): 1 plain, the tree whole, else the previous select round's
         largest kept count, or an even share of the budget (at least the floor), rounded up to
         a bucket."""
-        if kind is None:
-            kind = "plain" if self.plain_round() else "whole" if (
-                self.whole_left.get(R, 0) > 0 or self.whole_trees(R) or self.exploring()) \
-                else "select"
+        kind = kind or self._kind(R)
         if kind == "plain":
             return 1
         if kind == "whole":

@@ -31,8 +31,8 @@ from torch import Tensor
 
 __all__ = ["FORMAT", "BudgetProfile", "ProfileFormatError", "cache_dir", "config_hash",
            "runtime_versions", "gpu_name", "dtype_name", "profile_path", "find_profile",
-           "b_ver_from_curve", "calibrate", "verification_budget", "plot_profile", "isotonic_fit", "isotonic_fit_device",
-           "AcceptanceCalibrator"]
+           "b_ver_from_curve", "calibrate", "verification_budget", "plot_profile", "isotonic_fit",
+           "isotonic_fit_device", "AcceptanceCalibrator"]
 
 _INF = float("inf")
 

@@ -91,6 +91,13 @@ def prompts_for(model, given, batch: int, context: int, seed: int) -> list[list[
             for _ in range(batch)]
 
 
+def tokens_per_request(args, batch: int) -> int:
+    """Tokens each request of a run generates: --max-tokens, raised so that the batch generates
+    at least --min-run-tokens in all (acceptance is then averaged over about as many request
+    rounds at every batch: a lone 128-token request is some 25 rounds)."""
+    return max(args.max_tokens, -(-args.min_run_tokens // batch))
+
+
 def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device) -> dict:
     """One timed generate (after a warm-up) with its round split and peak memory."""
     scratch = max(spec.nodes_per_request, spec.depth + 1)
@@ -234,6 +241,10 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens (presets)")
     ap.add_argument("--max-context", type=int, default=8192, help="for the max-batch column")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--min-run-tokens", type=int, default=0,
+                    help="raise each request's tokens so that a run generates at least this "
+                         "many in all (small batches then average acceptance over as many "
+                         "rounds as large ones)")
     ap.add_argument("--chain-depths", type=int, nargs="+", default=[2, 3, 4, 6])
     ap.add_argument("--tree-shapes", nargs="+", default=["4,2,8", "6,3,16", "8,4,32", "8,4,64"],
                     help="depth,topk,budget of bole's tree, swept per batch")
@@ -313,20 +324,22 @@ def study(args, tp=None) -> Path | None:
         forced = drafter == "replay" and not args.unforced
         for batch in args.batches:
             prompts = prompts_for(model, given, batch, args.context, seed=batch)
-            base = dict(model=name, drafter=drafter, profile=profile, batch=batch, tp=args.tp)
-            ar = run(model, SpecConfig("ar"), prompts, args.max_tokens, None, args.device)
+            max_tokens = tokens_per_request(args, batch)
+            base = dict(model=name, drafter=drafter, profile=profile, batch=batch, tp=args.tp,
+                        max_tokens=max_tokens)
+            ar = run(model, SpecConfig("ar"), prompts, max_tokens, None, args.device)
             cont = ar.pop("outputs")
             records.append(dict(base, mode="ar", shape=None, **ar))
             candidates = {"chain": [], "bole": []}
             for d in args.chain_depths:
                 spec = SpecConfig("chain", drafter, d, 1, d + 1, profile,
                                   draft_vocab=args.draft_vocab, forced_acceptance=forced)
-                candidates["chain"].append((spec, run(model, spec, prompts, args.max_tokens,
+                candidates["chain"].append((spec, run(model, spec, prompts, max_tokens,
                                                       cont, args.device)))
             for d, k, b in shapes:
                 spec = SpecConfig("bole", drafter, d, k, b, profile, draft_vocab=args.draft_vocab,
                                   forced_acceptance=forced)
-                candidates["bole"].append((spec, run(model, spec, prompts, args.max_tokens,
+                candidates["bole"].append((spec, run(model, spec, prompts, max_tokens,
                                                      cont, args.device)))
             best = {}
             for mode, tried in candidates.items():
@@ -334,13 +347,13 @@ def study(args, tp=None) -> Path | None:
                 if len(tried) > 1:   # its figure from a fresh run: the best of several runs is
                     # also the luckiest, and reporting it would hand the mode its timing noise
                     picked = res["decode_tokens_per_s"]
-                    res = dict(run(model, spec, prompts, args.max_tokens, cont, args.device),
+                    res = dict(run(model, spec, prompts, max_tokens, cont, args.device),
                                sweep_best_decode_tokens_per_s=picked)
                 best[mode] = (spec, res)
             b_spec = best["bole"][0]
             t_spec = SpecConfig("tree-serial", drafter, b_spec.depth, b_spec.topk, b_spec.budget,
                                 profile, draft_vocab=args.draft_vocab, forced_acceptance=forced)
-            best["tree-serial"] = (t_spec, run(model, t_spec, prompts, args.max_tokens, cont,
+            best["tree-serial"] = (t_spec, run(model, t_spec, prompts, max_tokens, cont,
                                                args.device))
             # the budget policies on the largest tree (the global one keeps half its nodes)
             largest = max(shapes, key=lambda sh: sh[2])
@@ -352,7 +365,7 @@ def study(args, tp=None) -> Path | None:
                                                  if policy == "global" else 0))
                 if policy != "global":
                     load_or_calibrate(model, spec, max(args.batches))
-                best[f"bole-{policy}"] = (spec, run(model, spec, prompts, args.max_tokens, cont,
+                best[f"bole-{policy}"] = (spec, run(model, spec, prompts, max_tokens, cont,
                                                     args.device))
             for mode in ("chain", "tree-serial", "bole", *(f"bole-{p}" for p in policies)):
                 spec, res = best[mode]
@@ -388,6 +401,7 @@ def write(args, records: list[dict], confirmations: list[dict]) -> Path:
     meta = dict(date=_dt.date.today().isoformat(), device=(torch.cuda.get_device_name()
                 if args.device == "cuda" else "cpu"), torch=torch.__version__, tp=args.tp,
                 context=args.context, max_context=args.max_context, max_tokens=args.max_tokens,
+                min_run_tokens=args.min_run_tokens,
                 draft_vocab=args.draft_vocab,
                 throughput_note=("decode_tokens_per_s: tokens after each request's first over "
                                  "the rounds' time (the speculative rounds); "

@@ -7,8 +7,8 @@
 #
 #   tests     the compiled test suite in 8 shards (~4 min)          -> $OUT/tests/summary.txt
 #   round     bole bench (bundled, batch 1 and 8) and model_forward (9B) (~4.5 min)
-#   e2e-9b-a  bench/e2e.py, 9B at batch 8 1 4 2 (chain depths 4-8, top-2 trees), with bole-goodput
-#             (~8 min)
+#   e2e-9b-a  tests/ops/test_linear.py, then bench/e2e.py, 9B at batch 8 1 4 2 (chain depths 6 and
+#             8, trees 7,2,14 8,2,16 8,4,32, 1024 tokens a run at least), with bole-goodput (~9 min)
 #   e2e-9b-b  bench/e2e.py, 9B at batch 16 32 64 (the shapes that won there), with bole-goodput
 #   e2e-27b   bench/e2e.py, 27B at batch 1 8 32, then tree-serial's max batch confirmed (~9 min)
 #   confirm-9b  bench/e2e.py, 9B at batch 1 with the 8,4,32 tree, then tree-serial's max batch at
@@ -47,9 +47,10 @@ case "$part" in
     timeout 150 python3 -m bole.cli bench --prompts 8 --batches 1 8 --max-tokens 256 --out "$out"
     timeout 400 python3 bench/model_forward.py --out "$out" ;;
   e2e-9b-a)
-    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 4 2 --chain-depths 4 6 8 \
-      --tree-shapes 6,3,16 7,2,14 8,2,16 8,4,32 --draft-vocab 32768 "${policy[@]}" \
-      --out "$out" --tag=-9b-a ;;
+    timeout 70 python3 -m pytest -q -p no:cacheprovider tests/ops/test_linear.py | tail -2
+    timeout 510 python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 4 2 --chain-depths 6 8 \
+      --tree-shapes 7,2,14 8,2,16 8,4,32 --min-run-tokens 1024 --draft-vocab 32768 \
+      "${policy[@]}" --out "$out" --tag=-9b-a ;;
   e2e-9b-b)
     timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 16 32 64 --chain-depths 4 \
       --tree-shapes 4,2,8 6,3,16 --draft-vocab 32768 "${policy[@]}" \

@@ -26,11 +26,15 @@ import triton.language as tl
 from bole.ops.triton_utils import check_kernel_device
 
 __all__ = ["LinearConfig", "pick_linear_config", "linear", "linear_triton", "MAX_ROWS",
-           "KERNEL_ROWS"]
+           "WIDE_ROWS", "KERNEL_ROWS"]
 
 #: the most rows of x that :func:`linear` sends to the kernel (more go to cuBLAS: the weight
 #: read is then shared by enough rows that cuBLAS's tiles are at the floor)
 MAX_ROWS = 16
+#: the most rows sent to the kernel for the weights where it still wins past MAX_ROWS: outputs
+#: of at most 4096 columns (o_proj, the GDN out_proj, the MLP's down, the MTP's fc) and the
+#: vocabulary-wide LM head
+WIDE_ROWS = 32
 #: the most rows :func:`linear_triton` takes (padded to a power of two of at least 16 for
 #: ``tl.dot``): what ``bench/linear.py`` can time beyond MAX_ROWS
 KERNEL_ROWS = 64
@@ -78,9 +82,19 @@ def pick_linear_config(M: int, N: int, K: int) -> LinearConfig | None:
     From ``bench/linear.py`` on the H200 (bf16, 1-16 rows,
     ``bench/results/linear-2026-12-02-qwen3.5-9b.json``): wide weights (the MLP's gate and up,
     the LM heads) stream best in 64 x 128 tiles, three stages deep; narrower ones in 32 x 256
-    tiles, five stages deep where N is the hidden size (each program then runs a long K)."""
-    if M < 1 or M > MAX_ROWS or K % 8 or N < 256 or N * K < MIN_ELEMENTS:
+    tiles, five stages deep where N is the hidden size (each program then runs a long K).
+
+    At 17-32 rows (``linear-2026-12-02-qwen3.5-9b-rows.json``) the kernel still wins on narrow
+    outputs (N <= 4096: 12.4 against 14.0 us for a 4096 x 4096 weight) and on the LM head (476
+    against 552 us), four stages deep; cuBLAS wins the rest (the attention qkv, the MLP's gate and
+    up, the 32k draft head) and everything from 48 rows."""
+    if M < 1 or K % 8 or N < 256 or N * K < MIN_ELEMENTS:
         return None
+    if M > MAX_ROWS:
+        if M > WIDE_ROWS or 4096 < N < 131072:
+            return None
+        return LinearConfig(64, 128, num_warps=4, num_stages=4) if N >= 131072 else \
+            LinearConfig(32, 256, num_warps=4, num_stages=4)
     if N >= 16384:
         return LinearConfig(64, 128, num_warps=4, num_stages=3)
     return LinearConfig(32, 256, num_warps=4, num_stages=5 if N <= 8192 else 3)
@@ -122,8 +136,8 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)``, through this module's kernel where it wins: CUDA, fp16 or
-    bf16, ``x`` of at most :data:`MAX_ROWS` rows (leading dimensions flattened), contiguous
-    weights and bias (else cuBLAS)."""
+    bf16, ``x`` of at most :data:`MAX_ROWS` rows (:data:`WIDE_ROWS` for the weights named
+    there; leading dimensions flattened), contiguous weights and bias (else cuBLAS)."""
     if (x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16)
             or w.dtype != x.dtype or not w.is_contiguous() or x.stride(-1) != 1
             or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):

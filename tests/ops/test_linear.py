@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
-from bole.ops.linear import (KERNEL_ROWS, MAX_ROWS, LinearConfig, linear, linear_triton,
-                             pick_linear_config)
+from bole.ops.linear import (KERNEL_ROWS, MAX_ROWS, WIDE_ROWS, LinearConfig, linear,
+                             linear_triton, pick_linear_config)
 from tests.kernel_utils import DEV, assert_rel
 
 ON_GPU = DEV == "cuda"
@@ -63,8 +63,15 @@ def test_dispatcher_takes_the_kernel_at_decode_shapes():
         calls.clear()
         wide = torch.zeros(2 * 4096, dtype=DTYPE, device=DEV)[::2]
         assert torch.equal(lin.linear(x, w, wide), F.linear(x, w, wide)) and not calls
-        many = torch.randn(MAX_ROWS + 1, 1024, generator=gen).to(DTYPE).to(DEV)
+        many = torch.randn(WIDE_ROWS + 1, 1024, generator=gen).to(DTYPE).to(DEV)
         assert torch.equal(lin.linear(many, w), F.linear(many, w)) and not calls
+        wide_w = torch.randn(8192, 1024, generator=gen).to(DTYPE).to(DEV)
+        assert torch.equal(lin.linear(many[:MAX_ROWS + 1], wide_w),
+                           F.linear(many[:MAX_ROWS + 1], wide_w)) and not calls
+        y = lin.linear(many[:WIDE_ROWS], w)       # a narrow output past MAX_ROWS: the kernel
+        assert calls and y.shape == (WIDE_ROWS, 4096)
+        assert_rel(y, F.linear(many[:WIDE_ROWS].float(), w.float()), 2e-2)
+        calls.clear()
         assert torch.equal(lin.linear(x.float(), w.float()), F.linear(x.float(), w.float()))
         assert not calls
     finally:
@@ -87,7 +94,11 @@ def test_picked_launches():
     assert pick_linear_config(1, 4096, 12288) == LinearConfig(32, 256, 4, 5)
     assert pick_linear_config(1, 248320, 4096) == LinearConfig(64, 128, 4, 3)
     assert pick_linear_config(MAX_ROWS, 4096, 4096) is not None
-    assert pick_linear_config(MAX_ROWS + 1, 4096, 4096) is None
+    assert pick_linear_config(MAX_ROWS + 1, 4096, 4096) == LinearConfig(32, 256, 4, 4)
+    assert pick_linear_config(WIDE_ROWS, 248320, 4096) == LinearConfig(64, 128, 4, 4)
+    assert pick_linear_config(MAX_ROWS + 1, 10240, 4096) is None     # the attention qkv
+    assert pick_linear_config(MAX_ROWS + 1, 24576, 4096) is None     # the MLP's gate and up
+    assert pick_linear_config(WIDE_ROWS + 1, 4096, 4096) is None
     assert pick_linear_config(1, 4096, 4100) is None
     assert pick_linear_config(1, 64, 4096) is None
     assert pick_linear_config(1, 768, 256) is None           # the bundled model's: cuBLAS

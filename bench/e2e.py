@@ -91,23 +91,27 @@ def prompts_for(model, given, batch: int, context: int, seed: int) -> list[list[
             for _ in range(batch)]
 
 
-def tokens_per_request(args, batch: int) -> int:
-    """Tokens each request of a run generates: --max-tokens, raised so that the batch generates
-    at least --min-run-tokens in all (acceptance is then averaged over about as many request
-    rounds at every batch: a lone 128-token request is some 25 rounds)."""
-    return max(args.max_tokens, -(-args.min_run_tokens // batch))
+def requests_per_run(args, batch: int) -> int:
+    """Requests a run of ``batch`` slots submits: whole waves of ``batch``, enough that they
+    generate at least --min-run-tokens in all (acceptance is then averaged over about as many
+    request rounds at every batch: a lone 128-token request is some 25 rounds)."""
+    return batch * max(1, -(-args.min_run_tokens // (batch * args.max_tokens)))
 
 
-def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device) -> dict:
-    """One timed generate (after a warm-up) with its round split and peak memory."""
+def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device,
+        slots: int | None = None) -> dict:
+    """One timed generate of ``prompts`` (after a warm-up) with its round split and peak memory:
+    ``slots`` requests at a time (default all), each finished one's slot taking the next
+    (continuous batching)."""
+    slots = slots or len(prompts)
     scratch = max(spec.nodes_per_request, spec.depth + 1)
     max_len = max(map(len, prompts)) + max_tokens + scratch + 1
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    engine = Engine(model, spec, max_slots=len(prompts), max_len=max_len)
-    engine.generate(prompts, GenerationParams(max_tokens=min(8, max_tokens)), seed=0,
-                    continuations=continuations)
+    engine = Engine(model, spec, max_slots=slots, max_len=max_len)
+    engine.generate(prompts[:slots], GenerationParams(max_tokens=min(8, max_tokens)), seed=0,
+                    continuations=continuations and continuations[:slots])
     engine.timings = type(engine.timings)()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -119,7 +123,8 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
     tokens = sum(len(r.token_ids) for r in res)
     rounds = sum(r.rounds for r in res)
     accepted = sum(sum(r.accepted) for r in res)
-    nodes = engine.timings.rounds * len(prompts) * spec.nodes_per_request
+    rows = sum(n * row[0] for n, row in engine.timings.by_batch.items())   # request rounds
+    nodes = rows * spec.nodes_per_request
     outputs = [r.token_ids for r in res]
     decode_rate, prefill_s = engine.timings.decode_split(tokens - len(prompts), elapsed)
     full_rate, full_rounds = engine.timings.full_batch_rate() or (None, 0)
@@ -242,9 +247,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-context", type=int, default=8192, help="for the max-batch column")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--min-run-tokens", type=int, default=0,
-                    help="raise each request's tokens so that a run generates at least this "
-                         "many in all (small batches then average acceptance over as many "
-                         "rounds as large ones)")
+                    help="submit whole waves of --max-tokens requests, BATCH at a time, until "
+                         "a run generates at least this many tokens (small batches then average "
+                         "acceptance over as many request rounds as large ones)")
     ap.add_argument("--chain-depths", type=int, nargs="+", default=[2, 3, 4, 6])
     ap.add_argument("--tree-shapes", nargs="+", default=["4,2,8", "6,3,16", "8,4,32", "8,4,64"],
                     help="depth,topk,budget of bole's tree, swept per batch")
@@ -323,38 +328,40 @@ def study(args, tp=None) -> Path | None:
         profile = args.profile if drafter == "replay" else None
         forced = drafter == "replay" and not args.unforced
         for batch in args.batches:
-            prompts = prompts_for(model, given, batch, args.context, seed=batch)
-            max_tokens = tokens_per_request(args, batch)
+            requests = requests_per_run(args, batch)
+            prompts = prompts_for(model, given, requests, args.context, seed=batch)
             base = dict(model=name, drafter=drafter, profile=profile, batch=batch, tp=args.tp,
-                        max_tokens=max_tokens)
-            ar = run(model, SpecConfig("ar"), prompts, max_tokens, None, args.device)
+                        requests=requests)
+            ar = run(model, SpecConfig("ar"), prompts, args.max_tokens, None, args.device,
+                     batch)
             cont = ar.pop("outputs")
             records.append(dict(base, mode="ar", shape=None, **ar))
             candidates = {"chain": [], "bole": []}
             for d in args.chain_depths:
                 spec = SpecConfig("chain", drafter, d, 1, d + 1, profile,
                                   draft_vocab=args.draft_vocab, forced_acceptance=forced)
-                candidates["chain"].append((spec, run(model, spec, prompts, max_tokens,
-                                                      cont, args.device)))
+                candidates["chain"].append((spec, run(model, spec, prompts, args.max_tokens,
+                                                      cont, args.device, batch)))
             for d, k, b in shapes:
                 spec = SpecConfig("bole", drafter, d, k, b, profile, draft_vocab=args.draft_vocab,
                                   forced_acceptance=forced)
-                candidates["bole"].append((spec, run(model, spec, prompts, max_tokens,
-                                                     cont, args.device)))
+                candidates["bole"].append((spec, run(model, spec, prompts, args.max_tokens,
+                                                     cont, args.device, batch)))
             best = {}
             for mode, tried in candidates.items():
                 spec, res = tried[fastest(tried, model)]
                 if len(tried) > 1:   # its figure from a fresh run: the best of several runs is
                     # also the luckiest, and reporting it would hand the mode its timing noise
                     picked = res["decode_tokens_per_s"]
-                    res = dict(run(model, spec, prompts, max_tokens, cont, args.device),
+                    res = dict(run(model, spec, prompts, args.max_tokens, cont, args.device,
+                                   batch),
                                sweep_best_decode_tokens_per_s=picked)
                 best[mode] = (spec, res)
             b_spec = best["bole"][0]
             t_spec = SpecConfig("tree-serial", drafter, b_spec.depth, b_spec.topk, b_spec.budget,
                                 profile, draft_vocab=args.draft_vocab, forced_acceptance=forced)
-            best["tree-serial"] = (t_spec, run(model, t_spec, prompts, max_tokens, cont,
-                                               args.device))
+            best["tree-serial"] = (t_spec, run(model, t_spec, prompts, args.max_tokens, cont,
+                                               args.device, batch))
             # the budget policies on the largest tree (the global one keeps half its nodes)
             largest = max(shapes, key=lambda sh: sh[2])
             policies = args.budget_policies if tp is None else []
@@ -365,8 +372,8 @@ def study(args, tp=None) -> Path | None:
                                                  if policy == "global" else 0))
                 if policy != "global":
                     load_or_calibrate(model, spec, max(args.batches))
-                best[f"bole-{policy}"] = (spec, run(model, spec, prompts, max_tokens, cont,
-                                                    args.device))
+                best[f"bole-{policy}"] = (spec, run(model, spec, prompts, args.max_tokens, cont,
+                                                    args.device, batch))
             for mode in ("chain", "tree-serial", "bole", *(f"bole-{p}" for p in policies)):
                 spec, res = best[mode]
                 equal = res.pop("outputs") == cont

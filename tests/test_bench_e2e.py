@@ -31,8 +31,9 @@ def test_e2e_smoke_run(tmp_path):
     assert _e2e().main(SMOKE + ["--batches", "1", "2", "--chain-depths", "2", "3",
                                 "--min-run-tokens", "16", "--out", str(tmp_path)]) == 0
     meta, recs = _records(tmp_path)
-    # a run generates at least 16 tokens: a lone request 16, two requests 10 each (--max-tokens)
-    assert {(r["batch"], r["max_tokens"]) for r in recs} == {(1, 16), (2, 10)}
+    # a run generates at least 16 tokens in waves of 10-token requests: two requests one after
+    # the other at batch 1 (the second admitted when the first is done), one wave of two at 2
+    assert {(r["batch"], r["requests"]) for r in recs} == {(1, 2), (2, 2)}
     assert {(r["mode"], r["batch"]) for r in recs} == {
         (m, b) for m in ("ar", "chain", "tree-serial", "bole") for b in (1, 2)}
     for r in recs:

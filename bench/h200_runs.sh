@@ -9,6 +9,8 @@
 #   round     bole bench (bundled, batch 1 and 8) and model_forward (9B) (~4.5 min)
 #   e2e-9b-a  tests/ops/test_linear.py, then bench/e2e.py, 9B at batch 8 1 4 2 (chain depths 6 and
 #             8, trees 7,2,14 8,2,16 8,4,32, 1024 tokens a run at least), with bole-goodput (~9 min)
+#   e2e-9b-c  bench/e2e.py, 9B at batch 16 with chain depths 4 and 6, then batch 8 served in four
+#             waves of 8 requests (32 in all, continuous batching) (~4 min)
 #   e2e-9b-b  bench/e2e.py, 9B at batch 16 32 64 (the shapes that won there), with bole-goodput
 #   e2e-27b   bench/e2e.py, 27B at batch 1 8 32, then tree-serial's max batch confirmed (~9 min)
 #   confirm-9b  bench/e2e.py, 9B at batch 1 with the 8,4,32 tree, then tree-serial's max batch at
@@ -25,7 +27,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-27b|confirm-9b|budget-bundled|budget-9b|budget-both|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|budget-bundled|budget-9b|budget-both|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -51,6 +53,13 @@ case "$part" in
     timeout 510 python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 4 2 --chain-depths 6 8 \
       --tree-shapes 7,2,14 8,2,16 8,4,32 --min-run-tokens 1024 --draft-vocab 32768 \
       "${policy[@]}" --out "$out" --tag=-9b-a ;;
+  e2e-9b-c)
+    timeout 170 python3 bench/e2e.py --models qwen3.5-9b --batches 16 --chain-depths 4 6 \
+      --tree-shapes 4,2,8 6,3,16 --min-run-tokens 1024 --draft-vocab 32768 --out "$out" \
+      --tag=-9b-b16
+    timeout 150 python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
+      --tree-shapes 8,2,16 --min-run-tokens 4096 --draft-vocab 32768 --out "$out" \
+      --tag=-9b-b8-waves ;;
   e2e-9b-b)
     timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 16 32 64 --chain-depths 4 \
       --tree-shapes 4,2,8 6,3,16 --draft-vocab 32768 "${policy[@]}" \

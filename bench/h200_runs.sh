@@ -20,6 +20,8 @@
 #   budget-bundled  bench/budget.py, the bundled model at all 7 batches 1-64 (~3 min)
 #   budget-9b bench/budget.py, the 9B preset at all 7 batches 1-64 (~7 min)
 #   budget-both  budget-bundled, then the 9B preset with a two-point sweep (~9.5 min)
+#   budget-9b-rest  the 9B preset at batch 2 4 64 32, the batches budget-both's 10 minutes left out
+#             (~7 min with the 54 s calibration of a fresh machine)
 #   serve     bench/serve.py, all four modes (~5 min)
 #   serve-process  the same with bole serve --engine-process (not yet run)
 #   tp        bench/tp.py: 27B forwards and all-reduces at tp 1 and 2 (nvidia-h200-x2; not yet run)
@@ -27,7 +29,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|budget-bundled|budget-9b|budget-both|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -80,6 +82,9 @@ case "$part" in
     timeout 185 python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
       --sweep 64 256 1024 2048 --out "$out"
     timeout 395 python3 bench/budget.py --models qwen3.5-9b --batches 8 16 1 64 2 4 32 \
+      --sweep 64 256 --draft-vocab 32768 --out "$out" ;;
+  budget-9b-rest)
+    timeout 580 python3 bench/budget.py --models qwen3.5-9b --batches 2 4 64 32 \
       --sweep 64 256 --draft-vocab 32768 --out "$out" ;;
   tp)
     timeout 580 python3 bench/tp.py --out "$out" ;;

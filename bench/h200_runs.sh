@@ -51,7 +51,8 @@ case "$part" in
     timeout 150 python3 -m bole.cli bench --prompts 8 --batches 1 8 --max-tokens 256 --out "$out"
     timeout 400 python3 bench/model_forward.py --out "$out" ;;
   e2e-9b-a)
-    timeout 70 python3 -m pytest -q -p no:cacheprovider tests/ops/test_linear.py | tail -2
+    timeout 70 python3 -m pytest -q -p no:cacheprovider tests/ops/test_linear.py \
+      > "$out/test-linear.txt" 2>&1; tail -2 "$out/test-linear.txt"
     timeout 510 python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 4 2 --chain-depths 6 8 \
       --tree-shapes 7,2,14 8,2,16 8,4,32 --min-run-tokens 1024 --draft-vocab 32768 \
       "${policy[@]}" --out "$out" --tag=-9b-a ;;

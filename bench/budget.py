@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--tag", default="", help="appended to the file names")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: pass --device cpu for a smoke run", file=sys.stderr)
@@ -116,7 +117,7 @@ def main(argv=None) -> int:
                         torch=torch.__version__, profile_gpu=profile.gpu, eps=profile.eps,
                         b_ver=dict(zip(profile.batches, profile.b_ver)),
                         t_select_ms=dict(zip(profile.batches, profile.t_select)))
-            path = out / f"budget-{date}-{name}.json"
+            path = out / f"budget-{date}-{name}{args.tag}.json"
             path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
         paths += [path, plot(path)]
         del model

@@ -94,7 +94,7 @@ def prompts_for(model, given, batch: int, context: int, seed: int) -> list[list[
 def requests_per_run(args, batch: int) -> int:
     """Requests a run of ``batch`` slots submits: whole waves of ``batch``, enough that they
     generate at least --min-run-tokens in all (acceptance is then averaged over about as many
-    request rounds at every batch: a lone 128-token request is some 25 rounds)."""
+    request rounds at every batch: a lone 128-token request is about 22 rounds)."""
     return batch * max(1, -(-args.min_run_tokens // (batch * args.max_tokens)))
 
 
@@ -413,7 +413,7 @@ def write(args, records: list[dict], confirmations: list[dict]) -> Path:
                 throughput_note=("decode_tokens_per_s: tokens after each request's first over "
                                  "the rounds' time (the speculative rounds); "
                                  "full_batch_tokens_per_s: the same over the rounds that ran "
-                                 "every request (a static batch's last rounds run only the "
+                                 "every slot (a wave's last rounds run only the "
                                  "requests not done yet); tokens_per_s: over the whole run, "
                                  "prefills included"),
                 acceptance_note=("presets: random weights, acceptance replayed from profile "

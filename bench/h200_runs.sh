@@ -86,7 +86,7 @@ case "$part" in
       --sweep 64 256 --draft-vocab 32768 --out "$out" ;;
   budget-9b-rest)
     timeout 580 python3 bench/budget.py --models qwen3.5-9b --batches 2 4 64 32 \
-      --sweep 64 256 --draft-vocab 32768 --out "$out" ;;
+      --sweep 64 256 --draft-vocab 32768 --out "$out" --tag=-rest ;;
   tp)
     timeout 580 python3 bench/tp.py --out "$out" ;;
   tp-e2e)

@@ -18,8 +18,8 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
     assert bench.main(["--models", "tiny", "--batches", "1", "2", "--device", "cpu",
                        "--max-tokens", "8", "--context", "16", "--depth", "3", "--topk", "2",
                        "--budget", "8", "--global-budget", "4", "--sweep", "2", "8",
-                       "--out", str(tmp_path)]) == 0
-    data = json.loads((next(tmp_path.glob("budget-*-tiny.json"))).read_text())
+                       "--out", str(tmp_path), "--tag=-t"]) == 0
+    data = json.loads((next(tmp_path.glob("budget-*-tiny-t.json"))).read_text())
     recs = data["records"]
     for batch in (1, 2):
         mine = {r["policy"]: r for r in recs if r["batch"] == batch and r["policy"] != "sweep"}
@@ -31,4 +31,4 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
         assert mine["oracle"]["mean_accepted_tokens"] == best["mean_accepted_tokens"]
         assert mine["global"]["budget"] == 4
     assert data["meta"]["b_ver"] and list((tmp_path / "cache").glob("budget-*.json"))
-    assert list(tmp_path.glob("budget-*-tiny.png"))
+    assert list(tmp_path.glob("budget-*-tiny-t.png"))

@@ -34,13 +34,15 @@ def test_e2e_smoke_run(tmp_path):
     # a run generates at least 16 tokens in waves of 10-token requests: two requests one after
     # the other at batch 1 (the second admitted when the first is done), one wave of two at 2
     assert {(r["batch"], r["requests"]) for r in recs} == {(1, 2), (2, 2)}
+    ar1 = next(r for r in recs if r["mode"] == "ar" and r["batch"] == 1)
+    assert ar1["full_batch_rounds"] == 2 * 9      # one slot: 9 rounds each, one after the other
     assert {(r["mode"], r["batch"]) for r in recs} == {
         (m, b) for m in ("ar", "chain", "tree-serial", "bole") for b in (1, 2)}
     for r in recs:
         assert r["profile"] == "qwen3-next-mtp" and r["tokens_per_s"] > 0 and r["tp"] == 1
         if r["mode"] != "ar":
             assert r["equal_to_ar"] and r["mean_accepted_tokens"] > 1.0
-        # the rounds that ran every request: all of ar's, some of the speculative modes'
+        # the rounds that ran every slot: all of ar's, some of the speculative modes'
         assert r["full_batch_rounds"] >= 1 and r["full_batch_tokens_per_s"] > 0
         # chain's best of two depths is run again for its figure; bole tried one shape
         assert ("sweep_best_decode_tokens_per_s" in r) == (r["mode"] == "chain")

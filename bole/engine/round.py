@@ -100,7 +100,7 @@ class RoundTimings:
 
     def full_batch_rate(self) -> tuple[float, int] | None:
         """``(tokens/s, rounds)`` over the rounds that ran the most requests: what the batch
-        decodes while every request is running (a static batch's last rounds run only the
+        decodes while every slot is busy (a static batch's last rounds run only the
         requests that are not done yet, a batch kept full never does). None before a round."""
         if not self.by_batch:
             return None

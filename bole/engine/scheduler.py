@@ -132,9 +132,11 @@ class Scheduler:
         if self.running:
             requests = [h.request for h in self.running]
             before = [len(r.out) for r in requests]
-            # nobody waiting: the next round likely runs the same requests (its draft can be
-            # queued behind this round's acceptance)
-            timings = self.engine.step(requests, prelaunch=not self.waiting)
+            # the next round likely runs the same requests (its draft can be queued behind this
+            # round's acceptance) when nobody waits, or when no slot is free for those who do:
+            # only a request finishing frees one, and that changes the rows anyway
+            full = min(self.max_batch - len(self.running), self.engine.cache.num_free) <= 0
+            timings = self.engine.step(requests, prelaunch=not self.waiting or full)
             for h in self.running:
                 self._deliver(h)
             self._retire(cancelled_only=False)

@@ -84,10 +84,13 @@ def pick_linear_config(M: int, N: int, K: int) -> LinearConfig | None:
     the LM heads) stream best in 64 x 128 tiles, three stages deep; narrower ones in 32 x 256
     tiles, five stages deep where N is the hidden size (each program then runs a long K).
 
-    At 17-32 rows (``linear-2026-12-02-qwen3.5-9b-rows.json``) the kernel still wins on narrow
+    At 24-32 rows (``linear-2026-12-02-qwen3.5-9b-rows.json``) the kernel still wins on narrow
     outputs (N <= 4096: 12.4 against 14.0 us for a 4096 x 4096 weight) and on the LM head (476
-    against 552 us), four stages deep; cuBLAS wins the rest (the attention qkv, the MLP's gate and
-    up, the 32k draft head) and everything from 48 rows."""
+    against 552 us), four stages deep; cuBLAS keeps the attention qkv, the MLP's gate and up and
+    the 32k draft head (the kernel 3-7% slower) and the GDN input projection (the kernel 4-8%
+    faster, but no rule on N alone separates it from the qkv). The kernel's lead shrinks at 48
+    rows and is gone at 64 for the narrow outputs: :data:`WIDE_ROWS` stops at 32, the rows of a
+    verify of one or two requests' trees."""
     if M < 1 or K % 8 or N < 256 or N * K < MIN_ELEMENTS:
         return None
     if M > MAX_ROWS:

@@ -91,3 +91,26 @@ def test_generate_queues_more_prompts_than_slots(model):
     res = engine.generate(PROMPTS, GenerationParams(max_tokens=10), seed=0)
     assert [r.token_ids for r in res] == [alone(model, p, 10) for p in PROMPTS]
     assert engine.cache.num_free == 2
+
+
+def test_a_round_queues_its_next_draft_unless_a_free_slot_waits_for_a_request(model):
+    """The next round's draft is queued behind a round's acceptance when that round's rows will
+    run again: nobody waits, or every slot is busy (only a finishing request frees one, and it
+    changes the rows anyway). A free slot with requests waiting means the next step admits."""
+    engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=2, max_len=128)
+    scheduler = Scheduler(engine, max_queue=8)
+    seen = []
+    real = engine.step
+
+    def spy(requests, prelaunch=False):
+        seen.append((len(requests), scheduler.num_waiting, prelaunch))
+        return real(requests, prelaunch=prelaunch)
+    engine.step = spy
+    handles = [scheduler.submit(p, GenerationParams(max_tokens=1 if i == 0 else 10), seed=i)
+               for i, p in enumerate(PROMPTS)]
+    scheduler.run_until_idle()
+    assert seen[0] == (1, 2, False)      # the first request ended at its prefill: a slot is free
+    assert seen[1] == (2, 1, True)       # both slots busy, one request waiting
+    assert all(prelaunch for _, _, prelaunch in seen[1:])
+    assert [h.result.token_ids for h in handles[1:]] == [alone(model, p, 10)
+                                                         for p in PROMPTS[1:]]

@@ -314,7 +314,7 @@ def rank_main(rank: int, args, port: int) -> None:
         with distributed.quiet_unless_rank0(rank):
             study(args, tp)
     finally:
-        distributed.shutdown()
+        distributed.shutdown(meet=True)
 
 
 def study(args, tp=None) -> Path | None:

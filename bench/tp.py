@@ -128,7 +128,7 @@ def rank_main(rank: int, args, world: int, port: int, out: str) -> None:
         if rank == 0:
             Path(out).write_text(json.dumps(records))
     finally:
-        distributed.shutdown()
+        distributed.shutdown(meet=True)
 
 
 def run_size(args, world: int, out_dir: Path) -> list[dict]:

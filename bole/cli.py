@@ -476,7 +476,7 @@ def _tp_worker(rank: int, world: int, port: int, argv: list[str]) -> None:
         with distributed.quiet_unless_rank0(rank):
             rc = {"generate": _generate, "bench": _bench}[args.command](args)
     finally:
-        distributed.shutdown()
+        distributed.shutdown(meet=True)
     if rc:
         raise SystemExit(rc)
 

@@ -14,6 +14,7 @@ import contextlib
 import io
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -97,8 +98,16 @@ def init(rank: int, world: int, port: int, device: str = "cpu") -> TensorParalle
     return TensorParallel(TPShard(rank, world), dist.group.WORLD)
 
 
-def shutdown() -> None:
+def shutdown(meet: bool = False) -> None:
+    """Leave the process group. ``meet``: every rank calls this at the same point of the same
+    work (not serve's followers, which rank 0 outlives): on a clean exit they first meet at a
+    barrier, so that none tears its connections down while another still uses them (gloo's
+    threads then abort that process). While an exception unwinds the others may never arrive:
+    no barrier then (a rank that died leaves the others at theirs until the launcher, mp.spawn,
+    ends them)."""
     if dist.is_initialized():
+        if meet and sys.exc_info()[0] is None:
+            dist.barrier()
         dist.destroy_process_group()
 
 

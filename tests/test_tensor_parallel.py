@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, port: int, case: str, path: str) -> None:
         if rank == 0:
             torch.save(result, path)
     finally:
-        shutdown()
+        shutdown(meet=True)
 
 
 @pytest.mark.parametrize("case", ["tiny", "bundled"])
@@ -106,3 +106,27 @@ def test_cli_generate_with_two_ranks(capfd):
     assert len(lines) == 1 and json.loads(lines[0])["token_ids"] == one["token_ids"]
     assert main(base + ["--tp", "3"]) == 2                 # 4 heads, 2 key-value heads
     assert "does not divide" in capfd.readouterr().err
+
+
+def test_ranks_meet_before_leaving_unless_an_exception_unwinds(monkeypatch):
+    """shutdown(meet=True) waits at a barrier on a clean exit (no rank tears its connections
+    down under another), not while an exception unwinds; shutdown() never does."""
+    import torch.distributed as dist
+
+    from bole import distributed
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    distributed.shutdown(meet=True)
+    assert calls == ["barrier", "destroy"]
+    calls.clear()
+    with pytest.raises(RuntimeError):
+        try:
+            raise RuntimeError("a rank failed")
+        finally:
+            distributed.shutdown(meet=True)
+    assert calls == ["destroy"]
+    calls.clear()
+    distributed.shutdown()
+    assert calls == ["destroy"]

@@ -135,8 +135,7 @@ class Scheduler:
             # the next round likely runs the same requests (its draft can be queued behind this
             # round's acceptance) when nobody waits, or when no slot is free for those who do:
             # only a request finishing frees one, and that changes the rows anyway
-            full = min(self.max_batch - len(self.running), self.engine.cache.num_free) <= 0
-            timings = self.engine.step(requests, prelaunch=not self.waiting or full)
+            timings = self.engine.step(requests, prelaunch=not self.waiting or self._room() <= 0)
             for h in self.running:
                 self._deliver(h)
             self._retire(cancelled_only=False)
@@ -156,7 +155,7 @@ class Scheduler:
     def _admit(self) -> int:
         """Admit as many waiting requests as slots allow, prefilled together; returns how many."""
         admitted = []
-        room = min(self.max_batch - len(self.running), self.engine.cache.num_free)
+        room = self._room()
         while len(admitted) < room:
             with self._lock:
                 if not self.waiting:
@@ -183,6 +182,10 @@ class Scheduler:
             else:
                 self.running.append(handle)
         return len(admitted)
+
+    def _room(self) -> int:
+        """Requests the running batch can take now: free places in it, and free cache slots."""
+        return min(self.max_batch - len(self.running), self.engine.cache.num_free)
 
     def _retire(self, cancelled_only: bool) -> None:
         with self._lock:

@@ -6,7 +6,9 @@ For each model and batch, bole runs with:
     oracle       the best global capacity of a sweep (--sweep), found by running each, then
                  run once more for its figure (the best of several runs of equal work is the
                  luckiest of them: reporting it would hand the oracle its timing noise)
-    calibrated   B_ver(batch) from this device's calibration profile (made first if missing)
+    calibrated   B_ver(batch) from this device's calibration profile (made first if missing), at
+                 the profile's eps and at each of --eps-sweep (B_ver derived again from the same
+                 curves; the paper leaves eps to the user and reports no sweep of it)
     goodput      the budget with the most expected tokens per ms each round, plain decoding
                  when drafting does not pay
 Models: the bundled model with its MTP head (real acceptance) and random-weight presets with the
@@ -57,6 +59,9 @@ def main(argv=None) -> int:
                     help="global capacities the oracle tries")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="the MTP head's draft vocabulary (0: the full vocabulary)")
+    ap.add_argument("--eps-sweep", type=float, nargs="*", default=[],
+                    help="further tolerances the calibrated policy runs at (records carry eps; a "
+                         "tolerance whose budgets equal one already run is not run again)")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
@@ -83,8 +88,10 @@ def main(argv=None) -> int:
             ar = run(model, SpecConfig("ar"), prompts, args.max_tokens, None, args.device)
             cont = ar.pop("outputs") if drafter == "replay" else None
 
-            def one(policy: str, spec: SpecConfig, budget: int, model=model) -> dict:
-                res = run(model, spec, prompts, args.max_tokens, cont, args.device)
+            def one(policy: str, spec: SpecConfig, budget: int, model=model,
+                    budget_profile=None) -> dict:
+                res = run(model, spec, prompts, args.max_tokens, cont, args.device,
+                          budget_profile=budget_profile)
                 res.pop("outputs")
                 rec = dict(model=name, batch=batch, policy=policy, budget=budget,
                            tokens_per_s=res["decode_tokens_per_s"],
@@ -107,8 +114,19 @@ def main(argv=None) -> int:
             oracle = one("oracle", replace(base, budget_policy="global",
                                            shared_budget=best["budget"]), best["budget"])
             records.append(dict(oracle, sweep_best_tokens_per_s=best["tokens_per_s"]))
-            records.append(one("calibrated", replace(base, budget_policy="calibrated"),
-                               verification_budget(profile, batch)))
+            ran: dict[tuple, dict] = {}
+            for eps in dict.fromkeys([profile.eps, *args.eps_sweep]):
+                at = profile.at_eps(eps)
+                # the budgets of every bucket a shrinking batch passes through
+                budgets = tuple(verification_budget(at, n) for n in range(1, batch + 1))
+                policy = "calibrated" if eps == profile.eps else "calibrated-eps"
+                if budgets in ran:        # the same rounds: its figures, marked as shared
+                    rec = dict(ran[budgets], policy=policy, eps=eps,
+                               same_run_as_eps=ran[budgets]["eps"])
+                else:
+                    rec = ran[budgets] = dict(one(policy, replace(base, budget_policy="calibrated"),
+                                                  budgets[-1], budget_profile=at), eps=eps)
+                records.append(rec)
             records.append(one("goodput", replace(base, budget_policy="goodput"), -1))
             # rewritten after every batch: a run cut short keeps its finished batches
             meta = dict(date=date, model=name, drafter=drafter, acceptance=acceptance,
@@ -116,6 +134,9 @@ def main(argv=None) -> int:
                         device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                         torch=torch.__version__, profile_gpu=profile.gpu, eps=profile.eps,
                         b_ver=dict(zip(profile.batches, profile.b_ver)),
+                        node_grid=profile.node_grid,
+                        t_dec_ms=dict(zip(profile.batches, profile.t_dec)),
+                        t_ver_ms=dict(zip(profile.batches, profile.t_ver)),
                         t_select_ms=dict(zip(profile.batches, profile.t_select)))
             path = out / f"budget-{date}-{name}{args.tag}.json"
             path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
@@ -136,6 +157,10 @@ def plot(path: Path) -> Path:
         pts = sorted((r["batch"], r["tokens_per_s"] / r["ar_tokens_per_s"]) for r in recs
                      if r["policy"] == policy)
         ax.plot(*zip(*pts), marker="o", label=policy)
+    for eps in sorted({r["eps"] for r in recs if r["policy"] == "calibrated-eps"}):
+        pts = sorted((r["batch"], r["tokens_per_s"] / r["ar_tokens_per_s"]) for r in recs
+                     if r["policy"] == "calibrated-eps" and r["eps"] == eps)
+        ax.plot(*zip(*pts), ls=":", marker=".", label=f"calibrated, eps {eps:g}")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch")

@@ -99,17 +99,18 @@ def requests_per_run(args, batch: int) -> int:
 
 
 def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device,
-        slots: int | None = None) -> dict:
+        slots: int | None = None, budget_profile=None) -> dict:
     """One timed generate of ``prompts`` (after a warm-up) with its round split and peak memory:
     ``slots`` requests at a time (default all), each finished one's slot taking the next
-    (continuous batching)."""
+    (continuous batching). ``budget_profile``: the calibrated and goodput policies' profile
+    (default: this device's saved one)."""
     slots = slots or len(prompts)
     scratch = max(spec.nodes_per_request, spec.depth + 1)
     max_len = max(map(len, prompts)) + max_tokens + scratch + 1
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    engine = Engine(model, spec, max_slots=slots, max_len=max_len)
+    engine = Engine(model, spec, max_slots=slots, max_len=max_len, budget_profile=budget_profile)
     engine.generate(prompts[:slots], GenerationParams(max_tokens=min(8, max_tokens)), seed=0,
                     continuations=continuations and continuations[:slots])
     engine.timings = type(engine.timings)()

@@ -22,6 +22,10 @@
 #   budget-both  budget-bundled, then the 9B preset with a two-point sweep (~9.5 min)
 #   budget-9b-rest  the 9B preset at batch 2 4 64 32, the batches budget-both's 10 minutes left out
 #             (~7 min with the 54 s calibration of a fresh machine)
+#   waves-budget  bench/e2e.py, 9B at batch 8 in four waves of 8 requests (continuous batching),
+#             then budget-bundled with the calibrated policy also at eps 0.25 0.5 1 2 (~7 min)
+#   budget-9b-eps  the 9B preset at batch 2 4 64 32 1 8 16 with the calibrated policy also at eps
+#             0.25 0.5 1 (a fresh machine calibrates first: 54 s; cut where 10 minutes end)
 #   serve     bench/serve.py, all four modes (~5 min)
 #   serve-process  the same with bole serve --engine-process (not yet run)
 #   tp        bench/tp.py: 27B forwards and all-reduces at tp 1 and 2 (nvidia-h200-x2; not yet run)
@@ -29,7 +33,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -87,6 +91,15 @@ case "$part" in
   budget-9b-rest)
     timeout 580 python3 bench/budget.py --models qwen3.5-9b --batches 2 4 64 32 \
       --sweep 64 256 --draft-vocab 32768 --out "$out" --tag=-rest ;;
+  waves-budget)
+    timeout 150 python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
+      --tree-shapes 8,2,16 --min-run-tokens 4096 --draft-vocab 32768 --out "$out" \
+      --tag=-9b-b8-waves
+    timeout 380 python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
+      --sweep 64 256 1024 2048 --eps-sweep 0.25 0.5 1 2 --out "$out" --tag=-eps ;;
+  budget-9b-eps)
+    timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 2 4 64 32 1 8 16 \
+      --sweep 64 256 --eps-sweep 0.25 0.5 1 --draft-vocab 32768 --out "$out" --tag=-eps ;;
   tp)
     timeout 580 python3 bench/tp.py --out "$out" ;;
   tp-e2e)

@@ -18,12 +18,18 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
     assert bench.main(["--models", "tiny", "--batches", "1", "2", "--device", "cpu",
                        "--max-tokens", "8", "--context", "16", "--depth", "3", "--topk", "2",
                        "--budget", "8", "--global-budget", "4", "--sweep", "2", "8",
+                       "--eps-sweep", "0.1", "1e9",
                        "--out", str(tmp_path), "--tag=-t"]) == 0
     data = json.loads((next(tmp_path.glob("budget-*-tiny-t.json"))).read_text())
     recs = data["records"]
     for batch in (1, 2):
         mine = {r["policy"]: r for r in recs if r["batch"] == batch and r["policy"] != "sweep"}
-        assert set(mine) == {"fixed", "global", "oracle", "calibrated", "goodput"}
+        assert set(mine) == {"fixed", "global", "oracle", "calibrated", "calibrated-eps",
+                             "goodput"}
+        # eps 0.1 is the profile's own: run once; an unbounded eps keeps the grid's largest N
+        cal = [r for r in recs if r["batch"] == batch and r["policy"].startswith("calibrated")]
+        assert [r["eps"] for r in cal] == [0.1, 1e9]
+        assert cal[1]["budget"] == max(data["meta"]["node_grid"])
         sweep = [r for r in recs if r["batch"] == batch and r["policy"] == "sweep"]
         best = max(sweep, key=lambda r: r["tokens_per_s"])
         assert mine["oracle"]["budget"] == best["budget"]

@@ -179,6 +179,15 @@ class BudgetProfile:
     def t_select_at(self, batch: int) -> float:
         return float(self.t_select[self.row(batch)])
 
+    def at_eps(self, eps: float) -> "BudgetProfile":
+        """This profile with ``B_ver`` derived again at tolerance ``eps`` from the same curves
+        (no measuring: the paper leaves ``eps`` to the user, and this is how to sweep it)."""
+        if not eps >= 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        b_ver = [b_ver_from_curve(t, self.node_grid, row, eps)
+                 for t, row in zip(self.t_dec, self.t_ver)]
+        return dataclasses.replace(self, eps=float(eps), b_ver=b_ver)
+
     def t_ver_curve(self, batch: int) -> dict[int, float]:
         """``{N: ms}`` of the verify forward at ``batch`` (for :func:`goodput_choice`)."""
         return {int(n): float(t) for n, t in zip(self.node_grid, self.t_ver[self.row(batch)])}

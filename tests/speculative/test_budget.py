@@ -500,6 +500,21 @@ def test_b_ver_takes_the_largest_passing_node_count():
     assert b_ver_from_curve(1.0, [1, 2], [1.2, 1.3], 0.1) == 0
 
 
+def test_at_eps_derives_b_ver_again_from_the_same_curves():
+    profile = calibrate(synthetic_time_fn(), [1, 4, 16], GRID, 0.1)
+    for eps in (0.0, 0.1, 0.5, 3.0):
+        at = profile.at_eps(eps)
+        assert at.eps == eps and at.t_ver == profile.t_ver and at.t_dec == profile.t_dec
+        assert at.b_ver == [b_ver_from_curve(t, GRID, row, eps)
+                            for t, row in zip(profile.t_dec, profile.t_ver)]
+    assert profile.at_eps(0.1).b_ver == profile.b_ver and profile.eps == 0.1
+    wide = profile.at_eps(100.0)
+    assert wide.b_ver == [max(GRID)] * 3
+    assert all(a <= b for a, b in zip(profile.at_eps(0.0).b_ver, profile.at_eps(0.5).b_ver))
+    with pytest.raises(ValueError, match="eps"):
+        profile.at_eps(-0.1)
+
+
 def test_verification_budget_uses_the_bucket_at_or_above():
     profile = calibrate(synthetic_time_fn(), [1, 4, 16], GRID, 0.1)
     rows = {b: verification_budget(profile, b) for b in (1, 2, 3, 4, 5, 16, 17, 100)}

@@ -69,12 +69,12 @@ def _chunk_topk_kernel(logits, stride, V, cand_val, cand_idx, chunk_max, chunk_s
 
 
 @triton.jit
-def _merge_topk_kernel(cand_val, cand_idx, chunk_max, chunk_sum, probs, tokens, NCHUNK,
+def _merge_topk_kernel(cand_val, cand_idx, chunk_max, chunk_sum, probs, tokens, ids, NCHUNK,
                        K: tl.constexpr, KP: tl.constexpr, CBLOCK: tl.constexpr,
-                       NBLOCK: tl.constexpr, NONE: tl.constexpr):
+                       NBLOCK: tl.constexpr, NONE: tl.constexpr, HAS_IDS: tl.constexpr):
     """Program per row: log-sum-exp over the chunks, then the k best of NCHUNK * KP candidates.
     Candidates sit chunk-major and largest-first within a chunk, so among equal values the lowest
-    position holds the lowest column."""
+    position holds the lowest column. With ``HAS_IDS`` a column c is stored as ``ids[c]``."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, NBLOCK)
     cm = tl.load(chunk_max + row * NCHUNK + c, mask=c < NCHUNK, other=float("-inf"))
@@ -94,6 +94,8 @@ def _merge_topk_kernel(cand_val, cand_idx, chunk_max, chunk_sum, probs, tokens, 
         col = tl.min(tl.where((free == best) & ~taken, ix, NONE), 0)
         at = tl.min(tl.where((free == best) & ~taken & (ix == col), p, CBLOCK), 0)
         tl.store(probs + row * K + j, tl.exp(best - gmax) / total)
+        if HAS_IDS:
+            col = tl.load(ids + col).to(tl.int64)
         tl.store(tokens + row * K + j, col)
         taken = taken | (p == at)
 
@@ -104,21 +106,30 @@ def _reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.exp(top.values - torch.logsumexp(x, dim=-1, keepdim=True)), top.indices
 
 
-def topk_softmax(logits: torch.Tensor, k: int, impl: str = "auto",
-                 chunk: int = _CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_softmax(logits: torch.Tensor, k: int, impl: str = "auto", chunk: int = _CHUNK,
+                 ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs [M, k] float32, tokens [M, k] int64)``: the k largest softmax probabilities of each
-    row of ``logits [M, V]`` (fp16, bf16 or fp32), largest first. ``impl``: "torch", "triton"
-    (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or "auto" (the kernel on CUDA)."""
+    row of ``logits [M, V]`` (fp16, bf16 or fp32), largest first. ``ids [V]`` (integer, optional):
+    the token each column stands for (a reduced draft vocabulary), returned in place of the
+    columns (the same as ``ids[tokens]``; the kernel gathers them in its last launch).
+    ``impl``: "torch", "triton" (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or "auto"
+    (the kernel on CUDA)."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, vocabulary], got shape {tuple(logits.shape)}")
     M, V = logits.shape
+    if ids is not None and (ids.shape != (V,) or ids.dtype.is_floating_point
+                            or ids.dtype.is_complex or ids.dtype == torch.bool
+                            or ids.device != logits.device):
+        raise ValueError(f"ids must be an integer tensor [{V}] (one token per column) on "
+                         f"{logits.device}, got {ids.dtype} {tuple(ids.shape)} on {ids.device}")
     if not 1 <= k <= min(V, MAX_K):
         raise ValueError(f"k must lie in [1, {min(V, MAX_K)}] (at most the vocabulary and "
                          f"MAX_K = {MAX_K}), got {k}")
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl must be auto, torch or triton, got {impl!r}")
     if impl == "torch" or (impl == "auto" and logits.device.type != "cuda"):
-        return _reference(logits, k)
+        probs, cols = _reference(logits, k)
+        return probs, (cols if ids is None else ids[cols].to(torch.int64))
     check_kernel_device(logits.device, "topk_softmax")
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
@@ -140,7 +151,9 @@ def topk_softmax(logits: torch.Tensor, k: int, impl: str = "auto",
     _chunk_topk_kernel[(M, nchunk)](logits, logits.stride(0), V, cand_val, cand_idx, chunk_max,
                                     chunk_sum, nchunk, K=k, KP=kp, BLOCK=block, NONE=none,
                                     num_warps=8 if block >= 2048 else 4)
-    _merge_topk_kernel[(M,)](cand_val, cand_idx, chunk_max, chunk_sum, probs, tokens, nchunk,
+    _merge_topk_kernel[(M,)](cand_val, cand_idx, chunk_max, chunk_sum, probs, tokens,
+                             tokens if ids is None else ids, nchunk,
                              K=k, KP=kp, CBLOCK=triton.next_power_of_2(nchunk * kp),
-                             NBLOCK=triton.next_power_of_2(nchunk), NONE=none, num_warps=4)
+                             NBLOCK=triton.next_power_of_2(nchunk), NONE=none,
+                             HAS_IDS=ids is not None, num_warps=4)
     return probs, tokens

@@ -185,7 +185,6 @@ class MTPDrafter:
             if self.head is None:
                 probs, tokens = topk_softmax(m.lm_head(out), topk)
             else:
-                probs, rows = topk_softmax(linear(out, self.head), topk)
-                tokens = self.vocab_ids[rows]
+                probs, tokens = topk_softmax(linear(out, self.head), topk, ids=self.vocab_ids)
             return tokens.view(R, K, topk), probs.view(R, K, topk)
         return step

@@ -85,3 +85,22 @@ def test_minus_inf_chunks_and_rows_with_few_finite_logits():
     torch.testing.assert_close(probs.cpu().double(), want_p, rtol=2e-6, atol=1e-7)
     with pytest.raises(ValueError, match="power of two"):
         topk_softmax(logits, 2, impl="triton", chunk=48)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_ids_return_the_tokens_the_columns_stand_for(impl, id_dtype):
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 300, generator=gen).to(DEV)
+    ids = torch.randperm(5000, generator=gen)[:300].to(id_dtype).to(DEV)
+    probs, tokens = topk_softmax(logits, 4, impl=impl, chunk=64, ids=ids)
+    ref_p, ref_c = topk_softmax(logits, 4, impl=impl, chunk=64)
+    assert tokens.dtype == torch.int64 and torch.equal(tokens, ids[ref_c].long())
+    assert torch.equal(probs, ref_p)
+
+
+@pytest.mark.parametrize("ids", [torch.arange(7), torch.arange(8).float(),
+                                 torch.arange(8).view(2, 4)])
+def test_bad_ids(ids):
+    with pytest.raises(ValueError, match="ids must be an integer tensor"):
+        topk_softmax(torch.randn(2, 8), 2, ids=ids)

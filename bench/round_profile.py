@@ -1,0 +1,128 @@
+"""Where a speculative round's device time goes, kernel by kernel (a probe for bench/NOTES.md).
+
+Runs one generate on a random-weight preset with the replay drafter (as bench/e2e.py does), then
+replays each captured graph of the run's batch bucket (draft, verify, accept/commit) and the
+plain decode's under the profiler. Per graph: wall ms over replays (device events), the kernels'
+summed ms, their span and the idle time between them (launch gaps and tails), the kernel count,
+and the kernels in launch order with their microseconds. Writes
+``<out>/round-profile-<preset>-b<batch>.json``.
+
+    python bench/round_profile.py --batch 8 --tree 8,2,16 --draft-vocab 32768   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from e2e import load, prompts_for  # noqa: E402
+
+from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+
+
+def replay_ms(graph, reps: int = 20) -> float:
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def kernels_of(graph) -> list[tuple[str, float, float]]:
+    """``(name, start_us, duration_us)`` of one replay's kernels in start order."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.events():
+        if e.device_type.name != "CUDA" or "memcpy" in e.name.lower() or \
+                "memset" in e.name.lower():
+            continue
+        start, end = float(e.time_range.start), float(e.time_range.end)
+        out.append((e.name, start, end - start))
+    return sorted(out, key=lambda k: k[1])
+
+
+def summarise(key, graph) -> dict:
+    ks = kernels_of(graph)
+    busy = sum(d for _, _, d in ks)
+    span = (ks[-1][1] + ks[-1][2] - ks[0][1]) if ks else 0.0
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for name, _, d in ks:
+        by_name[name[:90]].append(d)
+    top = sorted(((n, len(v), sum(v)) for n, v in by_name.items()), key=lambda t: -t[2])
+    return dict(key=str(key), wall_ms=replay_ms(graph), kernel_ms=busy / 1e3, span_ms=span / 1e3,
+                idle_ms=(span - busy) / 1e3, kernels=len(ks),
+                by_name=[dict(name=n, count=c, us=round(t, 2)) for n, c, t in top],
+                order=[(n[:60], round(d, 2)) for n, _, d in ks])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3.5-9b")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--tree", default="8,2,16", help="depth,topk,budget")
+    ap.add_argument("--draft-vocab", type=int, default=32768)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--out", default="/tmp/bole-runs")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    depth, topk, budget = map(int, args.tree.split(","))
+    model, given, drafter, _ = load(args.model, "cuda", torch.bfloat16)
+    prompts = prompts_for(model, given, args.batch, args.context, seed=args.batch)
+    max_len = args.context + args.max_tokens + budget + depth + 2
+    result = {}
+    for spec in (SpecConfig("ar"),
+                 SpecConfig("bole", drafter, depth, topk, budget,
+                            "qwen3-next-mtp" if drafter == "replay" else None,
+                            draft_vocab=args.draft_vocab, forced_acceptance=drafter == "replay")):
+        engine = Engine(model, spec, max_slots=args.batch, max_len=max_len)
+        cont = None
+        if drafter == "replay" and spec.mode != "ar":
+            cont = result["continuations"]
+        res = engine.generate(prompts, GenerationParams(max_tokens=args.max_tokens), seed=0,
+                              continuations=cont)
+        if spec.mode == "ar":
+            result["continuations"] = [r.token_ids for r in res]
+        graphs = engine.rounds.graphs.graphs
+        mine = [k for k in graphs
+                if k[0] in ("draft", "verify", "accept") and k[1] == args.batch]
+        result[spec.mode] = [summarise(k, graphs[k]) for k in mine]
+        for s in result[spec.mode]:
+            print(f"{spec.mode} {s['key']}: wall {s['wall_ms']:.3f} ms, kernels {s['kernels']} "
+                  f"busy {s['kernel_ms']:.3f} ms, idle {s['idle_ms']:.3f} ms", flush=True)
+        del engine
+    result.pop("continuations", None)
+    result.update(model=args.model, batch=args.batch, tree=args.tree,
+                  draft_vocab=args.draft_vocab, device=torch.cuda.get_device_name(),
+                  torch=torch.__version__)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"round-profile-{args.model}-b{args.batch}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

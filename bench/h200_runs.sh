@@ -24,6 +24,8 @@
 #             (~7 min with the 54 s calibration of a fresh machine)
 #   waves-budget  bench/e2e.py, 9B at batch 8 in four waves of 8 requests (continuous batching),
 #             then budget-bundled with the calibrated policy also at eps 0.25 0.5 1 2 (~7 min)
+#   profile-waves  bench/round_profile.py (9B, batch 8, tree 8,2,16: each captured graph kernel
+#             by kernel), then the 9B batch 8 in four waves (~8 min)
 #   budget-9b-eps  the 9B preset at batch 2 4 64 32 1 8 16 with the calibrated policy also at eps
 #             0.25 0.5 1 (a fresh machine calibrates first: 54 s; cut where 10 minutes end)
 #   serve     bench/serve.py, all four modes (~5 min)
@@ -33,7 +35,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -97,6 +99,12 @@ case "$part" in
       --tag=-9b-b8-waves
     timeout 380 python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
       --sweep 64 256 1024 2048 --eps-sweep 0.25 0.5 1 2 --out "$out" --tag=-eps ;;
+  profile-waves)
+    timeout 200 python3 bench/round_profile.py --batch 8 --tree 8,2,16 --draft-vocab 32768 \
+      --out "$out" | tail -8
+    timeout 360 python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
+      --tree-shapes 8,2,16 --min-run-tokens 4096 --draft-vocab 32768 --out "$out" \
+      --tag=-9b-b8-waves ;;
   budget-9b-eps)
     timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 2 4 64 32 1 8 16 \
       --sweep 64 256 --eps-sweep 0.25 0.5 1 --draft-vocab 32768 --out "$out" --tag=-eps ;;

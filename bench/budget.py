@@ -16,7 +16,9 @@ replay drafter (acceptance from --profile). Records {model, batch, policy, budge
 (decode: tokens after each request's first over the rounds' time), mean_accepted_tokens, round_ms,
 the round's split, plain_round_share (goodput's rounds without drafting),
 draft_nodes_per_round (draft nodes the batch verified, shared budgets)} go to
-bench/results/budget-<date>-<model>.json with a plot.
+bench/results/budget-<date>-<model>.json with a plot. ``--repeats N`` runs each configuration N
+times and keeps the run of median tokens/s (the bundled model's rounds of about 1 ms differ by
+several percent between runs of the same work).
 
     python bench/budget.py --models bundled qwen3.5-9b             # on a GPU
     python bench/budget.py --models tiny --batches 1 2 --device cpu --max-tokens 12 --sweep 2 8
@@ -62,12 +64,17 @@ def main(argv=None) -> int:
     ap.add_argument("--eps-sweep", type=float, nargs="*", default=[],
                     help="further tolerances the calibrated policy runs at (records carry eps; a "
                          "tolerance whose budgets equal one already run is not run again)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of each configuration; its record is the run of median tokens/s "
+                         "(with every run's in tokens_per_s_runs)")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tag", default="", help="appended to the file names")
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: pass --device cpu for a smoke run", file=sys.stderr)
         return 2
@@ -90,9 +97,9 @@ def main(argv=None) -> int:
 
             def one(policy: str, spec: SpecConfig, budget: int, model=model,
                     budget_profile=None) -> dict:
-                res = run(model, spec, prompts, args.max_tokens, cont, args.device,
-                          budget_profile=budget_profile)
-                res.pop("outputs")
+                runs = [run(model, spec, prompts, args.max_tokens, cont, args.device,
+                            budget_profile=budget_profile) for _ in range(args.repeats)]
+                res = sorted(runs, key=lambda r: r["decode_tokens_per_s"])[len(runs) // 2]
                 rec = dict(model=name, batch=batch, policy=policy, budget=budget,
                            tokens_per_s=res["decode_tokens_per_s"],
                            mean_accepted_tokens=res["mean_accepted_tokens"],
@@ -100,7 +107,8 @@ def main(argv=None) -> int:
                            draft_ms=res["draft_ms"], verify_ms=res["verify_ms"],
                            accept_commit_ms=res["accept_commit_ms"],
                            plain_round_share=res["plain_round_share"],
-                           draft_nodes_per_round=res["draft_nodes_per_round"])
+                           draft_nodes_per_round=res["draft_nodes_per_round"],
+                           tokens_per_s_runs=[r["decode_tokens_per_s"] for r in runs])
                 print(json.dumps(rec), flush=True)
                 return rec
             records.append(one("fixed", base, batch * (base.nodes_per_request - 1)))

@@ -18,7 +18,7 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
     assert bench.main(["--models", "tiny", "--batches", "1", "2", "--device", "cpu",
                        "--max-tokens", "8", "--context", "16", "--depth", "3", "--topk", "2",
                        "--budget", "8", "--global-budget", "4", "--sweep", "2", "8",
-                       "--eps-sweep", "0.1", "1e9",
+                       "--eps-sweep", "0.1", "1e9", "--repeats", "3",
                        "--out", str(tmp_path), "--tag=-t"]) == 0
     data = json.loads((next(tmp_path.glob("budget-*-tiny-t.json"))).read_text())
     recs = data["records"]
@@ -36,5 +36,8 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
         assert mine["oracle"]["sweep_best_tokens_per_s"] == best["tokens_per_s"]
         assert mine["oracle"]["mean_accepted_tokens"] == best["mean_accepted_tokens"]
         assert mine["global"]["budget"] == 4
+        for r in mine.values():           # the median of three runs
+            assert len(r["tokens_per_s_runs"]) == 3
+            assert r["tokens_per_s"] == sorted(r["tokens_per_s_runs"])[1]
     assert data["meta"]["b_ver"] and list((tmp_path / "cache").glob("budget-*.json"))
     assert list(tmp_path.glob("budget-*-tiny-t.png"))

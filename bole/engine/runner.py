@@ -106,7 +106,13 @@ class ModelRunner:
             for gi, final in enumerate(out.final_states):
                 cache.gdn_state[gi, slots] = final
         elif out.factors:
-            stacked = TreeFactors.stack(out.factors)
+            store = out.factor_store
+            if store is not None and len(out.factors) == store.u.shape[0]:
+                # written in place by every layer's verify: only the keys are gathered
+                stacked = TreeFactors(store.log_decay, torch.stack([f.k for f in out.factors]),
+                                      store.u, store.k_inv_norm)
+            else:
+                stacked = TreeFactors.stack(out.factors)
             if batch.gdn == "triton":
                 from bole.ops.gdn.triton_commit import commit_factored_triton
                 commit_factored_triton(stacked, cache.gdn_state, batch.slots, path_global,

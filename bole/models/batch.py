@@ -74,3 +74,6 @@ class ForwardOutput:
     factors: list[TreeFactors] = field(default_factory=list)            # closed-form backends
     snapshots: list[torch.Tensor] = field(default_factory=list)         # serial backends
     final_states: list[torch.Tensor] = field(default_factory=list)      # fla chunk prefill
+    #: the closed-form kernel's u, log_decay and k_inv_norm of every GDN layer, written in place
+    #: (``[L, N, ...]``; ``factors[i]`` holds views of slice i), so the commit stacks only keys
+    factor_store: TreeFactors | None = None

@@ -39,6 +39,7 @@ from bole.models.sharding import check_divisible, shard_tensors
 from bole.models.weights import FP32_SUFFIXES, mtp_specs, text_model_specs
 from bole.ops import fused, rope
 from bole.ops.attention import prefill_attention, tree_attention
+from bole.ops.gdn.closed_form import TreeFactors
 from bole.ops.gdn.common import gates_from_raw
 from bole.ops.gdn.decode import gdn_decode_inplace
 from bole.ops.gdn.dense import tree_gdn_closed_form_dense, tree_gdn_serial_dense
@@ -280,6 +281,17 @@ class HybridModel:
         mixed, z, b, a = torch.split(proj, [self.conv_dim, Hv * dv, Hv, Hv], dim=-1)
         return mixed, z.view(N, Hv, dv), b, a
 
+    def _factor_store(self, N: int, device) -> TreeFactors:
+        """Buffers for every GDN layer's u, log_decay and k_inv_norm over ``N`` nodes (``k``: an
+        empty placeholder; the keys stay views of each layer's convolution output)."""
+        c, L = self.config, len(self.config.gdn_layers)
+        Hk, Hv = self.gdn_hk, self.gdn_hv
+        return TreeFactors(
+            log_decay=torch.empty(L, N, Hv, dtype=torch.float64, device=device),
+            k=torch.empty(L, 0, device=device),
+            u=torch.empty(L, N, Hv, c.linear_value_head_dim, dtype=torch.float32, device=device),
+            k_inv_norm=torch.empty(L, N, Hk, dtype=torch.float32, device=device))
+
     def gdn(self, layer: int, x: torch.Tensor, cache: HybridCache, batch: ForwardBatch,
             out: ForwardOutput) -> torch.Tensor:
         c, p, w = self.config, self._p(layer) + "linear_attn.", self.w
@@ -315,6 +327,12 @@ class HybridModel:
             else:
                 from bole.ops.gdn.triton_serial import tree_gdn_serial_triton as kernel
             extra = {}
+            if batch.gdn == "triton":
+                if out.factor_store is None:
+                    out.factor_store = self._factor_store(N, x.device)
+                st = out.factor_store
+                extra["factors_out"] = TreeFactors(st.log_decay[gi], st.k[gi], st.u[gi],
+                                                   st.k_inv_norm[gi])
             if batch.gdn == "triton-serial" and batch.snapshot_store is not None:
                 extra["snapshots"] = batch.snapshot_store[gi][:N * Hv * dk * dv].view(
                     N, Hv, dk, dv)

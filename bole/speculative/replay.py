@@ -371,6 +371,13 @@ class ReplayDrafter:
 
         def step(step_index: int, frontier: Tensor, table: NodeTable) -> tuple[Tensor, Tensor]:
             head_step(step_index, frontier, table)           # the real head's cost, discarded
+            if frontier.device.type == "cuda" and \
+                    os.environ.get("BOLE_REPLAY_KERNEL", "1") != "0":
+                from bole.speculative.replay_kernel import propose_triton      # one launch
+                tokens = propose_triton(self.continuation, row, ctx, self.stream, slots_l,
+                                        self._seed_key, frontier, table.tokens, table.depth,
+                                        self.cum, topk, self.vocab, self.max_len)
+                return tokens, self.q[:topk].expand(*frontier.shape, topk)
             if "keys" not in state:                          # once per round (inside its graph)
                 state["keys"] = self._round_keys(slots_l, ctx, table.capacity)
             return self._propose(row, ctx, state["keys"], frontier, table, topk)
@@ -395,14 +402,10 @@ class ReplayDrafter:
         """The replayed proposals of ``frontier [R, K]`` (slots of ``table``, -1 for none):
         ``tokens [R, K, topk]`` int64 and ``probs [R, K, topk]`` float32 (``q`` per rank).
         Rows of -1 frontier entries hold arbitrary (valid) values, which the growth ignores.
-        On CUDA one Triton launch (:mod:`bole.speculative.replay_kernel`) computes what this
-        torch code does (``BOLE_REPLAY_KERNEL=0`` keeps the torch code there)."""
+        ``keys``: :meth:`_round_keys`. On CUDA the step runs one Triton launch instead
+        (:mod:`bole.speculative.replay_kernel`, which hashes the keys itself;
+        ``BOLE_REPLAY_KERNEL=0`` keeps this torch code there)."""
         R, K = frontier.shape
-        if frontier.device.type == "cuda" and os.environ.get("BOLE_REPLAY_KERNEL", "1") != "0":
-            from bole.speculative.replay_kernel import propose_triton      # one launch
-            tokens = propose_triton(self.continuation, row, ctx, keys, frontier, table.tokens,
-                                    table.depth, self.cum, topk, self.vocab, self.max_len)
-            return tokens, self.q[:topk].expand(R, K, topk)
         C = table.capacity
         f = frontier.clamp(min=0)
         depth = torch.gather(table.depth, 1, f)

@@ -296,6 +296,38 @@ def test_factors_k_is_raw_key_view():
     assert f2.k_inv_norm is None
 
 
+def test_factors_out_are_written_in_place():
+    """Slices of layer-stacked buffers receive exactly the factors the kernel would return."""
+    from bole.ops.gdn.closed_form import TreeFactors
+    forest = PackedForest.pack([DraftTree.star(5), DraftTree.chain(4)])
+    case = make_case(forest, seed=3)
+    args = (case["q"].to(DEVICE), case["k"].to(DEVICE), case["v"].to(DEVICE),
+            forest.kernel_meta(DEVICE))
+    kw = dict(g=case["g"].to(DEVICE), beta=case["beta"].to(DEVICE),
+              initial_state=case["initial_state"].to(DEVICE), use_qk_l2norm_in_kernel=True,
+              precision="ieee")
+    o, want = tree_gdn_verify_triton(*args, **kw)
+    N = forest.num_nodes
+    store = TreeFactors(torch.full((3, N, 2), 7.0, dtype=torch.float64, device=DEVICE),
+                        torch.empty(3, 0, device=DEVICE),
+                        torch.full((3, N, 2, 16), 7.0, device=DEVICE),
+                        torch.full((3, N, 1), 7.0, device=DEVICE))
+    out = TreeFactors(store.log_decay[1], store.k[1], store.u[1], store.k_inv_norm[1])
+    o2, got = tree_gdn_verify_triton(*args, **kw, factors_out=out)
+    assert torch.equal(o2, o)
+    for name in ("log_decay", "u", "k_inv_norm"):
+        assert getattr(got, name).data_ptr() == getattr(out, name).data_ptr()
+        assert torch.equal(getattr(got, name), getattr(want, name))
+        for other in (0, 2):                               # the other layers' slices untouched
+            assert bool((getattr(store, name)[other] == 7.0).all())
+    bad = TreeFactors(out.log_decay, out.k, store.u[1].double(), out.k_inv_norm)
+    with pytest.raises(ValueError, match="factors_out.u must be a contiguous"):
+        tree_gdn_verify_triton(*args, **kw, factors_out=bad)
+    bad = TreeFactors(out.log_decay, out.k, out.u, None)
+    with pytest.raises(ValueError, match="factors_out.k_inv_norm"):
+        tree_gdn_verify_triton(*args, **kw, factors_out=bad)
+
+
 @pytest.mark.parametrize("seed", [21, 22])
 def test_random_ragged_forests(seed):
     rng = np.random.default_rng(seed)

@@ -46,8 +46,9 @@ def test_the_kernel_proposes_as_the_torch_code(model, topk, depth, profile, monk
     def both(row, ctx, keys, frontier, table, k):
         nonlocal checked
         want, probs = real(row, ctx, keys, frontier, table, k)
-        got = propose_triton(replay.continuation, row, ctx, keys, frontier, table.tokens,
-                             table.depth, replay.cum, k, vocab, max_len)
+        got = propose_triton(replay.continuation, row, ctx, replay.stream, row // replay.width,
+                             replay._seed_key, frontier, table.tokens, table.depth,
+                             replay.cum, k, vocab, max_len)
         live = (frontier >= 0)[..., None].expand_as(got)    # -1 entries: arbitrary values
         assert torch.equal(got[live], want[live])
         assert torch.equal(got, want)                        # and here the same values too
@@ -66,8 +67,11 @@ def test_the_kernel_proposes_as_the_torch_code(model, topk, depth, profile, monk
 
 def test_shapes_are_checked():
     z = torch.zeros(2, 3, dtype=torch.int64, device=DEV)
-    with pytest.raises(ValueError, match=r"must be \[R, 2C\]"):
-        propose_triton(torch.zeros(3, 5, dtype=torch.int64, device=DEV),
-                       torch.zeros(2, dtype=torch.int64, device=DEV),
-                       torch.zeros(2, dtype=torch.int64, device=DEV), z, z, z, z,
-                       torch.ones(1, dtype=torch.float64, device=DEV), 2, 100, 4)
+    r2 = torch.zeros(2, dtype=torch.int64, device=DEV)
+    cum = torch.ones(1, dtype=torch.float64, device=DEV)
+    cont = torch.zeros(3, 5, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match=r"must be \[R, C\], \[R\], \[R\], \[R\] and \[S\]"):
+        propose_triton(cont, r2, r2, r2, torch.zeros(3, dtype=torch.int64, device=DEV), 1, z,
+                       z, z[:, :2], cum, 2, 100, 4)
+    with pytest.raises(ValueError, match="seed_key"):
+        propose_triton(cont, r2, r2, r2, r2, 2 ** 31, z, z, z, cum, 2, 100, 4)

@@ -278,13 +278,31 @@ def _rows(x: torch.Tensor, n: int, *tail: int) -> torch.Tensor:
     return y
 
 
+def _checked_factors_out(f: TreeFactors, N: int, H_k: int, H_v: int, d_v: int, device,
+                         l2norm: bool):
+    """``(u, log_decay, k_inv_norm)`` of ``factors_out``, checked against what the kernel
+    writes (contiguous, on the device, of the shapes and dtypes it returns)."""
+    want = {"u": ((N, H_v, d_v), torch.float32), "log_decay": ((N, H_v), torch.float64)}
+    if l2norm:
+        want["k_inv_norm"] = ((N, H_k), torch.float32)
+    for name, (shape, dtype) in want.items():
+        t = getattr(f, name)
+        if (t is None or tuple(t.shape) != shape or t.dtype != dtype or t.device != device
+                or not t.is_contiguous()):
+            got = None if t is None else (t.dtype, tuple(t.shape), str(t.device),
+                                          t.is_contiguous())
+            raise ValueError(f"factors_out.{name} must be a contiguous {dtype} {list(shape)} on "
+                             f"{device}, got {got}")
+    return f.u, f.log_decay, (f.k_inv_norm if l2norm else None)
+
+
 def tree_gdn_verify_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ForestMeta, *,
     g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None,
     initial_state: torch.Tensor, state_indices: torch.Tensor | None = None,
     scale: float | None = None, use_qk_l2norm_in_kernel: bool = False,
     precision: str | None = None, check_values: bool = False, config: VerifyConfig | None = None,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, factors_out: TreeFactors | None = None,
 ) -> tuple[torch.Tensor, TreeFactors]:
     """Verify every node of a packed forest in one launch.
 
@@ -306,6 +324,9 @@ def tree_gdn_verify_triton(
         config: override of :func:`pick_config`'s choice (benchmark sweeps).
         out_dtype: dtype of ``o`` (fp16, bf16 or fp32), default v's dtype. fp32 keeps the kernel's
             own accuracy: a bf16 ``o`` carries bf16's rounding (~1.7e-3 relative) on top of it.
+        factors_out: where to write ``u``, ``log_decay`` and ``k_inv_norm`` (contiguous tensors of
+            the returned shapes and dtypes, e.g. one layer's slices of buffers stacked over
+            layers, so that the cross-layer commit needs no copy); ``k`` is ignored.
 
     Returns ``(o, factors)``: ``o`` shaped like ``v`` in ``out_dtype``; ``factors`` with
     ``log_decay [N, H_v]`` fp64, ``k`` the raw keys ``[N, H_k, d_k]`` (a view), ``u [N, H_v, d_v]``
@@ -401,10 +422,14 @@ def tree_gdn_verify_triton(
         A_log_t = dt_bias_t = gate1               # never read
 
     o = torch.empty(v.shape, dtype=v.dtype if out_dtype is None else out_dtype, device=device)
-    u = torch.empty(N, H_v, d_v, dtype=torch.float32, device=device)
-    log_decay = torch.empty(N, H_v, dtype=torch.float64, device=device)
-    k_inv_norm = (torch.empty(N, H_k, dtype=torch.float32, device=device)
-                  if use_qk_l2norm_in_kernel else None)
+    if factors_out is None:
+        u = torch.empty(N, H_v, d_v, dtype=torch.float32, device=device)
+        log_decay = torch.empty(N, H_v, dtype=torch.float64, device=device)
+        k_inv_norm = (torch.empty(N, H_k, dtype=torch.float32, device=device)
+                      if use_qk_l2norm_in_kernel else None)
+    else:
+        u, log_decay, k_inv_norm = _checked_factors_out(
+            factors_out, N, H_k, H_v, d_v, device, bool(use_qk_l2norm_in_kernel))
 
     kinv_arg = k_inv_norm if k_inv_norm is not None else log_decay       # never written then
     if N > 0 and R > 0:

@@ -130,7 +130,12 @@ class ModelRunner:
             else:
                 commit_snapshots(out.snapshots, cache.gdn_state, target, last)
         if out.conv_inputs:        # the accepted node's window, less the node itself
-            commit_conv_state(cache.conv_state, torch.stack(out.conv_inputs),
+            store = out.projection_store
+            if store is not None and len(out.conv_inputs) == store.shape[0]:
+                inputs = store[..., :out.conv_inputs[0].shape[-1]]    # every layer, no copy
+            else:
+                inputs = torch.stack(out.conv_inputs)
+            commit_conv_state(cache.conv_state, inputs,
                               batch.conv_windows[last][:, 1:], slots, path_len)
         cache.lengths.index_add_(0, slots, path_len)
         return path_global

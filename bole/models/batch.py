@@ -77,3 +77,7 @@ class ForwardOutput:
     #: the closed-form kernel's u, log_decay and k_inv_norm of every GDN layer, written in place
     #: (``[L, N, ...]``; ``factors[i]`` holds views of slice i), so the commit stacks only keys
     factor_store: TreeFactors | None = None
+    #: every GDN layer's input projection ``[L, N, P]`` (qwen3.5 layout), written in place by
+    #: the projections; ``conv_inputs[i]`` are views of slice i, so the commit reads the conv
+    #: inputs of all layers without stacking them
+    projection_store: torch.Tensor | None = None

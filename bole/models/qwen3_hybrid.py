@@ -264,8 +264,10 @@ class HybridModel:
         return self.tp.all_reduce(linear(o.reshape(x.shape[0], -1), w[prefix + "o_proj.weight"],
                                          w.get(prefix + "o_proj.bias")))
 
-    def _gdn_projections(self, layer: int, x: torch.Tensor):
-        """``(mixed_qkv [N, conv_dim], z [N, H_v, d_v], b [N, H_v], a [N, H_v])``, one product."""
+    def _gdn_projections(self, layer: int, x: torch.Tensor, out: ForwardOutput | None = None):
+        """``(mixed_qkv [N, conv_dim], z [N, H_v, d_v], b [N, H_v], a [N, H_v])``, one product
+        (written into ``out.projection_store``, allocated by the first GDN layer, when ``out``
+        is given and the layout is qwen3.5's)."""
         c, p, w = self.config, self._p(layer) + "linear_attn.", self.w
         N, Hk, Hv = x.shape[0], self.gdn_hk, self.gdn_hv
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
@@ -277,7 +279,14 @@ class HybridModel:
             b, a = torch.split(ba.reshape(N, Hk, 2 * r), [r, r], dim=-1)
             mixed = torch.cat([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], dim=-1)
             return mixed, z.reshape(N, Hv, dv), b.reshape(N, Hv), a.reshape(N, Hv)
-        proj = linear(x, w[p + "in_proj_all.weight"])
+        weight = w[p + "in_proj_all.weight"]
+        into = None
+        if out is not None:
+            if out.projection_store is None:
+                out.projection_store = torch.empty(len(c.gdn_layers), N, weight.shape[0],
+                                                   dtype=x.dtype, device=x.device)
+            into = out.projection_store[self.gdn_index[layer]]
+        proj = linear(x, weight, out=into)
         mixed, z, b, a = torch.split(proj, [self.conv_dim, Hv * dv, Hv, Hv], dim=-1)
         return mixed, z.view(N, Hv, dv), b, a
 
@@ -298,7 +307,7 @@ class HybridModel:
         N, Hk, Hv = x.shape[0], self.gdn_hk, self.gdn_hv
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         gi = self.gdn_index[layer]
-        mixed, z, b, a = self._gdn_projections(layer, x)
+        mixed, z, b, a = self._gdn_projections(layer, x, out)
         out.conv_inputs.append(mixed)
         conv = fused.tree_conv1d_pool(mixed, w[p + "conv1d.weight"].reshape(self.conv_dim, -1),
                                       cache.conv_state[gi], batch.slots, batch.conv_windows)

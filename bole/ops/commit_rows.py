@@ -93,7 +93,7 @@ def move_kv_rows_reference(k_pool, v_pool, slots, ctx, path, path_len) -> None:
 
 @triton.jit
 def _conv_commit_kernel(pool, inputs, code, slots, path_len, stride_layer, stride_slot,
-                        stride_in_layer, C, W: tl.constexpr, WB: tl.constexpr,
+                        stride_in_layer, stride_in_row, C, W: tl.constexpr, WB: tl.constexpr,
                         CB: tl.constexpr):
     r = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
@@ -108,8 +108,9 @@ def _conv_commit_kernel(pool, inputs, code, slots, path_len, stride_layer, strid
         for c0 in range(0, C, CB):
             c = c0 + tl.arange(0, CB)
             m = (c < C)[:, None] & jm[None, :]
-            x = tl.load(inputs + layer * stride_in_layer + tl.maximum(cd, 0)[None, :] * C
-                        + c[:, None], mask=m & fresh[None, :], other=0.0)
+            x = tl.load(inputs + layer * stride_in_layer
+                        + tl.maximum(cd, 0)[None, :] * stride_in_row + c[:, None],
+                        mask=m & fresh[None, :], other=0.0)
             old = tl.load(pool + base + c[:, None] * W + col[None, :], mask=m & ~fresh[None, :],
                           other=0.0)
             new = tl.where(fresh[None, :], x.to(pool.dtype.element_ty), old)
@@ -122,7 +123,8 @@ def commit_conv_state(pool: torch.Tensor, inputs: torch.Tensor, code: torch.Tens
                       slots: torch.Tensor, path_len: torch.Tensor, *, impl: str = "auto") -> None:
     """Each request's conv state from its accepted node's window, every GDN layer.
 
-    ``pool [L, S, C, K-1]`` contiguous; ``inputs [L, N, C]`` the forward's conv inputs;
+    ``pool [L, S, C, K-1]`` contiguous; ``inputs [L, N, C]`` the forward's conv inputs (any
+    layer and row strides: e.g. the conv columns of every layer's stacked input projection);
     ``code [R, K-1]`` the accepted node's window without the node itself (``>= 0``: a flat node
     index; else ``-(r * (K-1) + col) - 1``, the state's column col); ``slots, path_len [R]``.
     ``impl`` as for :func:`move_kv_rows` (one launch, or :func:`commit_conv_state_reference`)."""
@@ -134,11 +136,12 @@ def commit_conv_state(pool: torch.Tensor, inputs: torch.Tensor, code: torch.Tens
         return
     if not pool.is_contiguous():
         raise ValueError("commit_conv_state takes a contiguous conv-state pool")
-    inputs = inputs.contiguous()
+    if inputs.stride(2) != 1:
+        inputs = inputs.contiguous()
     _conv_commit_kernel[(R, L)](
         pool, inputs, code.contiguous(), slots.to(torch.int64).contiguous(),
         path_len.to(torch.int64).contiguous(), pool.stride(0), pool.stride(1), inputs.stride(0),
-        C, W=W, WB=triton.next_power_of_2(W), CB=min(256, triton.next_power_of_2(C)),
+        inputs.stride(1), C, W=W, WB=triton.next_power_of_2(W), CB=min(256, triton.next_power_of_2(C)),
         num_warps=4)
 
 

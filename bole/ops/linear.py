@@ -104,11 +104,13 @@ def pick_linear_config(M: int, N: int, K: int) -> LinearConfig | None:
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: LinearConfig | None = None) -> torch.Tensor:
+                  config: LinearConfig | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ w[N, K].T (+ bias [N])`` by this module's kernel, M at most
     :data:`KERNEL_ROWS` (``config``, default
     :func:`pick_linear_config`'s, else 32 x 256 tiles). ``x`` and ``w`` share a dtype;
-    ``w`` and ``x`` have unit stride along K. Returns ``[M, N]`` in x's dtype."""
+    ``w`` and ``x`` have unit stride along K. Returns ``[M, N]`` in x's dtype (written into
+    ``out`` when given: ``[M, N]`` of x's dtype with unit stride along N)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"linear takes x [M, K] and w [N, K], got {tuple(x.shape)} and "
                          f"{tuple(w.shape)}")
@@ -126,7 +128,9 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     if M > KERNEL_ROWS:
         raise ValueError(f"linear's kernel takes at most {KERNEL_ROWS} rows, got {M}")
     config = config or pick_linear_config(M, N, K) or LinearConfig(32, 256)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if out is not None:
+        _check_out(out, M, N, x)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     if M == 0 or N == 0:
         return y
     _linear_kernel[(triton.cdiv(N, config.block_n),)](
@@ -137,16 +141,39 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return y
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _check_out(out: torch.Tensor, M: int, N: int, x: torch.Tensor) -> None:
+    if (tuple(out.shape) != (M, N) or out.dtype != x.dtype or out.device != x.device
+            or (N > 1 and out.stride(1) != 1)):
+        raise ValueError(f"out must be [{M}, {N}] {x.dtype} on {x.device} with unit stride "
+                         f"along N, got {out.dtype} {tuple(out.shape)} on {out.device} "
+                         f"(strides {out.stride()})")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)``, through this module's kernel where it wins: CUDA, fp16 or
     bf16, ``x`` of at most :data:`MAX_ROWS` rows (:data:`WIDE_ROWS` for the weights named
-    there; leading dimensions flattened), contiguous weights and bias (else cuBLAS)."""
+    there; leading dimensions flattened), contiguous weights and bias (else cuBLAS). ``out``
+    (2-D ``x`` only): a ``[M, N]`` tensor the product is written into (cuBLAS's ``mm`` /
+    ``addmm``, the products ``F.linear`` runs), e.g. one layer's slice of a stacked buffer."""
+    if out is not None:
+        if x.dim() != 2:
+            raise ValueError(f"linear(out=...) takes x [M, K], got shape {tuple(x.shape)}")
+        _check_out(out, x.shape[0], w.shape[0], x)
     if (x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16)
             or w.dtype != x.dtype or not w.is_contiguous() or x.stride(-1) != 1
             or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
-        return F.linear(x, w, bias)
+        return _torch_linear(x, w, bias, out)
     rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     config = pick_linear_config(rows.shape[0], w.shape[0], w.shape[1])
     if config is None or rows.stride(-1) != 1:
+        return _torch_linear(x, w, bias, out)
+    return linear_triton(rows, w, bias, config=config, out=out).view(*x.shape[:-1], w.shape[0])
+
+
+def _torch_linear(x, w, bias, out):
+    if out is None:
         return F.linear(x, w, bias)
-    return linear_triton(rows, w, bias, config=config).view(*x.shape[:-1], w.shape[0])
+    if bias is None:
+        return torch.mm(x, w.t(), out=out)
+    return torch.addmm(bias, x, w.t(), out=out)

@@ -120,3 +120,25 @@ def test_errors_say_what_is_wrong():
         linear_triton(x, torch.zeros(8, 4, dtype=DTYPE, device=DEV).T)
     with pytest.raises(ValueError, match=f"at most {KERNEL_ROWS} rows"):
         linear_triton(torch.zeros(KERNEL_ROWS + 1, 8, dtype=DTYPE, device=DEV), w)
+
+
+def test_out_receives_the_product_in_place():
+    """``linear(out=...)`` writes one layer's slice of a stacked buffer, equal to F.linear."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 64, generator=gen)
+    w = torch.randn(48, 64, generator=gen)
+    bias = torch.randn(48, generator=gen)
+    store = torch.full((3, 6, 48), 9.0)
+    for b in (None, bias):
+        got = linear(x, w, b, out=store[1])
+        assert got.data_ptr() == store[1].data_ptr()
+        torch.testing.assert_close(store[1], F.linear(x, w, b))
+        assert bool((store[0] == 9.0).all()) and bool((store[2] == 9.0).all())
+    tri = torch.full((2, 6, 48), 9.0, device=DEV)
+    linear_triton(x.to(DEV), w.to(DEV), out=tri[1])
+    torch.testing.assert_close(tri[1].cpu(), F.linear(x, w), rtol=1e-4, atol=1e-4)
+    assert bool((tri[0] == 9.0).all())
+    with pytest.raises(ValueError, match="out must be"):
+        linear(x, w, out=torch.empty(6, 47))
+    with pytest.raises(ValueError, match="x \\[M, K\\]"):
+        linear(x[None], w, out=store[0])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -26,20 +25,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from e2e import load, prompts_for  # noqa: E402
+from model_forward import events_ms  # noqa: E402
 
 from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
-
-
-def replay_ms(graph, reps: int = 20) -> float:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def kernels_of(graph) -> list[tuple[str, float, float]]:
@@ -67,8 +55,8 @@ def summarise(key, graph) -> dict:
     for name, _, d in ks:
         by_name[name[:90]].append(d)
     top = sorted(((n, len(v), sum(v)) for n, v in by_name.items()), key=lambda t: -t[2])
-    return dict(key=str(key), wall_ms=replay_ms(graph), kernel_ms=busy / 1e3, span_ms=span / 1e3,
-                idle_ms=(span - busy) / 1e3, kernels=len(ks),
+    return dict(key=str(key), wall_ms=events_ms(graph.replay, 20), kernel_ms=busy / 1e3,
+                span_ms=span / 1e3, idle_ms=(span - busy) / 1e3, kernels=len(ks),
                 by_name=[dict(name=n, count=c, us=round(t, 2)) for n, c, t in top],
                 order=[(n[:60], round(d, 2)) for n, _, d in ks])
 

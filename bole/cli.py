@@ -62,7 +62,7 @@ def _load_model(args, device: str, dtype, mtp: bool = False):
     return model, name, folder
 
 
-def _tree_options(p: argparse.ArgumentParser) -> None:
+def _tree_options(p: argparse.ArgumentParser, budget_eps: bool = True) -> None:
     depth, topk, budget = DEFAULT_TREE
     p.add_argument("--depth", type=int, default=depth, help=f"draft tree depth (1-{MAX_DEPTH})")
     p.add_argument("--topk", type=int, default=topk,
@@ -80,6 +80,11 @@ def _tree_options(p: argparse.ArgumentParser) -> None:
                    help="draft nodes verified per round across the batch (global policy)")
     p.add_argument("--root-floor", type=int, default=1,
                    help="root children each request keeps whatever the budget")
+    if budget_eps:
+        p.add_argument("--budget-eps", type=float, default=None,
+                       help="the calibrated policy's tolerance: B_ver = the most nodes with "
+                            "T_ver <= (1 + eps) T_dec, from the profile's measured curves "
+                            "(default: the eps of bole calibrate)")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="the MTP head drafts over this many most frequent tokens (the "
                         "checkpoint's token_counts.json; random weights: the first ids), as "
@@ -202,7 +207,7 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="B_ver(b) = the most nodes with T_ver <= (1 + eps) T_dec")
     cal.add_argument("--context", type=int, default=1024, help="committed tokens per request")
     cal.add_argument("--reps", type=int, default=10, help="timed repetitions per point")
-    _tree_options(cal)
+    _tree_options(cal, budget_eps=False)
     try:
         from bole.server.loadgen import add_parser as add_loadgen
         add_loadgen(sub)
@@ -259,7 +264,8 @@ def _spec(args, drafter: str):
     spec = SpecConfig(args.mode if hasattr(args, "mode") else "bole", drafter, args.depth,
                       args.topk, args.budget, getattr(args, "acceptance", None),
                       getattr(args, "budget_policy", "fixed"), getattr(args, "shared_budget", 0),
-                      getattr(args, "root_floor", 1), getattr(args, "draft_vocab", 0))
+                      getattr(args, "root_floor", 1), getattr(args, "draft_vocab", 0),
+                      budget_eps=getattr(args, "budget_eps", None))
     try:
         spec.validate()
     except ValueError as exc:

@@ -62,7 +62,8 @@ def test_empty_or_corrupt_tokenizer(capsys, tmp_path, content):
 @pytest.mark.parametrize("flag,value,needle", [("--topk", "1000", "topk"), ("--budget", "9999", "budget"),
                                                ("--depth", "0", "depth"),
                                                ("--max-tokens", "0", "--max-tokens"),
-                                               ("--temperature", "-1", "temperature")])
+                                               ("--temperature", "-1", "temperature"),
+                                               ("--budget-eps", "0.5", "budget_eps is the")])
 def test_bad_arguments_fail_before_loading(capsys, flag, value, needle):
     rc, err, seconds = run(capsys, "generate", "--prompt", "x", flag, value, "--device", "cpu")
     assert_clean(rc, err, needle)

@@ -76,6 +76,9 @@ class SpecConfig:
     #: makes the continuation stale and acceptance collapses. Output then equals plain
     #: decoding's by construction, so exactness is checked with this off (fp32 tests)
     forced_acceptance: bool = False
+    #: the calibrated policy's tolerance: B_ver(b) = the most nodes with T_ver <= (1 + eps)
+    #: T_dec, derived from the profile's measured curves (None: the eps it was calibrated at)
+    budget_eps: float | None = None
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -99,6 +102,12 @@ class SpecConfig:
                              f"{self.drafter} drafter has none (leave it at 0)")
         if self.root_floor < 0:
             raise ValueError(f"root_floor must be >= 0, got {self.root_floor}")
+        if self.budget_eps is not None:
+            if self.budget_policy != "calibrated":
+                raise ValueError(f"budget_eps is the calibrated policy's tolerance; the "
+                                 f"{self.budget_policy} policy has none (leave it unset)")
+            if not (isinstance(self.budget_eps, (int, float)) and 0 <= self.budget_eps < 1e9):
+                raise ValueError(f"budget_eps must be a number >= 0, got {self.budget_eps!r}")
         if self.drafter == "replay" and self.mode != "ar" and not self.acceptance:
             raise ValueError("the replay drafter needs an acceptance profile (--acceptance "
                              "bundled, qwen3-next-mtp or a JSON file)")
@@ -207,6 +216,8 @@ class Engine:
                 and budget_profile is None):
             from bole.engine.calibrate import load_or_calibrate
             budget_profile = load_or_calibrate(model, spec, max_slots)
+        if spec.budget_eps is not None and budget_profile is not None:
+            budget_profile = budget_profile.at_eps(spec.budget_eps)
         self.rounds = RoundRunner(self.runner, spec, max_slots=max_slots,
                                   budget_profile=budget_profile,
                                   draft_model=draft_model if spec.mode != "ar" else None,

@@ -1,6 +1,8 @@
 """The batch-shared budget in the round: output unchanged, the budget honoured, widths that
 follow the previous round, calibration on this device (CPU here)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -437,3 +439,26 @@ def test_goodput_is_refused_under_tensor_parallelism(model):
     _, spec = _goodput_case(model, GenerationParams(max_tokens=4))
     with pytest.raises(ValueError, match="tensor-parallel ranks.*fixed, global or calibrated"):
         Engine(twin, spec, max_slots=2, budget_profile=_profile(1000.0))
+
+
+def test_budget_eps_derives_b_ver_from_the_profiles_curves(model):
+    """``budget_eps`` (``--budget-eps``) sets the calibrated policy's tolerance without
+    measuring again: B_ver at that eps from the same curves; greedy output unchanged."""
+    spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=8, budget_policy="calibrated")
+    # t_ver 1000, 1010, 1020, 1030, 1040 at N = 1, 2, 4, 8, 16 against t_dec 1000
+    profile = _profile(1000.0)
+    params = GenerationParams(max_tokens=10)
+    ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar")).generate(PROMPTS, params)]
+    for eps, b_ver in ((None, 16), (0.0, 1), (0.025, 4), (1.0, 16)):
+        engine = Engine(model, replace(spec, budget_eps=eps), max_slots=3,
+                        budget_profile=profile)
+        used = engine.rounds.policy.profile
+        assert used.b_ver == [b_ver] * 3 and used.eps == (0.1 if eps is None else eps)
+        assert engine.rounds.policy.budget(2) == b_ver
+        assert [r.token_ids for r in engine.generate(PROMPTS, params)] == ar
+    assert profile.b_ver == [16, 16, 16]                 # the caller's profile is not changed
+    for bad, match in ((replace(spec, budget_eps=-1.0), "budget_eps must be"),
+                       (replace(spec, budget_policy="goodput", budget_eps=0.5),
+                        "calibrated policy's tolerance")):
+        with pytest.raises(ValueError, match=match):
+            bad.validate()

@@ -56,10 +56,13 @@ def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_
               drafter: str = "ngram", batches: tuple[int, ...] | None = None,
               cuda_graphs: bool | None = None, progress: bool = False,
               acceptance: str | None = None, draft_vocab: int = 0,
-              forced_acceptance: bool = False) -> list[ModeResult]:
+              forced_acceptance: bool = False, budget_policy: str = "fixed",
+              shared_budget: int = 0, root_floor: int = 1,
+              budget_eps: float | None = None) -> list[ModeResult]:
     """Every mode over ``prompts`` at each batch size (the prompts cycled to fill a batch; by
     default one batch of all of them). With the replay drafter, plain decoding runs first and
-    its output is every other mode's known continuation."""
+    its output is every other mode's known continuation. ``budget_policy``, ``shared_budget``,
+    ``root_floor`` and ``budget_eps`` (:class:`SpecConfig`'s) apply to bole's rounds."""
     batches = batches or (len(prompts),)
     params = GenerationParams(max_tokens=max_tokens)
     results = []
@@ -77,9 +80,11 @@ def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_
             if progress:
                 print(f"\r[bole bench] batch {batch}: {mode:<12}", end="", file=sys.stderr,
                       flush=True)
+            policy = dict(budget_policy=budget_policy, shared_budget=shared_budget,
+                          root_floor=root_floor, budget_eps=budget_eps) if mode == "bole" else {}
             spec = SpecConfig(mode=mode, drafter=drafter, depth=depth, topk=topk, budget=budget,
                               acceptance=acceptance, draft_vocab=draft_vocab,
-                              forced_acceptance=forced_acceptance and mode != "ar")
+                              forced_acceptance=forced_acceptance and mode != "ar", **policy)
             scratch = max(spec.nodes_per_request, depth + 1)
             max_len = max(len(p) for p in work) + max_tokens + scratch + 1
             engine = Engine(model, spec, max_slots=batch, max_len=max_len,

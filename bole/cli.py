@@ -323,7 +323,9 @@ def _bench(args) -> int:
                         batches=tuple(args.batches) if args.batches else None,
                         cuda_graphs=False if args.no_graphs else None, progress=True,
                         acceptance=args.acceptance, draft_vocab=args.draft_vocab,
-                        forced_acceptance=args.forced_acceptance)
+                        forced_acceptance=args.forced_acceptance,
+                        budget_policy=spec.budget_policy, shared_budget=spec.shared_budget,
+                        root_floor=spec.root_floor, budget_eps=spec.budget_eps)
     import triton
     meta = dict(model_name=name, device=torch.cuda.get_device_name() if device.startswith("cuda")
                 else "cpu", torch=torch.__version__, triton=triton.__version__,
@@ -332,7 +334,9 @@ def _bench(args) -> int:
                 prompt_len=args.prompt_len if prompt_set == "repetitive" else None,
                 max_tokens=args.max_tokens, depth=args.depth, topk=args.topk, budget=args.budget,
                 drafter=drafter, acceptance=args.acceptance, draft_vocab=args.draft_vocab,
-                forced_acceptance=args.forced_acceptance,
+                forced_acceptance=args.forced_acceptance, budget_policy=spec.budget_policy,
+                shared_budget=spec.shared_budget, root_floor=spec.root_floor,
+                budget_eps=spec.budget_eps,
                 cuda_graphs=not args.no_graphs and device.startswith("cuda"))
     path, png = write_results(results, meta, Path(args.out), args.tag)
     print(f"{name}, {meta['dtype']} on {meta['device']}, drafter {drafter}, {prompt_set} prompts")

@@ -139,6 +139,22 @@ def test_bole_bench_defaults_to_the_bundled_model_with_its_mtp_head(tmp_path, ca
     assert bole["agreement_with_ar"] == 1.0 and bole["mean_accepted_tokens"] > 1.0
 
 
+def test_bole_bench_runs_bole_under_the_budget_policy(tmp_path):
+    """``bole bench --budget-policy global --shared-budget 2`` verifies at most one draft node
+    per request each round (two requests, a root child each): at most 2 tokens a round."""
+    import json
+
+    pytest.importorskip("tokenizers")
+    from bole.cli import main
+    assert main(["bench", "--prompts", "2", "--max-tokens", "10", "--modes", "ar", "bole",
+                 "--budget-policy", "global", "--shared-budget", "2", "--out", str(tmp_path),
+                 "--device", "cpu"]) == 0
+    data = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert data["meta"]["budget_policy"] == "global" and data["meta"]["shared_budget"] == 2
+    bole = next(r for r in data["results"] if r["mode"] == "bole")
+    assert bole["agreement_with_ar"] == 1.0 and 1.0 < bole["mean_accepted_tokens"] <= 2.0
+
+
 def test_an_engine_serves_one_batch_after_another(model):
     """Slots and static buffers are reused across generate calls without stale rows."""
     engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=3)

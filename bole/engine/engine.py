@@ -106,8 +106,9 @@ class SpecConfig:
             if self.budget_policy != "calibrated":
                 raise ValueError(f"budget_eps is the calibrated policy's tolerance; the "
                                  f"{self.budget_policy} policy has none (leave it unset)")
-            if not (isinstance(self.budget_eps, (int, float)) and 0 <= self.budget_eps < 1e9):
-                raise ValueError(f"budget_eps must be a number >= 0, got {self.budget_eps!r}")
+            eps = self.budget_eps
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1e9:
+                raise ValueError(f"budget_eps must be a finite number in [0, 1e9), got {eps!r}")
         if self.drafter == "replay" and self.mode != "ar" and not self.acceptance:
             raise ValueError("the replay drafter needs an acceptance profile (--acceptance "
                              "bundled, qwen3-next-mtp or a JSON file)")

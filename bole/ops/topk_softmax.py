@@ -94,8 +94,8 @@ def _merge_topk_kernel(cand_val, cand_idx, chunk_max, chunk_sum, probs, tokens, 
         col = tl.min(tl.where((free == best) & ~taken, ix, NONE), 0)
         at = tl.min(tl.where((free == best) & ~taken & (ix == col), p, CBLOCK), 0)
         tl.store(probs + row * K + j, tl.exp(best - gmax) / total)
-        if HAS_IDS:
-            col = tl.load(ids + col).to(tl.int64)
+        if HAS_IDS:       # (NONE only for NaN rows, which are not supported: no read then)
+            col = tl.load(ids + col, mask=col != NONE, other=NONE).to(tl.int64)
         tl.store(tokens + row * K + j, col)
         taken = taken | (p == at)
 
@@ -152,7 +152,7 @@ def topk_softmax(logits: torch.Tensor, k: int, impl: str = "auto", chunk: int = 
                                     chunk_sum, nchunk, K=k, KP=kp, BLOCK=block, NONE=none,
                                     num_warps=8 if block >= 2048 else 4)
     _merge_topk_kernel[(M,)](cand_val, cand_idx, chunk_max, chunk_sum, probs, tokens,
-                             tokens if ids is None else ids, nchunk,
+                             tokens if ids is None else ids.contiguous(), nchunk,
                              K=k, KP=kp, CBLOCK=triton.next_power_of_2(nchunk * kp),
                              NBLOCK=triton.next_power_of_2(nchunk), NONE=none,
                              HAS_IDS=ids is not None, num_warps=4)

@@ -37,8 +37,10 @@ node's its slot in the growth's node table. So a node's draw depends neither on 
 (its row, its slot, its neighbours) nor on the verification mode: every mode sees the same trees for
 the same seed, and a chain (top-1) draws at its on-path nodes exactly what a tree draws at the same
 depths. Everything in :meth:`ReplayDrafter.step_fn` is fixed-shape tensor code without host
-synchronisation (CUDA-graph capturable, like the MTP step it wraps); per step it adds about thirty
-small element-wise operations to the head's step (the per-round keys are hashed once, at step 0).
+synchronisation (CUDA-graph capturable, like the MTP step it wraps). On CUDA each step adds one
+launch to the head's step (:mod:`bole.speculative.replay_kernel`, which hashes every node's key
+itself); the torch code (CPU, or ``BOLE_REPLAY_KERNEL=0``) hashes the round's keys once, at step
+0, and adds about thirty small element-wise operations a step.
 
 The replay models greedy verification: with sampling the target's tokens are not the greedy
 continuation, and where a request's output leaves its continuation (bf16 near-ties) every later
@@ -402,9 +404,9 @@ class ReplayDrafter:
         """The replayed proposals of ``frontier [R, K]`` (slots of ``table``, -1 for none):
         ``tokens [R, K, topk]`` int64 and ``probs [R, K, topk]`` float32 (``q`` per rank).
         Rows of -1 frontier entries hold arbitrary (valid) values, which the growth ignores.
-        ``keys``: :meth:`_round_keys`. On CUDA the step runs one Triton launch instead
-        (:mod:`bole.speculative.replay_kernel`, which hashes the keys itself;
-        ``BOLE_REPLAY_KERNEL=0`` keeps this torch code there)."""
+        ``keys``: :meth:`_round_keys`. This is the torch code (the reference): on CUDA the step
+        of :meth:`step_fn` runs one Triton launch instead (:mod:`bole.speculative.replay_kernel`,
+        which hashes the keys itself; ``BOLE_REPLAY_KERNEL=0`` keeps this code there)."""
         R, K = frontier.shape
         C = table.capacity
         f = frontier.clamp(min=0)

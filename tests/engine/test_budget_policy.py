@@ -458,6 +458,8 @@ def test_budget_eps_derives_b_ver_from_the_profiles_curves(model):
         assert [r.token_ids for r in engine.generate(PROMPTS, params)] == ar
     assert profile.b_ver == [16, 16, 16]                 # the caller's profile is not changed
     for bad, match in ((replace(spec, budget_eps=-1.0), "budget_eps must be"),
+                       (replace(spec, budget_eps=True), "budget_eps must be"),
+                       (replace(spec, budget_eps=float("nan")), "budget_eps must be"),
                        (replace(spec, budget_policy="goodput", budget_eps=0.5),
                         "calibrated policy's tolerance")):
         with pytest.raises(ValueError, match=match):

@@ -14,7 +14,7 @@ For each model and batch, bole runs with:
 Models: the bundled model with its MTP head (real acceptance) and random-weight presets with the
 replay drafter (acceptance from --profile). Records {model, batch, policy, budget, tokens_per_s
 (decode: tokens after each request's first over the rounds' time), mean_accepted_tokens, round_ms,
-the round's split, plain_round_share (goodput's rounds without drafting),
+the round's split (draft, verify, accept and commit, host: the GPU idle between them), plain_round_share (goodput's rounds without drafting),
 draft_nodes_per_round (draft nodes the batch verified, shared budgets)} go to
 bench/results/budget-<date>-<model>.json with a plot. ``--repeats N`` runs each configuration N
 times and keeps the run of median tokens/s (the bundled model's rounds of about 1 ms differ by
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
                            mean_accepted_tokens=res["mean_accepted_tokens"],
                            round_ms=res["round_ms"], ar_tokens_per_s=ar["decode_tokens_per_s"],
                            draft_ms=res["draft_ms"], verify_ms=res["verify_ms"],
-                           accept_commit_ms=res["accept_commit_ms"],
+                           accept_commit_ms=res["accept_commit_ms"], host_ms=res["host_ms"],
                            plain_round_share=res["plain_round_share"],
                            draft_nodes_per_round=res["draft_nodes_per_round"],
                            tokens_per_s_runs=[r["decode_tokens_per_s"] for r in runs])

@@ -37,6 +37,7 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
         assert mine["oracle"]["mean_accepted_tokens"] == best["mean_accepted_tokens"]
         assert mine["global"]["budget"] == 4
         for r in mine.values():           # the median of three runs
+            assert r["host_ms"] >= 0.0
             assert len(r["tokens_per_s_runs"]) == 3
             assert r["tokens_per_s"] == sorted(r["tokens_per_s_runs"])[1]
     assert data["meta"]["b_ver"] and list((tmp_path / "cache").glob("budget-*.json"))

@@ -14,8 +14,9 @@ For each model and batch, bole runs with:
 Models: the bundled model with its MTP head (real acceptance) and random-weight presets with the
 replay drafter (acceptance from --profile). Records {model, batch, policy, budget, tokens_per_s
 (decode: tokens after each request's first over the rounds' time), mean_accepted_tokens, round_ms,
-the round's split (draft, verify, accept and commit, host: the GPU idle between them), plain_round_share (goodput's rounds without drafting),
-draft_nodes_per_round (draft nodes the batch verified, shared budgets)} go to
+the round's split (draft, verify, accept and commit, host: the GPU idle between them),
+plain_round_share (goodput's rounds without drafting), draft_nodes_per_round (draft nodes the
+batch verified, shared budgets)} go to
 bench/results/budget-<date>-<model>.json with a plot. ``--repeats N`` runs each configuration N
 times and keeps the run of median tokens/s (the bundled model's rounds of about 1 ms differ by
 several percent between runs of the same work).

@@ -143,3 +143,19 @@ def test_out_receives_the_product_in_place():
         linear(x, w, out=torch.empty(6, 47))
     with pytest.raises(ValueError, match="x \\[M, K\\]"):
         linear(x[None], w, out=store[0])
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the dispatcher takes the kernel on CUDA only")
+@pytest.mark.parametrize("rows", [8, 40])            # the kernel; cuBLAS past WIDE_ROWS
+def test_out_with_a_row_stride_of_a_wider_buffer_cuda(rows):
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 1024, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(4096, 1024, device="cuda", generator=gen).bfloat16()
+    big = torch.zeros(rows, 5000, device="cuda", dtype=torch.bfloat16)
+    out = big[:, 100:100 + 4096]                      # row stride 5000
+    linear(x, w, out=out)
+    if rows <= WIDE_ROWS:                             # the same kernel: the same bits
+        assert torch.equal(out, linear(x, w))
+    else:                                             # cuBLAS may tile another leading dim
+        torch.testing.assert_close(out.float(), linear(x, w).float(), rtol=2e-2, atol=0.5)
+    assert bool((big[:, :100] == 0).all()) and bool((big[:, 100 + 4096:] == 0).all())

@@ -75,3 +75,31 @@ def test_shapes_are_checked():
                        z, z[:, :2], cum, 2, 100, 4)
     with pytest.raises(ValueError, match="seed_key"):
         propose_triton(cont, r2, r2, r2, r2, 2 ** 31, z, z, z, cum, 2, 100, 4)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="step_fn takes the kernel on CUDA only")
+def test_step_fn_grows_the_same_trees_with_and_without_the_kernel(model, monkeypatch):
+    """Through the drafter's step (the kernel hashing its own keys, against the torch code's
+    round keys): the same forests, proposals and draft probabilities, round after round."""
+    topk, depth, R, max_len, start = 3, 4, 4, 64, 3
+    replay = ReplayDrafter(MTPDrafter(model, R + 1, max_len, node_capacity(topk, depth)),
+                           PROFILES[0], R + 1, max_len, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    for r in range(R):
+        replay.set_continuation(r, torch.randint(0, model.config.vocab_size, (30,),
+                                                 generator=gen).tolist(), start)
+    slots = torch.arange(R, dtype=torch.int32, device=DEV)
+    for j in range(5):
+        ctx = torch.full((R,), start + j, dtype=torch.int64, device=DEV)
+        roots = replay.continuation[slots.long(), ctx].clamp(min=0)
+        forests = []
+        for flag in ("1", "0"):
+            monkeypatch.setenv("BOLE_REPLAY_KERNEL", flag)
+            forests.append(TreeGrowth(R, topk, depth, 12, device=DEV).grow(
+                roots, torch.full((R,), depth, device=DEV), replay.step_fn(slots, ctx, topk)))
+        a, b = forests
+        for x, y in ((a.tokens, b.tokens), (a.rho, b.rho), (a.source, b.source),
+                     (a.forest.parents, b.forest.parents), (a.forest.valid, b.forest.valid),
+                     (a.table.tokens, b.table.tokens), (a.table.rho, b.table.rho)):
+            assert torch.equal(x, y)
+        assert bool(a.forest.valid.sum() > R)           # the trees grew past their roots

@@ -30,6 +30,11 @@
 #             in-place factors, then e2e-9b-a's study without bole-goodput (~9.5 min)
 #   e2e-9b-e  the GPU tests of the conv commit's strided inputs and linear(out=), then 9B batch 8
 #             (chain depth 6, tree 8,2,16, one wave) (~6 min)
+#   e2e-9b-f  the GPU tests of the replay step kernel and linear(out=), then bench/e2e.py, 9B at
+#             batch 8 1 4 2 with 512-token requests (chain depths 6 and 8, trees 8,2,16 8,4,32)
+#   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
+#             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
+#             run three times (the median kept; cut where 10 minutes end)
 #   budget-9b-short  the 9B preset at batch 2 and 4 with the calibrated policy also at eps 0.5
 #             and 1 (~7 min with the calibration of a fresh machine)
 #   budget-9b-eps  the 9B preset at batch 2 4 64 32 1 8 16 with the calibrated policy also at eps
@@ -41,7 +46,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|budget-bundled-r3|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -127,6 +132,17 @@ case "$part" in
     timeout 300 python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
       --tree-shapes 8,2,16 --min-run-tokens 1024 --draft-vocab 32768 --out "$out" \
       --tag=-9b-b8-e ;;
+  e2e-9b-f)
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/speculative/test_replay_kernel.py \
+      tests/ops/test_linear.py > "$out/test-f.txt" 2>&1
+    tail -2 "$out/test-f.txt"
+    timeout 480 python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 4 2 --chain-depths 6 8 \
+      --tree-shapes 8,2,16 8,4,32 --max-tokens 512 --min-run-tokens 1024 --draft-vocab 32768 \
+      --out "$out" --tag=-9b-f ;;
+  budget-bundled-r3)
+    timeout 70 python3 bench/attention_splits.py --out "$out" | tail -3
+    timeout 510 python3 bench/budget.py --models bundled --batches 8 64 1 16 2 4 32 \
+      --sweep 256 1024 2048 --repeats 3 --out "$out" --tag=-r3 ;;
   budget-9b-short)
     timeout 420 python3 bench/budget.py --models qwen3.5-9b --batches 2 4 --sweep 64 256 \
       --eps-sweep 0.5 1 --draft-vocab 32768 --out "$out" --tag=-short ;;

@@ -554,7 +554,7 @@ class RoundRunner:
         kind = self.policy.plan(R)
         plain = kind == "plain"
         W = self.policy.width(R, len(requests), kind)
-        learn = self.policy.learns(kind)
+        learn = self.policy.learns(kind, R)
         vkey, akey = _round_keys(R, W, kind, flags, learn)
         captures = self.graphs.enabled and not self.graphs.has(akey)
         if captures:

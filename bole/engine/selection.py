@@ -27,8 +27,11 @@ Policies (``SpecConfig.budget_policy``):
                 (binned by rho, monotone), counted in the rounds that learn (below) and refitted
                 every :data:`FIT_EVERY` of them, on the device. Nodes the choice drops are never
                 verified, so their estimates could not learn: one drafting round in
-                :data:`EXPLORE_EVERY` verifies whole trees. The choice weighs the round's time
-                with the selection's own measured cost.
+                :data:`EXPLORE_EVERY` verifies whole trees, or fewer where whole trees' verify
+                costs more than the last choice's (large batches): exploring adds at most
+                :data:`EXPLORE_SHARE` of the drafting rounds' time (:meth:`BudgetPolicy.
+                explore_every`). The choice weighs the round's time with the selection's own
+                measured cost.
 
 Each round is one of three kinds (:meth:`BudgetPolicy.plan`): "plain" (goodput's plain decoding),
 "select" or "whole". A select round runs the selection
@@ -54,6 +57,7 @@ whole round's nodes would cost each round what only the choice uses.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -82,6 +86,10 @@ FIT_EVERY = 8
 #: the goodput policy verifies whole trees in one drafting round of this many (what its
 #: acceptance estimates learn low-rho nodes from)
 EXPLORE_EVERY = 8
+#: goodput: the most that exploring rounds add to the drafting rounds' time (by the profile: a
+#: whole round's verify beyond the last choice's), a share; where whole trees cost several
+#: choices' forwards (large batches) the policy explores less often than every EXPLORE_EVERY
+EXPLORE_SHARE = 0.03
 #: goodput: whole rounds after a choice that kept every drafted node, before it chooses again
 WHOLE_ROUNDS = 7
 #: drafters that grow every request's tree to its full size (whole trees fill the verify width)
@@ -183,6 +191,9 @@ class BudgetPolicy:
         self.looking = False                     # goodput: the next drafting round is a look
         self.drafted = 0                         # goodput: drafting rounds so far
         self.whole_left: dict[int, int] = {}     # goodput: whole rounds before choosing again
+        self.last_nodes: dict[int, int] = {}     # draft nodes the last select round verified
+        self.since_explore: dict[int, int] = {}  # goodput: drafting rounds since exploring
+        self._explores: dict[int, bool] = {}     # goodput: whether plan's round explores
         self._first: dict[tuple[bool, int], list[float]] = {}   # (plain, R): first rates
 
     @property
@@ -220,7 +231,7 @@ class BudgetPolicy:
             return all(self.budget(n) >= n * drafted for n in range(1, R + 1))
         curve = self.profile.t_ver_curve(R)
         full = R * drafted
-        t_full = next((t for n, t in curve.items() if n >= full), list(curve.values())[-1])
+        t_full = _t_ver_at(curve, full)
         cheapest = min((t for n, t in curve.items() if n < full), default=t_full)
         return t_full <= cheapest + self.profile.t_select_at(R)
 
@@ -235,12 +246,28 @@ class BudgetPolicy:
         select_ms = 0.0 if self.whole_trees(R) else self.profile.t_select_at(R)
         return self.overhead_ms + select_ms
 
-    def exploring(self) -> bool:
-        """Whether this round (goodput, drafting) verifies whole trees for what they teach. A
+    def exploring(self, R: int) -> bool:
+        """Whether this round of bucket ``R`` (goodput, drafting) verifies whole trees for what
+        they teach: the last of every :meth:`explore_every` drafting rounds of the bucket. A
         look (the drafting round after a plain stretch) never does: it measures the rounds
         the policy would run."""
         return (self.policy == "goodput" and not self.looking
-                and self.drafted % EXPLORE_EVERY == EXPLORE_EVERY - 1)
+                and self.since_explore.get(R, 0) >= self.explore_every(R) - 1)
+
+    def explore_every(self, R: int) -> int:
+        """Drafting rounds of bucket ``R`` per exploring round: :data:`EXPLORE_EVERY`, or more
+        where a whole round's verify (the profile's, at every drafted node) exceeds the last
+        choice's by more than :data:`EXPLORE_SHARE` of that many choosing rounds' time."""
+        nodes = self.last_nodes.get(R)
+        if nodes is None or self.profile is None:
+            return EXPLORE_EVERY
+        curve = self.profile.t_ver_curve(R)
+        t_choice = _t_ver_at(curve, nodes)
+        extra = _t_ver_at(curve, R * (self.T - 1)) - t_choice
+        round_ms = t_choice + self.round_overhead_ms(R)
+        if extra <= 0 or round_ms <= 0:
+            return EXPLORE_EVERY
+        return max(EXPLORE_EVERY, math.ceil(extra / (EXPLORE_SHARE * round_ms)))
 
     def plain_round(self) -> bool:
         """Whether this round decodes plainly (goodput found drafting does not pay)."""
@@ -259,6 +286,8 @@ class BudgetPolicy:
             if measured:
                 self._sample(True, R, rate, RATE_WEIGHT)
             return
+        explored = self._explores.pop(R, False)
+        self.since_explore[R] = 0 if explored else self.since_explore.get(R, 0) + 1
         self.drafted += 1
         if not measured:
             return
@@ -294,6 +323,7 @@ class BudgetPolicy:
         for other in [n for n in self.whole_left if n != R]:    # a stretch follows its batch
             del self.whole_left[other]
         kind = self._kind(R)
+        self._explores[R] = kind == "whole" and self.exploring(R)
         if kind == "whole" and self.whole_left.get(R, 0) > 0:
             self.whole_left[R] -= 1
         return kind
@@ -302,15 +332,15 @@ class BudgetPolicy:
         """The kind :meth:`plan` gives bucket ``R`` now, without counting anything down."""
         if self.plain_round():
             return "plain"
-        if self.whole_left.get(R, 0) > 0 or self.whole_trees(R) or self.exploring():
+        if self.whole_left.get(R, 0) > 0 or self.whole_trees(R) or self.exploring(R):
             return "whole"
         return "select"
 
-    def learns(self, kind: str) -> bool:
-        """Whether a round of this kind counts its nodes into goodput's acceptance estimates:
-        select rounds, and whole rounds that explore."""
+    def learns(self, kind: str, R: int) -> bool:
+        """Whether a round of this kind and bucket ``R`` counts its nodes into goodput's
+        acceptance estimates: select rounds, and whole rounds that explore."""
         return self.policy == "goodput" and (
-            kind == "select" or (kind == "whole" and self.exploring()))
+            kind == "select" or (kind == "whole" and self.exploring(R)))
 
     def variants(self, R: int) -> list[tuple[str, int, bool]]:
         """Every ``(kind, width, learns)`` a round of bucket ``R`` can run (a graph each)."""
@@ -343,8 +373,15 @@ class BudgetPolicy:
         if kind != "select":
             return
         self.last_kept[R] = max(kept, default=1)
+        self.last_nodes[R] = sum(max(0, k - 1) for k in kept)
         if self.policy == "goodput" and kept and min(kept) >= self.T:
             self.whole_left[R] = WHOLE_ROUNDS
+
+
+def _t_ver_at(curve: dict[int, float], n: int) -> float:
+    """A profile curve's verify time (ms) at its first grid point that holds ``n`` nodes (its
+    last point beyond the grid)."""
+    return next((t for m, t in curve.items() if m >= n), list(curve.values())[-1])
 
 
 def _average(mean: float | None, x: float, weight: float = RATE_WEIGHT) -> float:

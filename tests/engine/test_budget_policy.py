@@ -1,3 +1,4 @@
+import math
 """The batch-shared budget in the round: output unchanged, the budget honoured, widths that
 follow the previous round, calibration on this device (CPU here)."""
 
@@ -228,38 +229,62 @@ def test_whole_trees_where_the_selection_cannot_pay():
     flat = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                         profile=_profile(1.0, slope=0.0))
     assert all(flat.whole_trees(R) for R in (1, 2, 4)) and flat.width(4, 4) == T
-    assert flat.plan(4) == "whole" and not flat.learns("whole")
+    assert flat.plan(4) == "whole" and not flat.learns("whole", 4)
 
 
 def test_goodput_explores_whole_trees_and_weighs_its_selection():
     """One drafting round in EXPLORE_EVERY is a whole round (width T, no selection) that
-    learns, without moving the next round's width; the choice's overhead holds the profile's
-    selection time where the bucket selects."""
-    from bole.engine.selection import EXPLORE_EVERY
+    learns, without moving the next round's width, or fewer where whole trees cost more than
+    the choice: exploring adds at most EXPLORE_SHARE of the rounds' time by the profile. The
+    choice's overhead holds the profile's selection time where the bucket selects."""
+    from bole.engine.selection import EXPLORE_EVERY, EXPLORE_SHARE
     T = 4
+    for slope, select_ms in ((0.5, 0.25), (0.5, 0.002)):
+        policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+                              profile=_profile(1.0, t_dec_ms=100.0, slope=slope,
+                                               t_select_ms=select_ms))
+        assert not policy.whole_trees(2) and policy.explore_every(2) == EXPLORE_EVERY
+        policy.observe(2, [2, 1])                      # one draft node kept: grid point 1
+        policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
+        # whole trees (6 nodes: grid point 8) cost 1 + 3 * slope against the choice's 1 ms
+        round_ms = 1.0 + policy.round_overhead_ms(2)
+        every = max(EXPLORE_EVERY, math.ceil(3 * slope / (EXPLORE_SHARE * round_ms)))
+        assert policy.explore_every(2) == every > EXPLORE_EVERY
+        seen = []
+        for _ in range(2 * every):
+            kind = policy.plan(2)
+            seen.append((kind, policy.width(2, 2, kind), policy.learns(kind, 2)))
+            policy.observe(2, [T, T] if kind == "whole" else [2, 1], kind)
+            policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
+        # the round before the loop counted as the first of its period
+        assert [k for k, _, _ in seen] == (["select"] * (every - 2) + ["whole"]
+                                           + ["select"] * (every - 1) + ["whole"] + ["select"])
+        assert all(w == (T if k == "whole" else 2) and learn for k, w, learn in seen)
+        assert policy.round_overhead_ms(2) == pytest.approx(policy.overhead_ms + select_ms)
+    # where whole trees cost about the choice's forward, one round in EXPLORE_EVERY explores
     policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                           profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, t_select_ms=0.25))
-    assert not policy.whole_trees(2)
-    policy.observe(2, [2, 1])
-    seen = []
+    policy.observe(2, [3, 3])                          # four draft nodes: grid point 4 (2 ms)
+    assert policy.explore_every(2) == max(EXPLORE_EVERY, math.ceil(
+        0.5 / (EXPLORE_SHARE * (2.0 + policy.round_overhead_ms(2)))))
+    policy.observe(2, [T, 3])                          # five: the whole trees' point 8
+    assert policy.explore_every(2) == EXPLORE_EVERY
+    kinds = []
     for _ in range(2 * EXPLORE_EVERY):
-        kind = policy.plan(2)
-        seen.append((kind, policy.width(2, 2, kind), policy.learns(kind)))
-        policy.observe(2, [T, T] if kind == "whole" else [2, 1], kind)
+        kinds.append(policy.plan(2))
+        policy.observe(2, [T, 3], kinds[-1])
         policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
-    assert [k for k, _, _ in seen] == (["select"] * (EXPLORE_EVERY - 1) + ["whole"]) * 2
-    assert all(w == (T if k == "whole" else 2) and learn for k, w, learn in seen)
-    assert policy.round_overhead_ms(2) == pytest.approx(policy.overhead_ms + 0.25)
+    assert kinds == (["select"] * (EXPLORE_EVERY - 1) + ["whole"]) * 2
     # a look (after a plain stretch) measures the rounds the policy runs: never an exploration
-    while policy.drafted % EXPLORE_EVERY != EXPLORE_EVERY - 2:
+    while policy.since_explore[2] != EXPLORE_EVERY - 2:
         policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
     policy.after_round(2, True, draft_ms=0.0, accept_ms=0.1, rate=100.0)  # plain beats it
     policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=1.0)   # -> a plain stretch
-    assert policy.plain_round() and policy.drafted % EXPLORE_EVERY == EXPLORE_EVERY - 1
+    assert policy.plain_round() and policy.since_explore[2] == EXPLORE_EVERY - 1
     assert policy.plan(2) == "plain" and policy.width(2, 2, "plain") == 1
     while policy.plain_round():
         policy.after_round(2, True, draft_ms=0.0, accept_ms=0.1, rate=100.0)
-    assert policy.looking and policy.plan(2) == "select" and policy.width(2, 2) == 2
+    assert policy.looking and policy.plan(2) == "select" and policy.width(2, 2) == T
 
 
 def test_a_choice_of_every_node_is_followed_by_whole_rounds():
@@ -278,7 +303,7 @@ def test_a_choice_of_every_node_is_followed_by_whole_rounds():
     kinds = []
     for _ in range(WHOLE_ROUNDS + 1):
         kind = policy.plan(2)
-        kinds.append((kind, policy.learns(kind), policy.exploring()))
+        kinds.append((kind, policy.learns(kind, 2), policy.exploring(2)))
         policy.observe(2, [T, T], kind)            # whole rounds' counts start nothing
         policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
     assert [k for k, _, _ in kinds] == ["whole"] * WHOLE_ROUNDS + ["select"]
@@ -296,7 +321,7 @@ def test_a_choice_of_every_node_is_followed_by_whole_rounds():
     glob = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="global",
                                    shared_budget=2), T)
     glob.observe(2, [T, T], "select")
-    assert glob.plan(2) == "select" and not glob.learns("select")
+    assert glob.plan(2) == "select" and not glob.learns("select", 2)
 
 
 def test_each_policy_names_the_rounds_it_can_run():

@@ -35,6 +35,8 @@
 #   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
 #             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
 #             run three times (the median kept; cut where 10 minutes end)
+#   budget-9b-g  the 9B preset at batch 64 32 2 16 with an oracle sweep of 64 128 256 512 (cut
+#             where 10 minutes end)
 #   budget-9b-short  the 9B preset at batch 2 and 4 with the calibrated policy also at eps 0.5
 #             and 1 (~7 min with the calibration of a fresh machine)
 #   budget-9b-eps  the 9B preset at batch 2 4 64 32 1 8 16 with the calibrated policy also at eps
@@ -46,7 +48,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|budget-bundled-r3|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|budget-bundled-r3|budget-9b-g|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -143,6 +145,9 @@ case "$part" in
     timeout 70 python3 bench/attention_splits.py --out "$out" | tail -3
     timeout 510 python3 bench/budget.py --models bundled --batches 8 64 1 16 2 4 32 \
       --sweep 256 1024 2048 --repeats 3 --out "$out" --tag=-r3 ;;
+  budget-9b-g)
+    timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 64 32 2 16 \
+      --sweep 64 128 256 512 --draft-vocab 32768 --out "$out" --tag=-g ;;
   budget-9b-short)
     timeout 420 python3 bench/budget.py --models qwen3.5-9b --batches 2 4 --sweep 64 256 \
       --eps-sweep 0.5 1 --draft-vocab 32768 --out "$out" --tag=-short ;;

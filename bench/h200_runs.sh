@@ -31,7 +31,8 @@
 #   e2e-9b-e  the GPU tests of the conv commit's strided inputs and linear(out=), then 9B batch 8
 #             (chain depth 6, tree 8,2,16, one wave) (~6 min)
 #   e2e-9b-f  the GPU tests of the replay step kernel and linear(out=), then bench/e2e.py, 9B at
-#             batch 8 1 4 2 with 512-token requests (chain depths 6 and 8, trees 8,2,16 8,4,32)
+#             batch 8 1 4 2 with 512-token requests, 4096 tokens a run (chain depths 6 and 8,
+#             trees 8,2,16 8,4,32; ran at 5162bc6 with 1024 tokens a run: ~5 min)
 #   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
 #             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
 #             run three times (the median kept; cut where 10 minutes end)
@@ -139,7 +140,7 @@ case "$part" in
       tests/ops/test_linear.py > "$out/test-f.txt" 2>&1
     tail -2 "$out/test-f.txt"
     timeout 480 python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 4 2 --chain-depths 6 8 \
-      --tree-shapes 8,2,16 8,4,32 --max-tokens 512 --min-run-tokens 1024 --draft-vocab 32768 \
+      --tree-shapes 8,2,16 8,4,32 --max-tokens 512 --min-run-tokens 4096 --draft-vocab 32768 \
       --out "$out" --tag=-9b-f ;;
   budget-bundled-r3)
     timeout 70 python3 bench/attention_splits.py --out "$out" | tail -3

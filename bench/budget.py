@@ -19,7 +19,9 @@ plain_round_share (goodput's rounds without drafting), draft_nodes_per_round (dr
 batch verified, shared budgets)} go to
 bench/results/budget-<date>-<model>.json with a plot. ``--repeats N`` runs each configuration N
 times and keeps the run of median tokens/s (the bundled model's rounds of about 1 ms differ by
-several percent between runs of the same work).
+several percent between runs of the same work). Each run's goodput starts its acceptance
+estimates from the prior, as a fresh process would (``--shared-acceptance`` carries them over
+from the runs before it, as engines of one model share them in a process).
 
     python bench/budget.py --models bundled qwen3.5-9b             # on a GPU
     python bench/budget.py --models tiny --batches 1 2 --device cpu --max-tokens 12 --sweep 2 8
@@ -45,7 +47,7 @@ from kernels import save_png  # noqa: E402
 
 from bole.engine import SpecConfig  # noqa: E402
 from bole.engine.calibrate import load_or_calibrate  # noqa: E402
-from bole.speculative.calibration import verification_budget  # noqa: E402
+from bole.speculative.calibration import forget_acceptance, verification_budget  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -68,6 +70,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each configuration; its record is the run of median tokens/s "
                          "(with every run's in tokens_per_s_runs)")
+    ap.add_argument("--shared-acceptance", action="store_true",
+                    help="let goodput's acceptance estimates carry over from one run to the next "
+                         "(as engines of one model share them in a process); by default each "
+                         "run starts from the prior, whatever ran before it")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
@@ -98,8 +104,12 @@ def main(argv=None) -> int:
 
             def one(policy: str, spec: SpecConfig, budget: int, model=model,
                     budget_profile=None) -> dict:
-                runs = [run(model, spec, prompts, args.max_tokens, cont, args.device,
-                            budget_profile=budget_profile) for _ in range(args.repeats)]
+                runs = []
+                for _ in range(args.repeats):
+                    if not args.shared_acceptance:
+                        forget_acceptance(model)
+                    runs.append(run(model, spec, prompts, args.max_tokens, cont, args.device,
+                                    budget_profile=budget_profile))
                 res = sorted(runs, key=lambda r: r["decode_tokens_per_s"])[len(runs) // 2]
                 rec = dict(model=name, batch=batch, policy=policy, budget=budget,
                            tokens_per_s=res["decode_tokens_per_s"],

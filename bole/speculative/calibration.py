@@ -443,3 +443,10 @@ def learnt_acceptance(model, drafter: tuple, device) -> AcceptanceCalibrator:
     if key not in per_model:
         per_model[key] = AcceptanceCalibrator.log_bins(device=device)
     return per_model[key]
+
+
+def forget_acceptance(model) -> None:
+    """Drop what engines of ``model`` learnt (:func:`learnt_acceptance`): the next engine
+    starts from the prior, as in a fresh process (benchmarks that compare runs use it so that
+    a run does not depend on which ran before it)."""
+    _LEARNT.pop(model, None)

@@ -641,3 +641,22 @@ def test_acceptance_calibrator_learns_a_monotone_map():
     assert before.shape == rho.shape
     with pytest.raises(ValueError, match="prior"):
         AcceptanceCalibrator.log_bins(prior=0.0)
+
+
+def test_learnt_acceptance_is_shared_per_model_until_forgotten():
+    """Engines of one model and drafter share one calibrator; forget_acceptance drops it, so the
+    next starts from the prior; another model or drafter has its own."""
+    from bole.speculative.calibration import forget_acceptance, learnt_acceptance
+
+    class Model:                      # any weak-referenceable object keys the estimates
+        pass
+    a, b = Model(), Model()
+    first = learnt_acceptance(a, ("replay", "p"), "cpu")
+    assert learnt_acceptance(a, ("replay", "p"), "cpu") is first
+    assert learnt_acceptance(a, ("mtp", None), "cpu") is not first
+    assert learnt_acceptance(b, ("replay", "p"), "cpu") is not first
+    first.observe(torch.tensor([0.5]), torch.tensor([True]))
+    forget_acceptance(a)
+    fresh = learnt_acceptance(a, ("replay", "p"), "cpu")
+    assert fresh is not first and float(fresh.count.sum()) == 0.0
+    forget_acceptance(Model())        # nothing learnt: nothing to drop

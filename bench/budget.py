@@ -119,6 +119,8 @@ def main(argv=None) -> int:
                            accept_commit_ms=res["accept_commit_ms"], host_ms=res["host_ms"],
                            plain_round_share=res["plain_round_share"],
                            draft_nodes_per_round=res["draft_nodes_per_round"],
+                           rounds_by_draft_nodes=res["rounds_by_draft_nodes"],
+                           acceptance_estimates=res["acceptance_estimates"],
                            tokens_per_s_runs=[r["decode_tokens_per_s"] for r in runs])
                 print(json.dumps(rec), flush=True)
                 return rec

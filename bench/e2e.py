@@ -139,11 +139,26 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
                plain_round_share=split["plain_round_share"],
                draft_nodes_per_round=split["draft_nodes_per_round"],
                eager_fallbacks=engine.rounds.graphs.stats["eager_fallbacks"],
+               rounds_by_draft_nodes=sorted([kind, n, count] for (kind, n), count
+                                            in engine.timings.by_nodes.items()),
+               acceptance_estimates=acceptance_estimates(engine),
                peak_mem_gib=(torch.cuda.max_memory_allocated() / 2 ** 30
                              if device == "cuda" else None),
                outputs=outputs, output_digest=digest(outputs))
     del engine
     return out
+
+
+def acceptance_estimates(engine) -> dict | None:
+    """Goodput's learnt acceptance after a run: per rho bin its lower edge, the draft nodes
+    seen, the accepted share and the fitted estimate (None for the other policies)."""
+    cal = engine.rounds.calibrator
+    if cal is None:
+        return None
+    seen = cal.count.tolist()
+    return dict(rho_from=cal.edges[:-1].tolist(), seen=seen,
+                accepted=[h / c if c else None for h, c in zip(cal.hits.tolist(), seen)],
+                estimate=cal.table.tolist())
 
 
 def transient_bytes(model, spec: SpecConfig) -> int:

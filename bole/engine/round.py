@@ -83,6 +83,8 @@ class RoundTimings:
     budget_rounds: int = 0
     #: per batch size (requests in the round): [rounds, tokens emitted, ms]
     by_batch: dict = field(default_factory=dict)
+    #: shared budgets: rounds per count of verified draft nodes (kind "select" or "whole")
+    by_nodes: dict = field(default_factory=dict)
 
     def add(self, t: dict) -> None:
         self.rounds += 1
@@ -91,6 +93,8 @@ class RoundTimings:
         self.plain_rounds += int(t.get("plain", 0))
         if t.get("draft_nodes") is not None:
             self.draft_nodes += t["draft_nodes"]
+            key = (t.get("kind", "select"), t["draft_nodes"])
+            self.by_nodes[key] = self.by_nodes.get(key, 0) + 1
             self.budget_rounds += 1
         if "requests" in t:
             row = self.by_batch.setdefault(t["requests"], [0, 0, 0.0])
@@ -657,7 +661,8 @@ class RoundRunner:
                                     and not (queued and (plain or not drafted)))
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
                       host=host, total=total, syncs=1, plain=plain,
-                      draft_nodes=draft_nodes, requests=len(requests), tokens=sum(counts))
+                      draft_nodes=draft_nodes, kind=kind, requests=len(requests),
+                      tokens=sum(counts))
         return new, timing
 
     def _may_prelaunch(self, requests, plain: bool) -> bool:

@@ -9,6 +9,8 @@ Each point is the median of ``--reps`` timings of ``--calls`` back-to-back calls
 events. Writes ``attention-splits-<date>.json`` (and a plot) under --out.
 
     python bench/attention_splits.py --out /tmp/attn          # on a GPU
+    TRITON_INTERPRET=1 python bench/attention_splits.py --device cpu --context 64 \
+        --batches 1 2 --nodes 1 4 --splits 1 2 --calls 1 --reps 1 --out /tmp/attn   # smoke run
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import datetime as _dt
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,11 +35,19 @@ from kernels import save_png  # noqa: E402
 from bole.ops.attention import _tile, default_num_splits, tree_attention  # noqa: E402
 
 
-def time_us(fn, calls: int, reps: int) -> float:
+def time_us(fn, calls: int, reps: int, cuda: bool) -> float:
+    """Median microseconds a call: device events on a GPU, a wall clock on the CPU."""
     fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
+        if not cuda:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append(1e6 * (time.perf_counter() - t0) / calls)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         for _ in range(calls):
@@ -55,12 +66,16 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA device: this probe times the Triton kernel on a GPU", file=sys.stderr)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("no CUDA device: pass --device cpu (with TRITON_INTERPRET=1) for a smoke run",
+              file=sys.stderr)
         return 2
-    Hq, Hkv, D, dt, dev = 16, 4, 256, torch.bfloat16, torch.device("cuda")
+    dev = torch.device(args.device)
+    Hq, Hkv, D, dt = 16, 4, 256, torch.bfloat16 if cuda else torch.float32
     Tk_max = max(args.nodes)
     M = args.context + 128 + Tk_max + 2                  # a slot as the e2e study sizes it
     S = max(args.batches)
@@ -84,9 +99,9 @@ def main(argv=None) -> int:
             for n in [None, *args.splits]:
                 out = call(n)()
                 err = (out.float() - ref.float()).abs().max().item()
-                if err > 2e-2:
+                if err > (2e-2 if cuda else 1e-4):
                     raise SystemExit(f"splits {n} differ from one split by {err} at R={R}, Tq={Tq}")
-                rec["us"][str(n or "default")] = time_us(call(n), args.calls, args.reps)
+                rec["us"][str(n or "default")] = time_us(call(n), args.calls, args.reps, cuda)
             nqb = triton.cdiv(Tq, _tile(Tq, Hq // Hkv, D)["BQ"])
             rec["default_splits"] = default_num_splits(R, Hkv, nqb, M - Tq)
             best = min(args.splits, key=lambda n: rec["us"][str(n)])
@@ -99,9 +114,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     date = _dt.date.today().isoformat()
-    meta = dict(date=date, device=torch.cuda.get_device_name(), torch=torch.__version__,
+    meta = dict(date=date, device=torch.cuda.get_device_name() if cuda else "cpu",
+                torch=torch.__version__,
                 triton=triton.__version__, context=args.context, slot_len=M,
-                heads=[Hq, Hkv, D], dtype="bfloat16")
+                heads=[Hq, Hkv, D], dtype=str(dt).removeprefix("torch."))
     path = out / f"attention-splits-{date}.json"
     path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
     import matplotlib

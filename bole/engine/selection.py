@@ -189,9 +189,8 @@ class BudgetPolicy:
         self.draft_rate: dict[int, float] = {}
         self.plain_rate: dict[int, float] = {}
         self.looking = False                     # goodput: the next drafting round is a look
-        self.drafted = 0                         # goodput: drafting rounds so far
         self.whole_left: dict[int, int] = {}     # goodput: whole rounds before choosing again
-        self.last_nodes: dict[int, int] = {}     # draft nodes the last select round verified
+        self.last_nodes: dict[int, int] = {}     # draft nodes the last select round's choice kept
         self.since_explore: dict[int, int] = {}  # goodput: drafting rounds since exploring
         self._explores: dict[int, bool] = {}     # goodput: whether plan's round explores
         self._first: dict[tuple[bool, int], list[float]] = {}   # (plain, R): first rates
@@ -288,7 +287,6 @@ class BudgetPolicy:
             return
         explored = self._explores.pop(R, False)
         self.since_explore[R] = 0 if explored else self.since_explore.get(R, 0) + 1
-        self.drafted += 1
         if not measured:
             return
         self.overhead_ms = _average(self.overhead_ms, draft_ms + accept_ms)

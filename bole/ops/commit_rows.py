@@ -141,8 +141,8 @@ def commit_conv_state(pool: torch.Tensor, inputs: torch.Tensor, code: torch.Tens
     _conv_commit_kernel[(R, L)](
         pool, inputs, code.contiguous(), slots.to(torch.int64).contiguous(),
         path_len.to(torch.int64).contiguous(), pool.stride(0), pool.stride(1), inputs.stride(0),
-        inputs.stride(1), C, W=W, WB=triton.next_power_of_2(W), CB=min(256, triton.next_power_of_2(C)),
-        num_warps=4)
+        inputs.stride(1), C, W=W, WB=triton.next_power_of_2(W),
+        CB=min(256, triton.next_power_of_2(C)), num_warps=4)
 
 
 def commit_conv_state_reference(pool, inputs, code, slots, path_len) -> None:

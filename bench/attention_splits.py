@@ -5,12 +5,13 @@ committed keys and values read, for each ``num_splits`` against the default rule
 Shapes: Qwen3.5-9B's full-attention layers (16 query heads, 4 kv heads, head dim 256), bf16,
 ``--context`` committed positions per request, R requests of Tq tree nodes each (Tq = 1 is a
 decode or an MTP step's first node, 2 an MTP step's frontier, 16 and 32 a verify forward's tree).
-Each point is the median of ``--reps`` timings of ``--calls`` back-to-back calls under device
-events. Writes ``attention-splits-<date>.json`` (and a plot) under --out.
+Each point is the median of ``--reps`` replays of the call captured in a CUDA graph, as a
+round replays it, timed under device events (:func:`bole.engine.calibrate.captured_ms`; a wall
+clock on the CPU). Writes ``attention-splits-<date>.json`` (and a plot) under --out.
 
     python bench/attention_splits.py --out /tmp/attn          # on a GPU
     TRITON_INTERPRET=1 python bench/attention_splits.py --device cpu --context 64 \
-        --batches 1 2 --nodes 1 4 --splits 1 2 --calls 1 --reps 1 --out /tmp/attn   # smoke run
+        --batches 1 2 --nodes 1 4 --splits 1 2 --reps 1 --out /tmp/attn   # smoke run
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,30 +31,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from kernels import save_png  # noqa: E402
 
+from bole.engine.calibrate import captured_ms  # noqa: E402
 from bole.ops.attention import _tile, default_num_splits, tree_attention  # noqa: E402
-
-
-def time_us(fn, calls: int, reps: int, cuda: bool) -> float:
-    """Median microseconds a call: device events on a GPU, a wall clock on the CPU."""
-    fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        if not cuda:
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append(1e6 * (time.perf_counter() - t0) / calls)
-            continue
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(1e3 * a.elapsed_time(b) / calls)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -64,8 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 16, 32])
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    ap.add_argument("--calls", type=int, default=20)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
@@ -101,7 +77,7 @@ def main(argv=None) -> int:
                 err = (out.float() - ref.float()).abs().max().item()
                 if err > (2e-2 if cuda else 1e-4):
                     raise SystemExit(f"splits {n} differ from one split by {err} at R={R}, Tq={Tq}")
-                rec["us"][str(n or "default")] = time_us(call(n), args.calls, args.reps, cuda)
+                rec["us"][str(n or "default")] = 1e3 * captured_ms(call(n), dev, args.reps)
             nqb = triton.cdiv(Tq, _tile(Tq, Hq // Hkv, D)["BQ"])
             rec["default_splits"] = default_num_splits(R, Hkv, nqb, M - Tq)
             best = min(args.splits, key=lambda n: rec["us"][str(n)])

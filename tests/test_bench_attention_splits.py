@@ -16,7 +16,7 @@ def test_attention_splits_smoke_run(tmp_path, monkeypatch):
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     assert probe.main(["--device", "cpu", "--context", "48", "--batches", "1", "2", "--nodes",
-                       "1", "3", "--splits", "1", "2", "--calls", "1", "--reps", "1",
+                       "1", "3", "--splits", "1", "2", "--reps", "1",
                        "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("attention-splits-*.json")
     data = json.loads(path.read_text())

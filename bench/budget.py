@@ -3,9 +3,11 @@
 For each model and batch, bole runs with:
     fixed        every request verifies its whole tree (--budget slots; SGLang-Tree style)
     global       a fixed capacity of --global-budget draft nodes for the whole batch (TETRIS)
-    oracle       the best global capacity of a sweep (--sweep), found by running each, then
-                 run once more for its figure (the best of several runs of equal work is the
-                 luckiest of them: reporting it would hand the oracle its timing noise)
+    oracle       the best global capacity of a sweep (--sweep, and with --sweep-widths every
+                 capacity that fills a verify width: batch x (W - 1) for each width W), found by
+                 running each, then run once more for its figure (the best of several runs of
+                 equal work is the luckiest of them: reporting it would hand the oracle its
+                 timing noise)
     calibrated   B_ver(batch) from this device's calibration profile (made first if missing), at
                  the profile's eps and at each of --eps-sweep (B_ver derived again from the same
                  curves; the paper leaves eps to the user and reports no sweep of it)
@@ -47,6 +49,7 @@ from kernels import save_png  # noqa: E402
 
 from bole.engine import SpecConfig  # noqa: E402
 from bole.engine.calibrate import load_or_calibrate  # noqa: E402
+from bole.engine.selection import width_buckets  # noqa: E402
 from bole.speculative.calibration import forget_acceptance, verification_budget  # noqa: E402
 
 
@@ -60,8 +63,12 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--budget", type=int, default=32, help="per-request tree (fixed policy)")
     ap.add_argument("--global-budget", type=int, default=64, help="the global policy's capacity")
-    ap.add_argument("--sweep", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256],
+    ap.add_argument("--sweep", type=int, nargs="*", default=[8, 16, 32, 64, 128, 256],
                     help="global capacities the oracle tries")
+    ap.add_argument("--sweep-widths", action="store_true",
+                    help="the oracle also tries, at each batch, the capacities that fill a verify "
+                         "width W: batch x (W - 1) for every width bucket (the verify is dense: "
+                         "a width costs the same however full its rows are)")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="the MTP head's draft vocabulary (0: the full vocabulary)")
     ap.add_argument("--eps-sweep", type=float, nargs="*", default=[],
@@ -82,6 +89,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if not args.sweep and not args.sweep_widths:
+        ap.error("the oracle needs capacities to try: give --sweep N [N ...] or --sweep-widths")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: pass --device cpu for a smoke run", file=sys.stderr)
         return 2
@@ -128,8 +137,11 @@ def main(argv=None) -> int:
             records.append(one("global", replace(base, budget_policy="global",
                                                  shared_budget=args.global_budget),
                                args.global_budget))
+            capacities = set(args.sweep)
+            if args.sweep_widths:
+                capacities |= {batch * (w - 1) for w in width_buckets(base.nodes_per_request)}
             sweep = [one("sweep", replace(base, budget_policy="global", shared_budget=n), n)
-                     for n in args.sweep]
+                     for n in sorted(capacities)]
             records += sweep
             best = max(sweep, key=lambda r: r["tokens_per_s"])
             oracle = one("oracle", replace(base, budget_policy="global",

@@ -37,6 +37,8 @@
 #             4,2,8 6,3,16 8,2,16; one wave), the last batch of the chain target (not yet run)
 #   budget-9b-h  the 9B preset at batch 2 8 16, oracle sweep 64-512, calibrated also at eps 0.25
 #             0.5 1 (each run's acceptance estimates from the prior; not yet run)
+#   budget-9b-i  the 9B preset at batch 16 32 2, the oracle over the capacities that fill each
+#             verify width (--sweep-widths), goodput choosing a width (cut where 10 minutes end)
 #   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
 #             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
 #             run three times (the median kept; cut where 10 minutes end)
@@ -53,7 +55,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|budget-bundled-r3|budget-9b-g|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -153,6 +155,9 @@ case "$part" in
   budget-9b-h)
     timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 2 8 16 \
       --sweep 64 128 256 512 --eps-sweep 0.25 0.5 1 --draft-vocab 32768 --out "$out" --tag=-h ;;
+  budget-9b-i)
+    timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 16 32 2 --sweep \
+      --sweep-widths --draft-vocab 32768 --out "$out" --tag=-i ;;
   budget-bundled-r3)
     timeout 70 python3 bench/attention_splits.py --out "$out" | tail -3
     timeout 510 python3 bench/budget.py --models bundled --batches 8 64 1 16 2 4 32 \

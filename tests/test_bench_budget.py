@@ -18,7 +18,7 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
     assert bench.main(["--models", "tiny", "--batches", "1", "2", "--device", "cpu",
                        "--max-tokens", "8", "--context", "16", "--depth", "3", "--topk", "2",
                        "--budget", "8", "--global-budget", "4", "--sweep", "2", "8",
-                       "--eps-sweep", "0.1", "1e9", "--repeats", "3",
+                       "--sweep-widths", "--eps-sweep", "0.1", "1e9", "--repeats", "3",
                        "--out", str(tmp_path), "--tag=-t"]) == 0
     data = json.loads((next(tmp_path.glob("budget-*-tiny-t.json"))).read_text())
     recs = data["records"]
@@ -31,6 +31,9 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
         assert [r["eps"] for r in cal] == [0.1, 1e9]
         assert cal[1]["budget"] == max(data["meta"]["node_grid"])
         sweep = [r for r in recs if r["batch"] == batch and r["policy"] == "sweep"]
+        # --sweep's capacities and those that fill each verify width (2, 4 and 8 slots a row)
+        assert [r["budget"] for r in sweep] == sorted({2, 8} | {batch * (w - 1)
+                                                               for w in (2, 4, 8)})
         best = max(sweep, key=lambda r: r["tokens_per_s"])
         assert mine["oracle"]["budget"] == best["budget"]
         assert mine["oracle"]["sweep_best_tokens_per_s"] == best["tokens_per_s"]

@@ -102,14 +102,15 @@ def forward_time_fn(model, spec, max_batch: int, *, context: int = 1024, reps: i
     return time_fn
 
 
-def selection_time_fn(spec, node_grid, device, *, reps: int = 10, seed: int = 0):
-    """``select_fn(b)`` timing the goodput policy's selection (its budget choice over
-    ``node_grid``, the ranking, floors and compaction) over ``b`` random whole trees of the
+def selection_time_fn(spec, device, *, reps: int = 10, seed: int = 0):
+    """``select_fn(b)`` timing the goodput policy's selection (the ranking, the floors, its
+    choice of verify width, the fill and the compaction) over ``b`` random whole trees of the
     spec's shape, at the full width, as a verify graph runs it before its forward."""
     T, D = spec.nodes_per_request, spec.depth
     rng = np.random.default_rng(seed)
     acceptance = AcceptanceCalibrator.log_bins(device=device)
-    goodput = Goodput.on(device, node_grid, [1.0] * len(node_grid), width_buckets(T))
+    widths = width_buckets(T)
+    goodput = Goodput.on(device, widths, [1.0] * len(widths))
 
     def select_fn(b: int) -> float:
         trees = [DraftTree.random(T, D, rng) for _ in range(b)]
@@ -141,7 +142,7 @@ def calibrate_model(model, spec, batches, *, node_grid=DEFAULT_GRID, eps: float 
             print(f"\r[bole] calibrating [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}",
                   end="" if done < total else "\n", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    select_fn = selection_time_fn(spec, grid, model.device, reps=reps)
+    select_fn = selection_time_fn(spec, model.device, reps=reps)
     profile = calibrate(time_fn, batches, grid, eps, gpu=gpu_name(model.device),
                         config_hash=config_hash(model.config), dtype=model.dtype,
                         versions=runtime_versions(), progress=bar, select_fn=select_fn,

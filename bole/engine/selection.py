@@ -8,10 +8,12 @@ Policies (``SpecConfig.budget_policy``):
                 fixed capacity)
     calibrated  the same selection with the budget ``B_ver(batch)`` of this GPU's calibration
                 profile (:mod:`bole.speculative.calibration`)
-    goodput     each round, the budget N of the profile's grid that maximises expected tokens (one
-                per request plus the kept nodes' acceptance estimates) per ms of the round (the
-                profile's T_ver at the width the budget's fullest row needs, plus the measured
-                draft and accept time). Whether to draft at all
+    goodput     each round, the verify width that maximises expected tokens (one per request
+                plus the kept nodes' acceptance estimates) per ms of the round (the profile's
+                T_ver at that width, plus the measured draft and accept time). The verify is
+                dense, so a width costs the same however full its rows are: at each width every
+                request keeps its best nodes up to the width (floors first, then rank order),
+                which beats any global budget verified at the same width. Whether to draft at all
                 is decided on the host from what rounds deliver: tokens per request per ms of wall
                 time, averaged per batch bucket over drafting rounds against plain ones (before a
                 plain round of the bucket has run, the profile's T_dec plus a drafting round's
@@ -65,8 +67,8 @@ import torch
 
 from bole.forest import DenseForest
 from bole.speculative.calibration import AcceptanceCalibrator
-from bole.speculative.budget import (compact, expected_accepted_curve, goodput_best,
-                                     rank_dense, select_dense, width_priced_t_ver)
+from bole.speculative.budget import (compact, goodput_best, rank_dense, select_dense,
+                                     width_fill_curve, width_fill_keep, width_priced_t_ver)
 
 POLICIES = ("fixed", "global", "calibrated", "goodput")
 #: rounds of plain decoding after the goodput policy finds drafting does not pay; doubled
@@ -119,24 +121,22 @@ class Selected:
 
 @dataclass
 class Goodput:
-    """The goodput policy's device inputs for one batch bucket: the profile's node grid ``[G]``,
-    its ``T_ver`` there ``[G]`` (ms), a drafting round's draft, selection and accept time (0-d,
-    ms, measured) and the verify widths ``[W]`` (each budget is priced at the width it needs:
-    :func:`~bole.speculative.budget.width_priced_t_ver`; None prices it at its count)."""
+    """The goodput policy's device inputs for one batch bucket: the verify widths a round may
+    take ``[Wn]`` (ascending, the last the whole tree), the verify forward's time at each
+    ``[Wn]`` (ms, the profile's: :meth:`BudgetPolicy.t_ver_at_width`) and a drafting round's
+    draft, selection and accept time (0-d, ms, measured)."""
 
-    grid: torch.Tensor
+    widths: torch.Tensor
     t_ver: torch.Tensor
     overhead_ms: torch.Tensor
-    widths: torch.Tensor | None = None
 
     @classmethod
-    def on(cls, device, grid, t_ver, widths=None) -> "Goodput":
-        """Static inputs on ``device`` for a grid, its verify times and the widths (host
-        sequences); the overhead 0 until a round writes it."""
-        return cls(torch.tensor(list(grid), device=device),
+    def on(cls, device, widths, t_ver) -> "Goodput":
+        """Static inputs on ``device`` for the widths and their verify times (host sequences);
+        the overhead 0 until a round writes it."""
+        return cls(torch.tensor(list(widths), device=device),
                    torch.tensor(list(t_ver), dtype=torch.float64, device=device),
-                   torch.zeros((), dtype=torch.float64, device=device),
-                   None if widths is None else torch.tensor(list(widths), device=device))
+                   torch.zeros((), dtype=torch.float64, device=device))
 
 
 def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
@@ -150,14 +150,16 @@ def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid
     forest = DenseForest.from_parents(parents, valid, max_depth)
     rho = rho.masked_fill(~valid, 0.0)
     rank = rank_dense(rho, forest, root_floor, active)        # one ranking for both uses
-    if goodput is not None:
-        curve = expected_accepted_curve(rho.reshape(-1), None, None, goodput.grid, root_floor,
-                                        acceptance=acceptance, rank=rank)
-        t_ver = goodput.t_ver if goodput.widths is None else width_priced_t_ver(
-            rank, rho.shape[0], goodput.grid, goodput.t_ver, goodput.widths)
-        budget, _ = goodput_best(goodput.grid, curve, t_ver,
-                                 round_overhead_ms=goodput.overhead_ms)
-    keep = select_dense(rho, forest, budget, root_floor, active=active, rank=rank)
+    if goodput is None:
+        keep = select_dense(rho, forest, budget, root_floor, active=active, rank=rank)
+    else:
+        R = rho.shape[0]
+        curve = width_fill_curve(rank, R, goodput.widths, acceptance=acceptance)
+        width_choice, _ = goodput_best(goodput.widths, curve, goodput.t_ver,
+                                       round_overhead_ms=goodput.overhead_ms)
+        keep = width_fill_keep(rank, R, width_choice)
+        if active is not None:
+            keep[:, 0] |= forest.valid[:, 0] & ~active
     c = compact(keep, tokens, forest.parents, width=width)
     return Selected(c.tokens, DenseForest.from_parents(c.parents, c.valid, max_depth),
                     keep.sum(1), c.gather(rho))
@@ -190,7 +192,6 @@ class BudgetPolicy:
         self.plain_rate: dict[int, float] = {}
         self.looking = False                     # goodput: the next drafting round is a look
         self.whole_left: dict[int, int] = {}     # goodput: whole rounds before choosing again
-        self.last_nodes: dict[int, int] = {}     # draft nodes the last select round's choice kept
         self.since_explore: dict[int, int] = {}  # goodput: drafting rounds since exploring
         self._explores: dict[int, bool] = {}     # goodput: whether plan's round explores
         self._first: dict[tuple[bool, int], list[float]] = {}   # (plain, R): first rates
@@ -228,16 +229,21 @@ class BudgetPolicy:
             return False         # host trees are often small: compacting them narrows the verify
         if self.policy in ("global", "calibrated"):
             return all(self.budget(n) >= n * drafted for n in range(1, R + 1))
-        curve = self.profile.t_ver_curve(R)
-        full = R * drafted
-        t_full = _t_ver_at(curve, full)
-        cheapest = min((t for n, t in curve.items() if n < full), default=t_full)
+        t_full = self.t_ver_at_width(R, self.T)
+        cheapest = min((self.t_ver_at_width(R, w) for w in self.widths[:-1]), default=t_full)
         return t_full <= cheapest + self.profile.t_select_at(R)
 
+    def t_ver_at_width(self, R: int, width: int) -> float:
+        """The profile's verify time (ms) of a round of bucket ``R`` at verify ``width``: its
+        measured batch's rows at that width (:func:`~bole.speculative.budget.
+        width_priced_t_ver`)."""
+        row = self.profile.row(R)
+        return width_priced_t_ver(self.profile.batches[row], self.profile.node_grid,
+                                  self.profile.t_ver[row], width)
+
     def goodput_inputs(self, R: int, device) -> Goodput:
-        """Static device inputs of the goodput choice for bucket R (profile row of R)."""
-        return Goodput.on(device, self.profile.node_grid, self.profile.t_ver[self.profile.row(R)],
-                          self.widths)
+        """Static device inputs of the goodput choice for bucket R."""
+        return Goodput.on(device, self.widths, [self.t_ver_at_width(R, w) for w in self.widths])
 
     def round_overhead_ms(self, R: int) -> float:
         """What a drafting round of bucket R adds to its verify forward (ms): the measured draft
@@ -257,12 +263,11 @@ class BudgetPolicy:
         """Drafting rounds of bucket ``R`` per exploring round: :data:`EXPLORE_EVERY`, or more
         where a whole round's verify (the profile's, at every drafted node) exceeds the last
         choice's by more than :data:`EXPLORE_SHARE` of that many choosing rounds' time."""
-        nodes = self.last_nodes.get(R)
-        if nodes is None or self.profile is None:
+        need = self.last_kept.get(R)
+        if need is None or self.profile is None:
             return EXPLORE_EVERY
-        curve = self.profile.t_ver_curve(R)
-        t_choice = _t_ver_at(curve, nodes)
-        extra = _t_ver_at(curve, R * (self.T - 1)) - t_choice
+        t_choice = self.t_ver_at_width(R, self._bucket(need))
+        extra = self.t_ver_at_width(R, self.T) - t_choice
         round_ms = t_choice + self.round_overhead_ms(R)
         if extra <= 0 or round_ms <= 0:
             return EXPLORE_EVERY
@@ -361,6 +366,10 @@ class BudgetPolicy:
         need = self.last_kept.get(R)
         if need is None:
             need = 1 + max(self.spec.root_floor, -(-self.budget(batch) // max(batch, 1)))
+        return self._bucket(need)
+
+    def _bucket(self, need: int) -> int:
+        """The narrowest verify width that holds ``need`` nodes a row (the tree's, at most)."""
         return next((w for w in self.widths if w >= need), self.T)
 
     def observe(self, R: int, kept: list[int], kind: str = "select") -> None:
@@ -371,15 +380,8 @@ class BudgetPolicy:
         if kind != "select":
             return
         self.last_kept[R] = max(kept, default=1)
-        self.last_nodes[R] = sum(max(0, k - 1) for k in kept)
         if self.policy == "goodput" and kept and min(kept) >= self.T:
             self.whole_left[R] = WHOLE_ROUNDS
-
-
-def _t_ver_at(curve: dict[int, float], n: int) -> float:
-    """A profile curve's verify time (ms) at its first grid point that holds ``n`` nodes (its
-    last point beyond the grid)."""
-    return next((t for m, t in curve.items() if m >= n), list(curve.values())[-1])
 
 
 def _average(mean: float | None, x: float, weight: float = RATE_WEIGHT) -> float:

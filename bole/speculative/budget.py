@@ -45,7 +45,8 @@ from bole.forest import DenseForest
 
 __all__ = ["Ranking", "rank_nodes", "select_nodes", "dense_inputs", "rank_dense", "select_dense",
            "Compacted", "compact", "safe_width", "expected_accepted_curve", "goodput_rates",
-           "goodput_choice", "goodput_best", "goodput_budget", "width_priced_t_ver"]
+           "goodput_choice", "goodput_best", "goodput_budget", "width_fill_curve", "width_fill_keep",
+           "width_priced_t_ver"]
 
 #: a budget of draft nodes: a host int, or a 0-d tensor on the forest's device
 Budget = Union[int, Tensor]
@@ -297,9 +298,7 @@ def expected_accepted_curve(rho: Tensor, parents: Tensor | None, request_of_node
     ``parents`` and ``request_of_node`` are not read and may be None)."""
     if rank is None:
         rank = rank_nodes(rho, parents, request_of_node, root_floor, max_depth=max_depth)
-    est = rank.score.to(torch.float64).clamp(0.0, 1.0)        # -inf (roots, NaN rho) -> 0
-    if acceptance is not None:
-        est = torch.nan_to_num(acceptance(est).to(torch.float64), nan=0.0).clamp(0.0, 1.0)
+    est = _estimates(rank, acceptance)
     N, dev = est.shape[0], est.device
     in_rank = torch.where(rank.eligible, est.gather(0, rank.order), 0.0)
     # prefix[k] = estimate of the first k eligible nodes: each eligible node lands at its
@@ -352,42 +351,91 @@ def goodput_choice(expected_accepted: Expected, t_ver: Mapping[int, float], t_de
     return best, False
 
 
-def width_priced_t_ver(rank: Ranking, rows: int, node_grid: Tensor, t_ver: Tensor,
-                       widths: Tensor) -> Tensor:
-    """``[G]`` ms: each budget of ``node_grid [G]`` priced at the verify width it needs.
+def width_fill_curve(rank: Ranking, rows: int, widths: Tensor, *,
+                     acceptance: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """``[Wn]`` float64 expected accepted tokens if every row kept its best ``W - 1`` draft
+    nodes, for each verify width ``W`` of ``widths [Wn]``.
 
-    A dense forest of ``rows`` rows verifies every row at one width, the bucket of ``widths``
-    (ascending, the last the whole tree) that holds the fullest row's kept nodes, so a budget
-    whose nodes land unevenly costs more than its count: the profile's ``t_ver [G]`` measured
-    N nodes spread evenly. Budget g's kept count per row follows from ``rank`` (a ranking of
-    the ``rows x T`` dense layout, as :func:`rank_dense` gives); its width W_g is priced at the
-    largest grid point whose even spread needs no more than W_g (at most ``rows * (W_g - 1)``
-    nodes; the first point when none is). On the device, no synchronisation."""
+    A dense forest of ``rows`` rows verifies every row at one width, so the verify costs the
+    same whether a row fills it or not: at a width, the most tokens come from filling every
+    row. A row's candidates are its floors (kept whatever the width) and then its eligible
+    nodes in rank order (a prefix of the rank order restricted to the row: ancestor-closed).
+    ``rank`` ranks the ``rows x T`` dense layout (:func:`rank_dense`); estimates as in
+    :func:`expected_accepted_curve`. On the device, no synchronisation."""
+    est = _estimates(rank, acceptance)
     N = rank.root.shape[0]
     T = N // rows
-    grid = node_grid.to(torch.int64)
-    take = (grid - rank.floor.sum()).clamp(min=0)                                  # [G]
-    position = torch.cumsum(rank.eligible, 0)               # 1-based among eligible nodes
-    taken = rank.eligible[None, :] & (position[None, :] <= take[:, None])          # [G, N]
-    row = (rank.order // T)[None, :].expand_as(taken)
-    kept = torch.zeros(grid.shape[0], rows, dtype=torch.int64, device=grid.device)
-    kept.scatter_add_(1, row, taken.to(torch.int64))
-    kept += (rank.root | rank.floor).view(rows, T).sum(1)[None, :]
-    need = kept.max(1).values
-    widths = widths.to(torch.int64)
-    width = widths.gather(0, torch.searchsorted(widths, need).clamp(max=widths.shape[0] - 1))
-    point = (torch.searchsorted(grid, rows * (width - 1), right=True) - 1).clamp(min=0)
-    return t_ver.gather(0, point)
+    sums, floors = _row_prefix_sums(rank, est, rows, T)                       # [R, T + 1], [R]
+    take = (widths.to(torch.int64)[:, None] - 1 - floors[None, :]).clamp(0, T)   # [Wn, R]
+    filled = sums[None].expand(take.shape[0], rows, T + 1).gather(2, take[..., None])[..., 0]
+    base = rank.root.sum().to(torch.float64) + torch.where(rank.floor, est, 0.0).sum()
+    return base + filled.sum(1)
+
+
+def width_fill_keep(rank: Ranking, rows: int, width: Tensor | int) -> Tensor:
+    """``[rows, T]`` bool: the roots, the floors and each row's best eligible nodes up to
+    ``width`` slots a row (a 0-d device tensor or an int), the set :func:`width_fill_curve`
+    prices. No synchronisation."""
+    N = rank.root.shape[0]
+    T = N // rows
+    position, by_row, floors = _row_positions(rank, rows, T)                  # [R, T] each
+    take = (torch.as_tensor(width, device=floors.device) - 1 - floors).clamp(min=0)
+    taken = (position > 0) & (position <= take[:, None])
+    keep = torch.zeros(N, dtype=torch.bool, device=taken.device)
+    keep.scatter_(0, rank.order.gather(0, by_row), taken.reshape(-1))
+    return (keep | rank.root | rank.floor).view(rows, T)
+
+
+def width_priced_t_ver(rows: int, node_grid: Sequence[int], t_ver: Sequence[float],
+                       width: int) -> float:
+    """The verify time (ms) of ``rows`` rows at verify width ``width``, from a profile's curve
+    ``t_ver`` over ``node_grid`` (ascending; N nodes spread evenly over ``rows`` rows, each row
+    padded to its width bucket): the largest grid point whose even spread fits the width, at
+    most ``rows * (width - 1)`` nodes (the first point when none does)."""
+    fits = [t for n, t in zip(node_grid, t_ver) if n <= rows * (width - 1)]
+    return float(fits[-1] if fits else t_ver[0])
+
+
+def _estimates(rank: Ranking, acceptance: Callable[[Tensor], Tensor] | None) -> Tensor:
+    """``[N]`` float64 acceptance estimate per node: the score clamped to [0, 1] (roots and
+    padding 0), mapped by ``acceptance`` when given."""
+    est = rank.score.to(torch.float64).clamp(0.0, 1.0)        # -inf (roots, NaN rho) -> 0
+    if acceptance is not None:
+        est = torch.nan_to_num(acceptance(est).to(torch.float64), nan=0.0).clamp(0.0, 1.0)
+    return est
+
+
+def _row_positions(rank: Ranking, rows: int, T: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(position [R, T], by_row [N], floors [R])``: rank positions regrouped by row (a stable
+    sort of the rank order by row, ``by_row``, so that row r's nodes fill slots
+    ``[r T, (r + 1) T)`` in rank order), each eligible node's 1-based position among its row's
+    eligible nodes there (0 for the others), and each row's floor count."""
+    by_row = torch.sort(rank.order // T, stable=True).indices
+    eligible = rank.eligible.gather(0, by_row).view(rows, T)
+    position = torch.where(eligible, torch.cumsum(eligible, 1), 0)
+    return position, by_row, rank.floor.view(rows, T).sum(1)
+
+
+def _row_prefix_sums(rank: Ranking, est: Tensor, rows: int, T: int) -> tuple[Tensor, Tensor]:
+    """``(sums [R, T + 1], floors [R])``: ``sums[r, k]`` the estimates of row r's first k
+    eligible nodes in rank order."""
+    position, by_row, floors = _row_positions(rank, rows, T)
+    in_rank = torch.where(rank.eligible, est.gather(0, rank.order), 0.0)
+    grouped = in_rank.gather(0, by_row).view(rows, T)
+    sums = torch.zeros(rows, T + 1, dtype=torch.float64, device=est.device)
+    sums.scatter_add_(1, position, grouped)
+    return torch.cumsum(sums, 1), floors
 
 
 def goodput_best(node_grid: Tensor, expected: Tensor, t_ver: Tensor, *,
                  round_overhead_ms: float | Tensor = 0.0) -> tuple[Tensor, Tensor]:
-    """``(budget 0-d int64, its rate 0-d float64)``: the N of ``node_grid`` with the most
-    expected tokens per ms, on the device (the engine's per-round choice; the round has drafted
-    already, so it never falls back).
+    """``(choice 0-d int64, its rate 0-d float64)``: the point of ``node_grid`` with the most
+    expected tokens per ms, on the device (the round has drafted already, so it never falls
+    back).
 
-    node_grid ``[G]`` ascending, expected ``[G]`` (from :func:`expected_accepted_curve`),
-    t_ver ``[G]`` ms. ``argmax`` takes the first maximum, the smaller N on ties."""
+    node_grid ``[G]`` ascending (budgets, or the engine's verify widths), expected ``[G]``
+    (:func:`expected_accepted_curve`, :func:`width_fill_curve`), t_ver ``[G]`` ms. ``argmax``
+    takes the first maximum, the smaller point on ties."""
     rate = expected.to(torch.float64) / (t_ver.to(torch.float64) + round_overhead_ms)
     best = torch.argmax(rate).view(1)                  # gathers, not indexing: no .item()
     return node_grid.to(torch.int64).gather(0, best)[0], rate.gather(0, best)[0]

@@ -111,38 +111,54 @@ def test_goodput_compares_what_drafting_and_plain_rounds_deliver():
     assert policy.plain_round()              # 0.3 < 1 / (1 + 0.5): bucket 4 has no plain rate
 
 
-def test_goodput_verifies_the_best_budget_of_an_uncertain_tree():
+def test_goodput_verifies_the_best_width_of_an_uncertain_tree():
     """A drafted tree is paid for: however little its nodes promise, the round verifies the
-    budget with the most expected tokens per ms rather than its roots alone."""
+    width with the most expected tokens per ms rather than its roots alone."""
     policy = BudgetPolicy(SpecConfig("bole", budget=3, budget_policy="goodput"), 3,
                           profile=_profile(3.0, t_dec_ms=1.0))
     goodput = policy.goodput_inputs(1, "cpu")
-    goodput.t_ver.copy_(torch.tensor([1.0, 1.0, 1.0, 1.5, 2.0], dtype=torch.float64))
+    assert goodput.widths.tolist() == [2, 3]
+    goodput.t_ver.copy_(torch.tensor([1.0, 1.0], dtype=torch.float64))
     parents = torch.tensor([[-1, 0, 1]])
     valid = torch.ones(1, 3, dtype=torch.bool)
     tokens = torch.arange(3).view(1, 3)
-    for p, kept in ((0.01, 3), (1.0, 3)):
+    for p in (0.01, 1.0):
         rho = torch.tensor([[1.0, p, p * p]], dtype=torch.float64)
         sel = select(rho, tokens, parents, valid, torch.tensor(0), torch.tensor([True]), 1, 3, 2,
                      goodput=goodput)
-        assert sel.kept.tolist() == [kept]      # grid 1, 2 cost the same: both nodes
+        assert sel.kept.tolist() == [3]         # widths 2 and 3 cost the same: both nodes
 
 
-def test_goodput_prices_a_budget_at_the_width_it_needs():
-    """Four nodes that fill one row to the whole tree cost a forward of the whole width: priced
-    so, two nodes (both rows at width 2) win; priced at their count, the four."""
+def test_goodput_fills_the_width_it_picks():
+    """Every row of a dense verify costs its width whether it fills it or not: the choice is a
+    width, and every row keeps its best nodes up to it (a global budget of 4 would keep 3 nodes
+    of the confident row and 1 of the other at the same width 4)."""
     from bole.engine.selection import Goodput
     parents = torch.tensor([[-1, 0, 1, 2]] * 2)
     valid = torch.ones(2, 4, dtype=torch.bool)
     rho = torch.tensor([[1.0, 0.9, 0.8, 0.7], [1.0, 0.1, 0.01, 0.001]], dtype=torch.float64)
     tokens = torch.arange(8).view(2, 4)
     active = torch.ones(2, dtype=torch.bool)
-    grid, t_ver = [1, 2, 3, 4, 6], [1.0, 1.0, 1.0, 1.0, 3.0]
-    for widths, kept in ((None, [4, 2]), ((2, 4), [2, 2])):
-        goodput = Goodput.on("cpu", grid, t_ver, widths)
+    # width 2: 2 + 0.9 + 0.1 = 3.0 tokens; width 4: 2 + 2.4 + 0.111 = 4.511
+    for t_ver, kept in (([1.0, 3.0], [2, 2]), ([1.0, 1.2], [4, 4])):
+        goodput = Goodput.on("cpu", (2, 4), t_ver)
         sel = select(rho, tokens, parents, valid, torch.tensor(0), active, 1, 4, 3,
                      goodput=goodput)
-        assert sel.kept.tolist() == kept, widths
+        assert sel.kept.tolist() == kept, t_ver
+
+
+def test_goodput_prices_each_width_from_the_profile():
+    """Bucket R's width W costs the profile's forward of its measured batch at that width:
+    the largest grid point whose even spread fits ``rows * (W - 1)`` nodes."""
+    policy = BudgetPolicy(SpecConfig("bole", budget=16, budget_policy="goodput"), 16,
+                          profile=_profile(3.0, t_dec_ms=1.0))
+    profile = policy.profile
+    row = profile.row(2)
+    by_n = dict(zip(profile.node_grid, profile.t_ver[row]))
+    # 2 rows: width 2 holds 2 nodes, 4 holds 6 (point 4), 8 holds 14 (point 8), 16 30 (16)
+    assert [policy.t_ver_at_width(2, w) for w in policy.widths] == \
+        [by_n[2], by_n[4], by_n[8], by_n[16]]
+    assert policy.goodput_inputs(2, "cpu").t_ver.tolist() == [by_n[2], by_n[4], by_n[8], by_n[16]]
 
 
 def test_calibrated_policy_calibrates_on_first_use(model, tmp_path, monkeypatch, capsys):
@@ -220,12 +236,13 @@ def test_whole_trees_where_the_selection_cannot_pay():
     ngram = BudgetPolicy(SpecConfig(drafter="ngram", budget=T, budget_policy="calibrated"), T,
                          profile=_profile(1.0))
     assert not any(ngram.whole_trees(R) for R in (1, 2, 4))
-    # goodput, bucket 2: 6 draft nodes -> grid 8 (1.03 ms) against grid 1 (1.0 ms)
+    # goodput, bucket 2: width 4 (6 draft nodes: grid 4, 1.02 ms) against width 2 (grid 2,
+    # 1.01 ms)
     goodput = lambda sel: BudgetPolicy(  # noqa: E731
         SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
         profile=_profile(1.0, slope=0.01, t_select_ms=sel))
-    assert not goodput(0.02).whole_trees(2) and goodput(0.03).whole_trees(2)
-    assert goodput(0.0).whole_trees(1) is False            # 3 nodes: grid 4 (1.02) vs 1.0
+    assert not goodput(0.005).whole_trees(2) and goodput(0.015).whole_trees(2)
+    assert goodput(0.0).whole_trees(1) is False            # 3 nodes: grid 2 (1.01) vs 1.0
     flat = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                         profile=_profile(1.0, slope=0.0))
     assert all(flat.whole_trees(R) for R in (1, 2, 4)) and flat.width(4, 4) == T
@@ -244,11 +261,12 @@ def test_goodput_explores_whole_trees_and_weighs_its_selection():
                               profile=_profile(1.0, t_dec_ms=100.0, slope=slope,
                                                t_select_ms=select_ms))
         assert not policy.whole_trees(2) and policy.explore_every(2) == EXPLORE_EVERY
-        policy.observe(2, [2, 1])                      # one draft node kept: grid point 1
+        policy.observe(2, [2, 1])                      # width 2: grid point 2
         policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
-        # whole trees (6 nodes: grid point 8) cost 1 + 3 * slope against the choice's 1 ms
-        round_ms = 1.0 + policy.round_overhead_ms(2)
-        every = max(EXPLORE_EVERY, math.ceil(3 * slope / (EXPLORE_SHARE * round_ms)))
+        # whole trees (width 4, 6 nodes: grid point 4) cost 1 + 2 * slope against the
+        # choice's 1 + slope
+        round_ms = 1.0 + slope + policy.round_overhead_ms(2)
+        every = max(EXPLORE_EVERY, math.ceil(slope / (EXPLORE_SHARE * round_ms)))
         assert policy.explore_every(2) == every > EXPLORE_EVERY
         seen = []
         for _ in range(2 * every):
@@ -264,10 +282,7 @@ def test_goodput_explores_whole_trees_and_weighs_its_selection():
     # where whole trees cost about the choice's forward, one round in EXPLORE_EVERY explores
     policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                           profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, t_select_ms=0.25))
-    policy.observe(2, [3, 3])                          # four draft nodes: grid point 4 (2 ms)
-    assert policy.explore_every(2) == max(EXPLORE_EVERY, math.ceil(
-        0.5 / (EXPLORE_SHARE * (2.0 + policy.round_overhead_ms(2)))))
-    policy.observe(2, [T, 3])                          # five: the whole trees' point 8
+    policy.observe(2, [T, 3])                          # the whole trees' width
     assert policy.explore_every(2) == EXPLORE_EVERY
     kinds = []
     for _ in range(2 * EXPLORE_EVERY):
@@ -399,7 +414,11 @@ def test_goodput_learns_acceptance_from_its_rounds(model):
     params = GenerationParams(max_tokens=40)
     model = HybridModel(model.config, dict(model.w), gdn_backend="torch")   # nothing learnt yet
     ar, spec = _goodput_case(model, params)
-    engine = Engine(model, spec, max_slots=3, budget_profile=_profile(1000.0))
+    # past 4 draft nodes a verify costs 1000x: the choice is never whole trees (at any batch,
+    # at least its width of 12 costs 1000x more), so that every drafting round learns
+    knee = _profile(1000.0, slope=0.0)
+    knee.t_ver = [[1000.0 if n <= 4 else 1e6 for n in knee.node_grid] for _ in knee.batches]
+    engine = Engine(model, spec, max_slots=3, budget_profile=knee)
     calib = engine.rounds.calibrator
     prior = calib.table.clone()
     res = engine.generate(PROMPTS, params, continuations=ar)

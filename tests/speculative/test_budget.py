@@ -15,7 +15,8 @@ from bole.forest import DenseForest
 from bole.models.presets import preset_config
 from bole.speculative.budget import (compact, dense_inputs, expected_accepted_curve,
                                      goodput_budget, goodput_choice, rank_dense, rank_nodes,
-                                     safe_width, select_dense, select_nodes, width_priced_t_ver)
+                                     safe_width, select_dense, select_nodes, width_fill_curve,
+                                     width_fill_keep, width_priced_t_ver)
 from bole.speculative.calibration import (AcceptanceCalibrator, BudgetProfile, ProfileFormatError,
                                           b_ver_from_curve,
                                           cache_dir, calibrate, config_hash, find_profile,
@@ -352,15 +353,15 @@ def test_no_host_synchronisation(monkeypatch):
         out = compact(keep, torch.arange(R * T).view(R, T), dense.parents, 3)
         curve = expected_accepted_curve(rho, parents, req, grid, acceptance=calib)
         budget, use_ar = goodput_budget(grid, curve, torch.tensor([1.0, 1.1, 1.5]), 1.0, 2)
-        priced = width_priced_t_ver(rank_dense(drho, dense, 1), R, grid,
-                                    torch.tensor([1.0, 1.1, 1.5], dtype=torch.float64),
-                                    torch.tensor([2, 4]))
+        rank = rank_dense(drho, dense, 1)
+        filled = width_fill_curve(rank, R, torch.tensor([2, 4]), acceptance=calib)
+        kept = width_fill_keep(rank, R, torch.tensor(2))
         calib.observe(rho, torch.ones(8, dtype=torch.bool), mask=parents >= 0)
         calib(rho)
     assert kept_set(a) == brute_select(f, 2, 1) and kept_set(b) == brute_select(f, 3, 1)
     assert out.valid.tolist() == [[True, True, True], [True, False, False]]
     assert budget.dim() == 0 and use_ar.dtype == torch.bool
-    assert priced.tolist() == [1.1, 1.1, 1.5]      # widths 2, 2, 4 -> grid points 2, 2, 4
+    assert filled.shape == (2,) and kept.sum(1).tolist() == [2, 2]
 
 
 # ---- the goodput policy ----
@@ -382,26 +383,69 @@ def test_expected_accepted_curve_matches_brute_force(f, data):
         assert curve[g].item() == pytest.approx(want, abs=1e-12)
 
 
+def brute_width_fill(rho, forest, floor, active, width):
+    """Each active row's root, floors and best ``width - 1 - floors`` other draft nodes, by the
+    documented rank order within the row (plain Python); the inactive rows' roots."""
+    R, T = rho.shape
+    f = Forest(rho.reshape(-1).tolist(), forest.parent_global().tolist(),
+               [r if forest.valid[r, i] and active[r] else -1 for r in range(R) for i in range(T)])
+    roots, draft, score, depth = structure(f)
+    key = lambda i: (-score[i], depth[i], i)  # noqa: E731
+    kept = set()
+    for r in roots:
+        row = [i for i in draft if i // T == r // T]
+        floors = set(sorted((c for c in row if f.parents[c] == r), key=key)[:floor])
+        rest = sorted((i for i in row if i not in floors), key=key)
+        kept |= {r} | floors | set(rest[:max(width - 1 - len(floors), 0)])
+    kept |= {r * T for r in range(R) if forest.valid[r, 0] and not active[r]}
+    return kept, [min(max(score[i], 0.0), 1.0) for i in kept if i in score], len(roots)
+
+
 @given(case=dense_forests(), data=st.data())
-@settings(max_examples=150)
-def test_width_priced_t_ver_matches_brute_force(case, data):
-    """Each budget priced at the width its fullest row needs: the kept counts per row from the
-    selection itself, the width bucket that holds them, the largest grid point whose even
-    spread fits that width."""
+@settings(max_examples=200)
+def test_width_fill_matches_brute_force(case, data):
+    """At each width every active row keeps its floors and then its best draft nodes in rank
+    order until the width is full: the kept set, its expected tokens, and ancestor closure."""
     rho, forest, _ = case
     R, T = rho.shape
     floor = data.draw(st.integers(0, 2))
     active = torch.tensor(data.draw(st.lists(st.booleans(), min_size=R, max_size=R)))
-    grid = sorted(set(data.draw(st.lists(st.integers(1, R * T + 2), min_size=1, max_size=6))))
-    t_ver = torch.tensor([1.0 + 0.1 * i for i in range(len(grid))], dtype=torch.float64)
     widths = sorted(set(data.draw(st.lists(st.integers(1, T), min_size=0, max_size=3))) | {T})
+    square = data.draw(st.booleans())
+    acceptance = (lambda s: s * s) if square else None
     rank = rank_dense(rho, forest, floor, active)
-    got = width_priced_t_ver(rank, R, torch.tensor(grid), t_ver, torch.tensor(widths))
-    for g, n in enumerate(grid):
-        need = int(select_dense(rho, forest, n, floor, active=active).sum(1).max())
-        width = next((w for w in widths if w >= need), widths[-1])
-        fits = [i for i, m in enumerate(grid) if m <= R * (width - 1)]
-        assert got[g].item() == t_ver[fits[-1] if fits else 0].item(), (g, need, width)
+    curve = width_fill_curve(rank, R, torch.tensor(widths), acceptance=acceptance)
+    parents = forest.parent_global().tolist()
+    for w, width in enumerate(widths):
+        keep = width_fill_keep(rank, R, torch.tensor(width))
+        keep[:, 0] |= forest.valid[:, 0] & ~active
+        want, est, roots = brute_width_fill(rho, forest, floor, active.tolist(), width)
+        got = kept_set(keep.reshape(-1))
+        assert got == want, (width, sorted(got), sorted(want))
+        assert all(parents[i] < 0 or parents[i] in got for i in got)      # ancestor-closed
+        assert curve[w].item() == pytest.approx(roots + sum(e * e if square else e for e in est),
+                                                abs=1e-12)
+
+
+def test_width_fill_keeps_what_a_budget_of_the_same_width_leaves_empty():
+    """Two rows at width 4: a global budget of 4 puts 3 nodes in the confident row and 1 in the
+    other, so the verify is 4 wide either way; the fill keeps 3 in each (8 slots, 8 nodes)."""
+    parents = torch.tensor([[-1, 0, 1, 2]] * 2)
+    forest = DenseForest.from_parents(parents, torch.ones(2, 4, dtype=torch.bool), 3)
+    rho = torch.tensor([[1.0, 0.9, 0.8, 0.7], [1.0, 0.5, 0.1, 0.01]], dtype=torch.float64)
+    rank = rank_dense(rho, forest, 1)
+    assert select_dense(rho, forest, 4, 1, rank=rank).sum(1).tolist() == [4, 2]
+    assert width_fill_keep(rank, 2, 4).sum(1).tolist() == [4, 4]
+    assert width_fill_keep(rank, 2, 2).sum(1).tolist() == [2, 2]
+    curve = width_fill_curve(rank, 2, torch.tensor([2, 4]))
+    assert curve.tolist() == pytest.approx([2 + 0.9 + 0.5, 2 + 2.4 + 0.61])
+
+
+def test_width_priced_t_ver_takes_the_largest_point_whose_even_spread_fits():
+    grid, t_ver = [1, 2, 4, 8, 16, 32, 64], [1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 3.0]
+    # 4 rows: width 2 holds 4 nodes, width 4 holds 12 (point 8), width 8 28 (16), width 16 60
+    assert [width_priced_t_ver(4, grid, t_ver, w) for w in (2, 4, 8, 16)] == [1.1, 1.2, 1.5, 2.0]
+    assert width_priced_t_ver(4, [8, 16], [2.0, 3.0], 2) == 2.0     # none fits: the first
 
 
 def brute_goodput(expected, t_ver, t_dec, batch, overhead=0.0, min_gain=1.0):

@@ -32,13 +32,14 @@
 #             (chain depth 6, tree 8,2,16, one wave) (~6 min)
 #   e2e-9b-f  the GPU tests of the replay step kernel and linear(out=), then bench/e2e.py, 9B at
 #             batch 8 1 4 2 with 512-token requests, 4096 tokens a run (chain depths 6 and 8,
-#             trees 8,2,16 8,4,32; ran at 5162bc6 with 1024 tokens a run: ~5 min)
+#             trees 8,2,16 8,4,32; ~7 min)
 #   e2e-9b-f16  bench/e2e.py, 9B at batch 16 with 512-token requests (chain depths 4 6, trees
-#             4,2,8 6,3,16 8,2,16; one wave), the last batch of the chain target (not yet run)
+#             4,2,8 6,3,16 8,2,16; one wave), the last batch of the chain target (~3 min)
 #   budget-9b-h  the 9B preset at batch 2 8 16, oracle sweep 64-512, calibrated also at eps 0.25
 #             0.5 1 (each run's acceptance estimates from the prior; not yet run)
 #   budget-9b-i  the 9B preset at batch 16 32 2, the oracle over the capacities that fill each
-#             verify width (--sweep-widths), goodput choosing a width (cut where 10 minutes end)
+#             verify width (--sweep-widths), goodput choosing a width (~6 min)
+#   budget-9b-j  the same at batch 8 64 4 1 (cut at 500 s: what is left of a session's device time)
 #   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
 #             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
 #             run three times (the median kept; cut where 10 minutes end)
@@ -55,7 +56,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-j|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -158,6 +159,9 @@ case "$part" in
   budget-9b-i)
     timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 16 32 2 --sweep \
       --sweep-widths --draft-vocab 32768 --out "$out" --tag=-i ;;
+  budget-9b-j)
+    timeout 500 python3 bench/budget.py --models qwen3.5-9b --batches 8 64 4 1 --sweep \
+      --sweep-widths --draft-vocab 32768 --out "$out" --tag=-j ;;
   budget-bundled-r3)
     timeout 70 python3 bench/attention_splits.py --out "$out" | tail -3
     timeout 510 python3 bench/budget.py --models bundled --batches 8 64 1 16 2 4 32 \

@@ -2,19 +2,17 @@
 agrees with one split, and the JSON records each point's timings, the default rule's choice and
 the best split count."""
 
-import importlib.util
 import json
 from pathlib import Path
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_attention_splits_smoke_run(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("attention_splits",
-                                                  ROOT / "bench" / "attention_splits.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = load_script("bench/attention_splits.py")
     assert probe.main(["--device", "cpu", "--context", "48", "--batches", "1", "2", "--nodes",
                        "1", "3", "--splits", "1", "2", "--reps", "1",
                        "--out", str(tmp_path)]) == 0

@@ -2,9 +2,10 @@
 every batch, the oracle as the best capacity of its sweep run again, the calibration profile made
 on first use."""
 
-import importlib.util
 import json
 from pathlib import Path
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -12,9 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_budget_smoke_run(tmp_path, monkeypatch):
     monkeypatch.setenv("BOLE_CACHE", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("budget_bench", ROOT / "bench" / "budget.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench/budget.py", "budget_bench")
     assert bench.main(["--models", "tiny", "--batches", "1", "2", "--device", "cpu",
                        "--max-tokens", "8", "--context", "16", "--depth", "3", "--topk", "2",
                        "--budget", "8", "--global-budget", "4", "--sweep", "2", "8",

@@ -2,24 +2,18 @@
 shapes, output equal to plain decoding, the JSON and the plot; with ``--tp 2`` (two gloo ranks)
 the same outputs and acceptance, rank 0 writing records marked tp 2."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.scripts import load_script
+
 SMOKE = ["--models", "tiny", "--device", "cpu", "--max-tokens", "10", "--context", "16",
          "--tree-shapes", "3,2,6"]
 
 
 def _e2e():
     """bench/e2e.py as the module ``e2e`` (registered, so that spawned ranks find it)."""
-    if "e2e" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("e2e", ROOT / "bench" / "e2e.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["e2e"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["e2e"]
+    return load_script("bench/e2e.py", register=True)
 
 
 def _records(out: Path) -> tuple[dict, list[dict]]:

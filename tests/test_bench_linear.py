@@ -1,7 +1,6 @@
 """bench/linear.py's shapes are the preset's projections: one decode forward's weights, the same
 bytes bench/model_forward.py counts for the preset's model (the sweep itself needs a GPU)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -9,16 +8,14 @@ import torch
 
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("linear_bench", ROOT / "bench" / "linear.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("bench/linear.py", "linear_bench")
 
 
 def test_shapes_are_the_decode_forwards_weights(monkeypatch):

@@ -1,18 +1,16 @@
 """bench/round_profile.py's live hook: one replay per graph key of the batch's bucket, after
 ``skip`` of them, goes through the profiling function; every call still runs and returns."""
 
-import importlib.util
 from pathlib import Path
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_live_profiler_takes_one_replay_per_key_after_skip(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("round_profile", ROOT / "bench" /
-                                                  "round_profile.py")
-    rp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rp)
+    rp = load_script("bench/round_profile.py")
 
     class Graphs:
         def __init__(self):

@@ -2,12 +2,13 @@
 bole) under a small closed loop; the JSON's fields, the plot, and no server process left after,
 also when the load fails half-way."""
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
+
+from tests.scripts import load_script
 
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
@@ -23,9 +24,7 @@ SMOKE = ["--device", "cpu", "--dtype", "float32", "--requests", "8", "--concurre
 def bench(monkeypatch):
     """bench/serve.py as a module; ``bench.started`` lists the pid of every server it starts."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "bench" / "serve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("bench/serve.py", "serve_bench")
     module.started = []
     enter = module.Server.__enter__
 

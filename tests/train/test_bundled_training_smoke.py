@@ -2,27 +2,22 @@
 Bole with equal logits, and the trained MTP head means the same thing in training and in Bole's
 drafter (same inputs, same positions, same logits)."""
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.oracle_imports import block_fast_kernels
+from tests.scripts import load_script
 
 block_fast_kernels()  # transformers on its torch paths (tests/oracle_imports.py)
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("bundled_model", ROOT / "train" / "bundled_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("train/bundled_model.py")
     out = tmp_path_factory.mktemp("bundled")
     assert mod.main(["--out", str(out), "--steps", "2", "--tiny", "--seq", "32", "--batch", "2"]) == 0
     return mod, out
@@ -85,9 +80,7 @@ def test_transformers_and_bole_agree_and_mtp_means_the_same(trained):
 
 
 def test_eval_script_runs_every_mode_and_checks_greedy_equality(trained, capsys):
-    spec = importlib.util.spec_from_file_location("eval_bundled", ROOT / "train" / "eval_bundled.py")
-    ev = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ev)
+    ev = load_script("train/eval_bundled.py")
     _, out = trained
     assert ev.main(["--model", str(out), "--snippets", "3", "--snippet-len", "24", "--humaneval", "2",
                     "--max-tokens", "8"]) == 0

@@ -23,12 +23,12 @@ Policies (``SpecConfig.budget_policy``):
                 When drafting delivers less, the batch decodes plainly for
                 :data:`AR_ROUNDS` rounds, then drafts one round to look; a look that finds the same
                 doubles the stretch, up to :data:`AR_ROUNDS_MAX`. One uncertain tree does not stop
-                drafting: a drafted tree is already paid for, so its round verifies its best N. A
-                node's acceptance estimate starts at its rho and follows what the rounds observe: an
-                :class:`~bole.speculative.calibration.AcceptanceCalibrator` per model and drafter
-                (binned by rho, monotone), counted in the rounds that learn (below) and refitted
-                every :data:`FIT_EVERY` of them, on the device. Nodes the choice drops are never
-                verified, so their estimates could not learn: one drafting round in
+                drafting: a drafted tree is already paid for, so its round verifies its best
+                width. A node's acceptance estimate starts at its rho and follows what the rounds
+                observe: an :class:`~bole.speculative.calibration.AcceptanceCalibrator` per model
+                and drafter (binned by rho, monotone), counted in the rounds that learn (below)
+                and refitted every :data:`FIT_EVERY` of them, on the device. Nodes the choice
+                drops are never verified, so their estimates could not learn: one drafting round in
                 :data:`EXPLORE_EVERY` verifies whole trees, or fewer where whole trees' verify
                 costs more than the last choice's (large batches): exploring adds at most
                 :data:`EXPLORE_SHARE` of the drafting rounds' time (:meth:`BudgetPolicy.
@@ -36,11 +36,12 @@ Policies (``SpecConfig.budget_policy``):
                 measured cost.
 
 Each round is one of three kinds (:meth:`BudgetPolicy.plan`): "plain" (goodput's plain decoding),
-"select" or "whole". A select round runs the selection
-(:func:`bole.speculative.budget.select_dense`) on the device inside the verify graph and takes the kept nodes compacted to the front of each row,
-in a width W of :func:`width_buckets` picked by the host from the previous select round's largest
-per-request count (known from the round's one copy, so no extra synchronisation); a request that
-keeps more than W nodes this round loses its lowest-ranked ones (a suffix of a topological order:
+"select" or "whole". A select round runs the selection (:func:`bole.speculative.budget.
+select_dense`, or goodput's :func:`~bole.speculative.budget.width_fill_keep`) on the device
+inside the verify graph and takes the kept nodes compacted to the front of each row, in a width W
+of :func:`width_buckets` picked by the host from the previous select round's largest per-request
+count (known from the round's one copy, so no extra synchronisation); a request that keeps more
+than W nodes this round loses its lowest-ranked ones (a suffix of a topological order:
 still a tree). A whole round verifies every drafted node without selecting:
 
 - in the batch buckets where selecting cannot pay (:meth:`BudgetPolicy.whole_trees`): where a

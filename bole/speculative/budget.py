@@ -45,8 +45,8 @@ from bole.forest import DenseForest
 
 __all__ = ["Ranking", "rank_nodes", "select_nodes", "dense_inputs", "rank_dense", "select_dense",
            "Compacted", "compact", "safe_width", "expected_accepted_curve", "goodput_rates",
-           "goodput_choice", "goodput_best", "goodput_budget", "width_fill_curve", "width_fill_keep",
-           "width_priced_t_ver"]
+           "goodput_choice", "goodput_best", "goodput_budget", "width_fill_curve",
+           "width_fill_keep", "width_priced_t_ver"]
 
 #: a budget of draft nodes: a host int, or a 0-d tensor on the forest's device
 Budget = Union[int, Tensor]

@@ -14,7 +14,8 @@ model drafts with its own MTP head (real acceptance). Per model and batch:
     bole-POLICY   bole under a verification-budget policy (--budget-policies: global,
                   calibrated, goodput) on the largest swept tree
 
-tree-serial runs bole's best shape, so the two see the same trees. The best of a sweep is run
+tree-serial runs bole's best shape, so the two see the same trees (``--tune-tree-serial``: its
+own best of --tree-shapes instead, as a sweep of its own). The best of a sweep is run
 once more and that run is reported (``sweep_best_decode_tokens_per_s`` keeps the sweep's figure):
 the best of several runs is also the luckiest. Memory: peak device memory
 per run, and the largest batch that fits 80% of the device at --max-context tokens per request
@@ -272,6 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="the MTP head drafts over this many most frequent tokens (0: all); the "
                          "replay drafter keeps its profile's acceptance")
+    ap.add_argument("--tune-tree-serial", action="store_true",
+                    help="sweep tree-serial over --tree-shapes and report its own best shape "
+                         "(default: bole's best shape, the same trees as bole)")
     ap.add_argument("--unforced", action="store_true",
                     help="replay: accept by the target's argmax (random bf16 weights flip near-tied "
                          "argmaxes between decode and tree verify, which collapses acceptance)")
@@ -353,16 +357,21 @@ def study(args, tp=None) -> Path | None:
             cont = ar.pop("outputs")
             records.append(dict(base, mode="ar", shape=None, **ar))
             candidates = {"chain": [], "bole": []}
+            if args.tune_tree_serial:
+                candidates["tree-serial"] = []
             for d in args.chain_depths:
                 spec = SpecConfig("chain", drafter, d, 1, d + 1, profile,
                                   draft_vocab=args.draft_vocab, forced_acceptance=forced)
                 candidates["chain"].append((spec, run(model, spec, prompts, args.max_tokens,
                                                       cont, args.device, batch)))
             for d, k, b in shapes:
-                spec = SpecConfig("bole", drafter, d, k, b, profile, draft_vocab=args.draft_vocab,
-                                  forced_acceptance=forced)
-                candidates["bole"].append((spec, run(model, spec, prompts, args.max_tokens,
-                                                     cont, args.device, batch)))
+                for mode in ("bole", "tree-serial"):
+                    if mode not in candidates:
+                        continue
+                    spec = SpecConfig(mode, drafter, d, k, b, profile,
+                                      draft_vocab=args.draft_vocab, forced_acceptance=forced)
+                    candidates[mode].append((spec, run(model, spec, prompts, args.max_tokens,
+                                                       cont, args.device, batch)))
             best = {}
             for mode, tried in candidates.items():
                 spec, res = tried[fastest(tried, model)]
@@ -373,11 +382,13 @@ def study(args, tp=None) -> Path | None:
                                    batch),
                                sweep_best_decode_tokens_per_s=picked)
                 best[mode] = (spec, res)
-            b_spec = best["bole"][0]
-            t_spec = SpecConfig("tree-serial", drafter, b_spec.depth, b_spec.topk, b_spec.budget,
-                                profile, draft_vocab=args.draft_vocab, forced_acceptance=forced)
-            best["tree-serial"] = (t_spec, run(model, t_spec, prompts, args.max_tokens, cont,
-                                               args.device, batch))
+            if "tree-serial" not in best:            # on bole's trees
+                b_spec = best["bole"][0]
+                t_spec = SpecConfig("tree-serial", drafter, b_spec.depth, b_spec.topk,
+                                    b_spec.budget, profile, draft_vocab=args.draft_vocab,
+                                    forced_acceptance=forced)
+                best["tree-serial"] = (t_spec, run(model, t_spec, prompts, args.max_tokens, cont,
+                                                   args.device, batch))
             # the budget policies on the largest tree (the global one keeps half its nodes)
             largest = max(shapes, key=lambda sh: sh[2])
             policies = args.budget_policies if tp is None else []

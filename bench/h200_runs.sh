@@ -37,11 +37,14 @@
 #             4,2,8 6,3,16 8,2,16; one wave), the last batch of the chain target (~3 min)
 #   budget-9b-h  the 9B preset at batch 2 8 16, oracle sweep 64-512, calibrated also at eps 0.25
 #             0.5 1 (each run's acceptance estimates from the prior; not yet run)
+#   e2e-9b-ts  bench/e2e.py, 9B at batch 8 and 1 with 512-token requests, tree-serial swept over
+#             the tree shapes on its own (--tune-tree-serial; not yet run)
 #   e2e-27b-small  bench/e2e.py, 27B at batch 16 4 2 (chain depths 4 6, trees 4,2,8 8,2,16
 #             8,4,32, bole-goodput): the 27B batches the study lacks (not yet run)
 #   e2e-27b-large  the same at batch 64 32 (not yet run)
 #   e2e-bundled  bench/e2e.py, the bundled model with its MTP head at batch 1-64 (chain depths 3
-#             4 6, trees 4,2,8 6,3,16 8,4,32, bole-goodput, 1024 tokens a run; not yet run)
+#             4 6, trees 4,2,8 6,3,16 8,4,32 for bole and for tree-serial, bole-goodput, 1024
+#             tokens a run; not yet run)
 #   budget-9b-i  the 9B preset at batch 16 32 2, the oracle over the capacities that fill each
 #             verify width (--sweep-widths), goodput choosing a width (~6 min)
 #   budget-9b-j  the same at batch 8 64 4 1 (cut at 500 s: what is left of a session's device time)
@@ -62,7 +65,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|e2e-27b-small|e2e-27b-large|e2e-bundled|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-j|budget-9b-k|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|e2e-9b-ts|e2e-27b-small|e2e-27b-large|e2e-bundled|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-j|budget-9b-k|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -162,6 +165,10 @@ case "$part" in
   budget-9b-h)
     timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 2 8 16 \
       --sweep 64 128 256 512 --eps-sweep 0.25 0.5 1 --draft-vocab 32768 --out "$out" --tag=-h ;;
+  e2e-9b-ts)
+    timeout 585 python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 --chain-depths 6 8 \
+      --tree-shapes 4,2,8 6,3,16 8,2,16 8,4,32 --tune-tree-serial --max-tokens 512 \
+      --min-run-tokens 4096 --draft-vocab 32768 --out "$out" --tag=-9b-ts ;;
   e2e-27b-small)
     timeout 585 python3 bench/e2e.py --models qwen3.5-27b --batches 16 4 2 --chain-depths 4 6 \
       --tree-shapes 4,2,8 8,2,16 8,4,32 --draft-vocab 32768 "${policy[@]}" --out "$out" \
@@ -173,7 +180,7 @@ case "$part" in
   e2e-bundled)
     timeout 585 python3 bench/e2e.py --models bundled --batches 1 2 4 8 16 32 64 \
       --chain-depths 3 4 6 --tree-shapes 4,2,8 6,3,16 8,4,32 --min-run-tokens 1024 \
-      "${policy[@]}" --out "$out" --tag=-bundled ;;
+      --tune-tree-serial "${policy[@]}" --out "$out" --tag=-bundled ;;
   budget-9b-i)
     timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 16 32 2 --sweep \
       --sweep-widths --draft-vocab 32768 --out "$out" --tag=-i ;;

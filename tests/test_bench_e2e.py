@@ -44,6 +44,19 @@ def test_e2e_smoke_run(tmp_path):
     assert list(tmp_path.glob("e2e-*.png"))
 
 
+def test_e2e_tunes_tree_serial_on_its_own(tmp_path):
+    """--tune-tree-serial sweeps tree-serial over the tree shapes like bole: its record is its
+    own best shape, run again for its figure."""
+    assert _e2e().main(SMOKE[:-1] + ["3,2,6", "2,2,3", "--batches", "2", "--chain-depths", "2",
+                                     "--tune-tree-serial", "--out", str(tmp_path)]) == 0
+    _, recs = _records(tmp_path)
+    by = {r["mode"]: r for r in recs}
+    assert "sweep_best_decode_tokens_per_s" in by["tree-serial"]
+    assert (by["tree-serial"]["shape"]["depth"], by["tree-serial"]["shape"]["budget"]) in \
+        {(3, 6), (2, 3)}
+    assert by["tree-serial"]["equal_to_ar"] and by["bole"]["equal_to_ar"]
+
+
 def test_e2e_runs_the_budget_policies_as_modes(tmp_path, monkeypatch):
     """--budget-policies adds bole-<policy> records on the largest tree, equal to ar, the
     calibration profile made on first use."""

@@ -193,6 +193,9 @@ class RoundBuffers:
         self.emitted_host = torch.zeros(R, D + 1, dtype=i64, pin_memory=pin)
         self.num_host = torch.zeros(R, dtype=i64, pin_memory=pin)
         self.kept_host = torch.zeros(R, dtype=i64, pin_memory=pin)
+        # goodput: whether the last choice could still change (Selected.widen)
+        self.widen = torch.ones((), dtype=torch.bool, device=dev)
+        self.widen_host = torch.ones((), dtype=torch.bool, pin_memory=pin)
         self.goodput = None                         # the goodput policy's inputs (selection.py)
         self.rows: tuple = ()                      # (request index, slot) of the rows last written
 
@@ -423,6 +426,8 @@ class RoundRunner:
                          b.active, self.spec.root_floor, W, self.D, goodput=b.goodput,
                          acceptance=self.calibrator)
             b.kept.copy_(sel.kept)
+            if sel.widen is not None:
+                b.widen.copy_(sel.widen)
             tokens, forest, rho = sel.tokens, sel.forest, sel.rho
         else:
             forest = DenseForest.from_parents(b.tree_parents, b.tree_valid, self.D)
@@ -603,6 +608,7 @@ class RoundRunner:
         b.num_host.copy_(b.num_emitted, non_blocking=True)
         if self.policy.shared:
             b.kept_host.copy_(b.kept, non_blocking=True)
+            b.widen_host.copy_(b.widen, non_blocking=True)
         if cuda:
             done = torch.cuda.Event()
             done.record()
@@ -635,7 +641,8 @@ class RoundRunner:
         draft_nodes = None
         if self.policy.shared and not plain:
             kept = b.kept_host[:len(requests)].tolist()
-            self.policy.observe(R, kept, kind)
+            widen = bool(b.widen_host) if self.policy.policy == "goodput" else None
+            self.policy.observe(R, kept, kind, widen)
             draft_nodes = sum(min(k, W) - 1 for k in kept)      # verified, past the roots
         emitted = b.emitted_host[:len(requests)].tolist()
         new = [row[:n] for row, n in zip(emitted, counts)]

@@ -32,8 +32,11 @@ Policies (``SpecConfig.budget_policy``):
                 :data:`EXPLORE_EVERY` verifies whole trees, or fewer where whole trees' verify
                 costs more than the last choice's (large batches): exploring adds at most
                 :data:`EXPLORE_SHARE` of the drafting rounds' time (:meth:`BudgetPolicy.
-                explore_every`). The choice weighs the round's time with the selection's own
-                measured cost.
+                explore_every`). It explores only while the last choice could still change:
+                a wider width must beat it if every node past each row's fill were accepted as
+                often as the row's last kept node (acceptance does not grow down the rank
+                order, so nothing the exploring round could observe would do better). The
+                choice weighs the round's time with the selection's own measured cost.
 
 Each round is one of three kinds (:meth:`BudgetPolicy.plan`): "plain" (goodput's plain decoding),
 "select" or "whole". A select round runs the selection (:func:`bole.speculative.budget.
@@ -68,8 +71,8 @@ import torch
 
 from bole.forest import DenseForest
 from bole.speculative.calibration import AcceptanceCalibrator
-from bole.speculative.budget import (compact, goodput_best, rank_dense, select_dense,
-                                     width_fill_curve, width_fill_keep, width_priced_t_ver)
+from bole.speculative.budget import (compact, rank_dense, select_dense, width_fill_choice,
+                                     width_priced_t_ver)
 
 POLICIES = ("fixed", "global", "calibrated", "goodput")
 #: rounds of plain decoding after the goodput policy finds drafting does not pay; doubled
@@ -111,13 +114,16 @@ def width_buckets(T: int) -> tuple[int, ...]:
 @dataclass
 class Selected:
     """The compacted trees a verify forward takes: ``[R, W]`` tokens, the forest, each row's
-    kept count before compaction ``[R]`` (what the next round's width follows) and the kept
-    nodes' rho ``[R, W]`` (what the acceptance calibrator learns from)."""
+    kept count before compaction ``[R]`` (what the next round's width follows), the kept
+    nodes' rho ``[R, W]`` (what the acceptance calibrator learns from) and, for goodput, whether
+    verifying the nodes past the fill could change its choice (0-d bool: what decides whether
+    exploring can teach anything)."""
 
     tokens: torch.Tensor
     forest: DenseForest
     kept: torch.Tensor
     rho: torch.Tensor
+    widen: torch.Tensor | None = None
 
 
 @dataclass
@@ -151,19 +157,18 @@ def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid
     forest = DenseForest.from_parents(parents, valid, max_depth)
     rho = rho.masked_fill(~valid, 0.0)
     rank = rank_dense(rho, forest, root_floor, active)        # one ranking for both uses
+    widen = None
     if goodput is None:
         keep = select_dense(rho, forest, budget, root_floor, active=active, rank=rank)
     else:
-        R = rho.shape[0]
-        curve = width_fill_curve(rank, R, goodput.widths, acceptance=acceptance)
-        width_choice, _ = goodput_best(goodput.widths, curve, goodput.t_ver,
-                                       round_overhead_ms=goodput.overhead_ms)
-        keep = width_fill_keep(rank, R, width_choice)
+        _, keep, widen = width_fill_choice(rank, rho.shape[0], goodput.widths, goodput.t_ver,
+                                           acceptance=acceptance,
+                                           round_overhead_ms=goodput.overhead_ms)
         if active is not None:
             keep[:, 0] |= forest.valid[:, 0] & ~active
     c = compact(keep, tokens, forest.parents, width=width)
     return Selected(c.tokens, DenseForest.from_parents(c.parents, c.valid, max_depth),
-                    keep.sum(1), c.gather(rho))
+                    keep.sum(1), c.gather(rho), widen)
 
 
 class BudgetPolicy:
@@ -194,6 +199,7 @@ class BudgetPolicy:
         self.looking = False                     # goodput: the next drafting round is a look
         self.whole_left: dict[int, int] = {}     # goodput: whole rounds before choosing again
         self.since_explore: dict[int, int] = {}  # goodput: drafting rounds since exploring
+        self.could_widen: dict[int, bool] = {}   # goodput: what past the fill could still pay
         self._explores: dict[int, bool] = {}     # goodput: whether plan's round explores
         self._first: dict[tuple[bool, int], list[float]] = {}   # (plain, R): first rates
 
@@ -254,10 +260,11 @@ class BudgetPolicy:
 
     def exploring(self, R: int) -> bool:
         """Whether this round of bucket ``R`` (goodput, drafting) verifies whole trees for what
-        they teach: the last of every :meth:`explore_every` drafting rounds of the bucket. A
-        look (the drafting round after a plain stretch) never does: it measures the rounds
-        the policy would run."""
-        return (self.policy == "goodput" and not self.looking
+        they teach: the last of every :meth:`explore_every` drafting rounds of the bucket, while
+        the last choice says that what lies past its fill could still change it. A look (the
+        drafting round after a plain stretch) never does: it measures the rounds the policy
+        would run."""
+        return (self.policy == "goodput" and not self.looking and self.could_widen.get(R, True)
                 and self.since_explore.get(R, 0) >= self.explore_every(R) - 1)
 
     def explore_every(self, R: int) -> int:
@@ -373,13 +380,19 @@ class BudgetPolicy:
         """The narrowest verify width that holds ``need`` nodes a row (the tree's, at most)."""
         return next((w for w in self.widths if w >= need), self.T)
 
-    def observe(self, R: int, kept: list[int], kind: str = "select") -> None:
+    def observe(self, R: int, kept: list[int], kind: str = "select",
+                could_widen: bool | None = None) -> None:
         """The kept counts of a round of bucket R. A select round's set the next one's width;
         goodput's choice keeping every row's whole tree (T nodes: a request near its token
         limit grows a shallower one, and its round keeps choosing) starts :data:`WHOLE_ROUNDS`
-        whole rounds. Whole rounds' counts say nothing of the next choice."""
+        whole rounds. ``could_widen`` (goodput's select rounds): whether verifying the nodes
+        past the fill could change the choice, at best (:func:`~bole.speculative.budget.
+        width_fill_could_widen`); while it is False the bucket does not explore. Whole rounds'
+        counts say nothing of the next choice."""
         if kind != "select":
             return
+        if could_widen is not None:
+            self.could_widen[R] = could_widen
         self.last_kept[R] = max(kept, default=1)
         if self.policy == "goodput" and kept and min(kept) >= self.T:
             self.whole_left[R] = WHOLE_ROUNDS

@@ -45,8 +45,9 @@ from bole.forest import DenseForest
 
 __all__ = ["Ranking", "rank_nodes", "select_nodes", "dense_inputs", "rank_dense", "select_dense",
            "Compacted", "compact", "safe_width", "expected_accepted_curve", "goodput_rates",
-           "goodput_choice", "goodput_best", "goodput_budget", "width_fill_curve",
-           "width_fill_keep", "width_priced_t_ver"]
+           "goodput_choice", "goodput_best", "goodput_budget", "RowFill", "width_fill_curve",
+           "width_fill_keep", "width_fill_could_widen", "width_fill_choice",
+           "width_priced_t_ver"]
 
 #: a budget of draft nodes: a host int, or a 0-d tensor on the forest's device
 Budget = Union[int, Tensor]
@@ -351,8 +352,50 @@ def goodput_choice(expected_accepted: Expected, t_ver: Mapping[int, float], t_de
     return best, False
 
 
+@dataclass
+class RowFill:
+    """A dense ranking regrouped by row, for filling each row of a verify width.
+
+    position: ``[R, T]`` each eligible node's 1-based place among its row's eligible nodes in rank
+              order (0 for the others), in the regrouped order ``by_row`` (a stable sort of the
+              rank order by row: row r's nodes fill slots ``[r T, (r + 1) T)``).
+    by_row:   ``[N]`` rank positions in that order.
+    floors:   ``[R]`` floor nodes per row.
+    est:      ``[N]`` float64 acceptance estimate per node (:func:`expected_accepted_curve`'s).
+    sums:     ``[R, T + 1]`` float64, ``sums[r, k]`` the estimates of row r's first k eligible
+              nodes.
+    """
+
+    position: Tensor
+    by_row: Tensor
+    floors: Tensor
+    est: Tensor
+    sums: Tensor
+
+    @classmethod
+    def of(cls, rank: Ranking, rows: int,
+           acceptance: Callable[[Tensor], Tensor] | None = None) -> "RowFill":
+        """The regrouping of ``rank`` (a ranking of the ``rows x T`` dense layout, as
+        :func:`rank_dense` gives), with estimates mapped by ``acceptance`` when given."""
+        est = _estimates(rank, acceptance)
+        T = rank.root.shape[0] // rows
+        by_row = torch.sort(rank.order // T, stable=True).indices
+        eligible = rank.eligible.gather(0, by_row).view(rows, T)
+        position = torch.where(eligible, torch.cumsum(eligible, 1), 0)
+        in_rank = torch.where(rank.eligible, est.gather(0, rank.order), 0.0)
+        sums = torch.zeros(rows, T + 1, dtype=torch.float64, device=est.device)
+        sums.scatter_add_(1, position, in_rank.gather(0, by_row).view(rows, T))
+        return cls(position, by_row, rank.floor.view(rows, T).sum(1), est, torch.cumsum(sums, 1))
+
+    def take(self, width: Tensor) -> Tensor:
+        """Eligible nodes each row keeps at ``width`` (any shape ``[...]``): ``[..., R]``."""
+        room = width.to(torch.int64)[..., None] - 1 - self.floors
+        return torch.minimum(room.clamp(min=0), self.position.amax(1))
+
+
 def width_fill_curve(rank: Ranking, rows: int, widths: Tensor, *,
-                     acceptance: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+                     acceptance: Callable[[Tensor], Tensor] | None = None,
+                     fill: RowFill | None = None) -> Tensor:
     """``[Wn]`` float64 expected accepted tokens if every row kept its best ``W - 1`` draft
     nodes, for each verify width ``W`` of ``widths [Wn]``.
 
@@ -361,29 +404,76 @@ def width_fill_curve(rank: Ranking, rows: int, widths: Tensor, *,
     row. A row's candidates are its floors (kept whatever the width) and then its eligible
     nodes in rank order (a prefix of the rank order restricted to the row: ancestor-closed).
     ``rank`` ranks the ``rows x T`` dense layout (:func:`rank_dense`); estimates as in
-    :func:`expected_accepted_curve`. On the device, no synchronisation."""
-    est = _estimates(rank, acceptance)
-    N = rank.root.shape[0]
-    T = N // rows
-    sums, floors = _row_prefix_sums(rank, est, rows, T)                       # [R, T + 1], [R]
-    take = (widths.to(torch.int64)[:, None] - 1 - floors[None, :]).clamp(0, T)   # [Wn, R]
-    filled = sums[None].expand(take.shape[0], rows, T + 1).gather(2, take[..., None])[..., 0]
-    base = rank.root.sum().to(torch.float64) + torch.where(rank.floor, est, 0.0).sum()
-    return base + filled.sum(1)
+    :func:`expected_accepted_curve`; ``fill``: :meth:`RowFill.of` of the same inputs, when the
+    caller has it. On the device, no synchronisation."""
+    fill = fill or RowFill.of(rank, rows, acceptance)
+    take = fill.take(widths)                                                      # [Wn, R]
+    rows_sums = fill.sums[None].expand(take.shape[0], -1, -1)
+    filled = rows_sums.gather(2, take[..., None])[..., 0].sum(1)
+    return rank.root.sum().to(torch.float64) + torch.where(rank.floor, fill.est, 0.0).sum() + \
+        filled
 
 
-def width_fill_keep(rank: Ranking, rows: int, width: Tensor | int) -> Tensor:
+def width_fill_keep(rank: Ranking, rows: int, width: Tensor | int,
+                    fill: RowFill | None = None) -> Tensor:
     """``[rows, T]`` bool: the roots, the floors and each row's best eligible nodes up to
     ``width`` slots a row (a 0-d device tensor or an int), the set :func:`width_fill_curve`
     prices. No synchronisation."""
+    fill = fill or RowFill.of(rank, rows)
     N = rank.root.shape[0]
-    T = N // rows
-    position, by_row, floors = _row_positions(rank, rows, T)                  # [R, T] each
-    take = (torch.as_tensor(width, device=floors.device) - 1 - floors).clamp(min=0)
-    taken = (position > 0) & (position <= take[:, None])
+    take = fill.take(torch.as_tensor(width, device=fill.floors.device))          # [R]
+    taken = (fill.position > 0) & (fill.position <= take[:, None])
     keep = torch.zeros(N, dtype=torch.bool, device=taken.device)
-    keep.scatter_(0, rank.order.gather(0, by_row), taken.reshape(-1))
-    return (keep | rank.root | rank.floor).view(rows, T)
+    keep.scatter_(0, rank.order.gather(0, fill.by_row), taken.reshape(-1))
+    return (keep | rank.root | rank.floor).view(rows, N // rows)
+
+
+def width_fill_could_widen(rank: Ranking, rows: int, widths: Tensor, choice: Tensor,
+                           expected: Tensor, t_ver: Tensor, *,
+                           acceptance: Callable[[Tensor], Tensor] | None = None,
+                           round_overhead_ms: float | Tensor = 0.0,
+                           fill: RowFill | None = None) -> Tensor:
+    """0-d bool: whether a width wider than ``choice`` could beat it if what lies past each row's
+    fill were accepted as often as the row's last kept node: the most that verifying those nodes
+    could teach, since acceptance does not grow down a row's rank order (rho never grows down a
+    path, and the acceptance estimates are a non-decreasing map of it). A row whose fill keeps
+    no eligible node is bounded by its best floor (every other node is a worse root child or
+    lies below one), or 1 without floors. Where it is False, verifying the nodes past the fill
+    cannot change the choice.
+
+    widths ``[Wn]`` ascending, ``choice`` 0-d (one of them), ``expected`` ``[Wn]``
+    (:func:`width_fill_curve` of the same ``rank`` and ``acceptance``), ``t_ver`` ``[Wn]`` ms. On
+    the device, no synchronisation."""
+    fill = fill or RowFill.of(rank, rows, acceptance)
+    T = rank.root.shape[0] // rows
+    kept = fill.take(choice)                                                      # [R]
+    grouped = torch.where(rank.eligible, fill.est.gather(0, rank.order), 0.0)
+    grouped = grouped.gather(0, fill.by_row).view(rows, T)
+    last = torch.where((fill.position == kept[:, None]) & (kept[:, None] > 0), grouped,
+                       0.0).amax(1)
+    floor_top = torch.where(rank.floor.view(rows, T), fill.est.view(rows, T), 0.0).amax(1)
+    bound = torch.where(kept > 0, last, torch.where(fill.floors > 0, floor_top, 1.0))  # [R]
+    more = (fill.take(widths) - kept[None, :]).clamp(min=0)                       # [Wn, R]
+    widths = widths.to(torch.int64)
+    at = torch.searchsorted(widths, choice.view(1).to(torch.int64))               # [1]
+    optimistic = expected.gather(0, at) + (more * bound[None, :]).sum(1)         # [Wn]
+    t = t_ver.to(torch.float64) + round_overhead_ms
+    return ((widths > choice) & (optimistic / t > expected.gather(0, at) / t.gather(0, at))).any()
+
+
+def width_fill_choice(rank: Ranking, rows: int, widths: Tensor, t_ver: Tensor, *,
+                      acceptance: Callable[[Tensor], Tensor] | None = None,
+                      round_overhead_ms: float | Tensor = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """The goodput policy's choice in one pass: ``(width 0-d, keep [rows, T] bool, could_widen
+    0-d bool)``: the width of ``widths [Wn]`` with the most expected tokens per ms (its verify
+    ``t_ver [Wn]`` plus ``round_overhead_ms``), every row filled to it
+    (:func:`width_fill_keep`), and :func:`width_fill_could_widen`. No synchronisation."""
+    fill = RowFill.of(rank, rows, acceptance)
+    curve = width_fill_curve(rank, rows, widths, fill=fill)
+    width, _ = goodput_best(widths, curve, t_ver, round_overhead_ms=round_overhead_ms)
+    widen = width_fill_could_widen(rank, rows, widths, width, curve, t_ver,
+                                   round_overhead_ms=round_overhead_ms, fill=fill)
+    return width, width_fill_keep(rank, rows, width, fill=fill), widen
 
 
 def width_priced_t_ver(rows: int, node_grid: Sequence[int], t_ver: Sequence[float],
@@ -403,28 +493,6 @@ def _estimates(rank: Ranking, acceptance: Callable[[Tensor], Tensor] | None) -> 
     if acceptance is not None:
         est = torch.nan_to_num(acceptance(est).to(torch.float64), nan=0.0).clamp(0.0, 1.0)
     return est
-
-
-def _row_positions(rank: Ranking, rows: int, T: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(position [R, T], by_row [N], floors [R])``: rank positions regrouped by row (a stable
-    sort of the rank order by row, ``by_row``, so that row r's nodes fill slots
-    ``[r T, (r + 1) T)`` in rank order), each eligible node's 1-based position among its row's
-    eligible nodes there (0 for the others), and each row's floor count."""
-    by_row = torch.sort(rank.order // T, stable=True).indices
-    eligible = rank.eligible.gather(0, by_row).view(rows, T)
-    position = torch.where(eligible, torch.cumsum(eligible, 1), 0)
-    return position, by_row, rank.floor.view(rows, T).sum(1)
-
-
-def _row_prefix_sums(rank: Ranking, est: Tensor, rows: int, T: int) -> tuple[Tensor, Tensor]:
-    """``(sums [R, T + 1], floors [R])``: ``sums[r, k]`` the estimates of row r's first k
-    eligible nodes in rank order."""
-    position, by_row, floors = _row_positions(rank, rows, T)
-    in_rank = torch.where(rank.eligible, est.gather(0, rank.order), 0.0)
-    grouped = in_rank.gather(0, by_row).view(rows, T)
-    sums = torch.zeros(rows, T + 1, dtype=torch.float64, device=est.device)
-    sums.scatter_add_(1, position, grouped)
-    return torch.cumsum(sums, 1), floors
 
 
 def goodput_best(node_grid: Tensor, expected: Tensor, t_ver: Tensor, *,

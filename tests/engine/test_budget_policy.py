@@ -111,6 +111,23 @@ def test_goodput_compares_what_drafting_and_plain_rounds_deliver():
     assert policy.plain_round()              # 0.3 < 1 / (1 + 0.5): bucket 4 has no plain rate
 
 
+def test_goodput_explores_only_while_its_choice_could_change():
+    """A select round reports whether anything past its fill could change the choice; while it
+    could not, the bucket does not explore, however long since it last did; once it could, the
+    next round explores."""
+    T, K = 4, 40
+    policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+                          profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, t_select_ms=0.25))
+    assert not policy.whole_trees(2)
+    kinds = []
+    for n in range(K + 3):
+        kinds.append(policy.plan(2))
+        policy.observe(2, [2, 2], kinds[-1], could_widen=n >= K)
+        policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
+    assert K > 2 * policy.explore_every(2)
+    assert kinds[:K + 1] == ["select"] * (K + 1) and kinds[K + 1:] == ["whole", "select"]
+
+
 def test_goodput_verifies_the_best_width_of_an_uncertain_tree():
     """A drafted tree is paid for: however little its nodes promise, the round verifies the
     width with the most expected tokens per ms rather than its roots alone."""

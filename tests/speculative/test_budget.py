@@ -15,8 +15,9 @@ from bole.forest import DenseForest
 from bole.models.presets import preset_config
 from bole.speculative.budget import (compact, dense_inputs, expected_accepted_curve,
                                      goodput_budget, goodput_choice, rank_dense, rank_nodes,
-                                     safe_width, select_dense, select_nodes, width_fill_curve,
-                                     width_fill_keep, width_priced_t_ver)
+                                     safe_width, select_dense, select_nodes, width_fill_choice,
+                                     width_fill_could_widen, width_fill_curve, width_fill_keep,
+                                     width_priced_t_ver)
 from bole.speculative.calibration import (AcceptanceCalibrator, BudgetProfile, ProfileFormatError,
                                           b_ver_from_curve,
                                           cache_dir, calibrate, config_hash, find_profile,
@@ -425,6 +426,68 @@ def test_width_fill_matches_brute_force(case, data):
         assert all(parents[i] < 0 or parents[i] in got for i in got)      # ancestor-closed
         assert curve[w].item() == pytest.approx(roots + sum(e * e if square else e for e in est),
                                                 abs=1e-12)
+
+
+@given(case=dense_forests(), data=st.data())
+@settings(max_examples=300)
+def test_could_widen_matches_brute_force(case, data):
+    """could_widen by plain Python: per active row its floors, its eligible nodes in rank order,
+    the fill at the chosen width, and the bound on what lies past it (the last kept node's
+    estimate, else the best floor's, else 1), which is at least every node past the fill (what
+    makes it safe to skip exploring). width_fill_choice's width is the best rate of the curve
+    and its keep the fill at that width."""
+    rho, forest, _ = case
+    R, T = rho.shape
+    floor = data.draw(st.integers(0, 2))
+    active = data.draw(st.lists(st.booleans(), min_size=R, max_size=R))
+    widths = sorted(set(data.draw(st.lists(st.integers(1, T), max_size=3))) | {T})
+    t_ver = sorted(data.draw(st.lists(st.floats(0.5, 4.0), min_size=len(widths),
+                                      max_size=len(widths))))
+    overhead = data.draw(st.floats(0.0, 2.0))
+    rank = rank_dense(rho, forest, floor, torch.tensor(active))
+    tw, tt = torch.tensor(widths), torch.tensor(t_ver, dtype=torch.float64)
+    width, keep, widen = width_fill_choice(rank, R, tw, tt, round_overhead_ms=overhead)
+    curve = width_fill_curve(rank, R, tw)
+    rate = (curve / (tt + overhead)).tolist()
+    c = widths.index(int(width))
+    assert rate[c] == max(rate) and torch.equal(keep, width_fill_keep(rank, R, width))
+    # plain Python
+    f = Forest(rho.reshape(-1).tolist(), forest.parent_global().tolist(),
+               [r if forest.valid[r, i] and active[r] else -1 for r in range(R) for i in range(T)])
+    roots, draft, score, depth = structure(f)
+    key = lambda i: (-score[i], depth[i], i)  # noqa: E731
+    est = {i: min(max(score[i], 0.0), 1.0) for i in draft}
+    extra = [0.0] * len(widths)
+    for r in roots:
+        row = [i for i in draft if i // T == r // T]
+        floors = sorted((i for i in row if f.parents[i] == r), key=key)[:floor]
+        rest = sorted((i for i in row if i not in floors), key=key)
+        kept = max(width.item() - 1 - len(floors), 0)
+        bound = est[rest[kept - 1]] if 0 < kept <= len(rest) else \
+            est[rest[-1]] if kept > len(rest) > 0 else (max(est[i] for i in floors) if floors
+                                                        else 1.0)
+        assert all(est[i] <= bound for i in rest[kept:])                  # the bound holds
+        for w, W in enumerate(widths):
+            more = min(max(W - 1 - len(floors), 0), len(rest)) - min(kept, len(rest))
+            extra[w] += max(more, 0) * bound
+    want = any(W > widths[c] and (curve[c].item() + extra[w]) / (t_ver[w] + overhead)
+               > rate[c] for w, W in enumerate(widths))
+    assert bool(widen) == want
+
+
+def test_could_widen_when_the_cutoff_is_close_and_not_when_it_is_far():
+    """Two chains: width 2 keeps each row's first node (its floor: 0.9 and 0.5), 3.4 tokens.
+    Width 4 brings two more nodes a row, at most 0.9 and 0.5 each: (3.4 + 2.8) / 1.5 > 3.4, so
+    at 1.5x the cost it could win (its true 3.711 tokens do not); at 10x it could not."""
+    parents = torch.tensor([[-1, 0, 1, 2]] * 2)
+    forest = DenseForest.from_parents(parents, torch.ones(2, 4, dtype=torch.bool), 3)
+    rho = torch.tensor([[1.0, 0.9, 0.2, 0.1], [1.0, 0.5, 0.01, 0.001]], dtype=torch.float64)
+    rank = rank_dense(rho, forest, 1)
+    widths = torch.tensor([2, 4])
+    for cost, could in ((1.5, True), (10.0, False)):
+        t_ver = torch.tensor([1.0, cost], dtype=torch.float64)
+        width, _, widen = width_fill_choice(rank, 2, widths, t_ver)
+        assert int(width) == 2 and bool(widen) == could, cost
 
 
 def test_width_fill_keeps_what_a_budget_of_the_same_width_leaves_empty():

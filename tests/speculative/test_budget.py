@@ -357,12 +357,16 @@ def test_no_host_synchronisation(monkeypatch):
         rank = rank_dense(drho, dense, 1)
         filled = width_fill_curve(rank, R, torch.tensor([2, 4]), acceptance=calib)
         kept = width_fill_keep(rank, R, torch.tensor(2))
+        choice = width_fill_choice(rank, R, torch.tensor([2, 4]),
+                                   torch.tensor([1.0, 1.5], dtype=torch.float64),
+                                   acceptance=calib, round_overhead_ms=torch.tensor(0.5))
         calib.observe(rho, torch.ones(8, dtype=torch.bool), mask=parents >= 0)
         calib(rho)
     assert kept_set(a) == brute_select(f, 2, 1) and kept_set(b) == brute_select(f, 3, 1)
     assert out.valid.tolist() == [[True, True, True], [True, False, False]]
     assert budget.dim() == 0 and use_ar.dtype == torch.bool
     assert filled.shape == (2,) and kept.sum(1).tolist() == [2, 2]
+    assert choice[0].dim() == 0 and choice[1].shape == (R, T) and choice[2].dtype == torch.bool
 
 
 # ---- the goodput policy ----

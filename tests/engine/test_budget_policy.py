@@ -446,6 +446,9 @@ def test_goodput_learns_acceptance_from_its_rounds(model):
     assert float(calib.hits.sum()) == accepted_drafts > 0
     assert float(calib.count.sum()) > accepted_drafts       # some drafted nodes were rejected
     assert not torch.equal(calib.table, prior)
+    # the select rounds reported whether anything past their fill could change the choice
+    assert set(engine.rounds.policy.could_widen.values()) <= {True, False}
+    assert engine.rounds.policy.could_widen
     table = calib.table.tolist()
     assert all(a <= b + 1e-12 for a, b in zip(table, table[1:]))
 

@@ -362,6 +362,8 @@ class RowFill:
     by_row:   ``[N]`` rank positions in that order.
     floors:   ``[R]`` floor nodes per row.
     est:      ``[N]`` float64 acceptance estimate per node (:func:`expected_accepted_curve`'s).
+    grouped:  ``[R, T]`` float64 the eligible nodes' estimates in the regrouped order (0 for the
+              others).
     sums:     ``[R, T + 1]`` float64, ``sums[r, k]`` the estimates of row r's first k eligible
               nodes.
     """
@@ -370,6 +372,7 @@ class RowFill:
     by_row: Tensor
     floors: Tensor
     est: Tensor
+    grouped: Tensor
     sums: Tensor
 
     @classmethod
@@ -383,9 +386,11 @@ class RowFill:
         eligible = rank.eligible.gather(0, by_row).view(rows, T)
         position = torch.where(eligible, torch.cumsum(eligible, 1), 0)
         in_rank = torch.where(rank.eligible, est.gather(0, rank.order), 0.0)
+        grouped = in_rank.gather(0, by_row).view(rows, T)
         sums = torch.zeros(rows, T + 1, dtype=torch.float64, device=est.device)
-        sums.scatter_add_(1, position, in_rank.gather(0, by_row).view(rows, T))
-        return cls(position, by_row, rank.floor.view(rows, T).sum(1), est, torch.cumsum(sums, 1))
+        sums.scatter_add_(1, position, grouped)
+        return cls(position, by_row, rank.floor.view(rows, T).sum(1), est, grouped,
+                   torch.cumsum(sums, 1))
 
     def take(self, width: Tensor) -> Tensor:
         """Eligible nodes each row keeps at ``width`` (any shape ``[...]``): ``[..., R]``."""
@@ -447,9 +452,7 @@ def width_fill_could_widen(rank: Ranking, rows: int, widths: Tensor, choice: Ten
     fill = fill or RowFill.of(rank, rows, acceptance)
     T = rank.root.shape[0] // rows
     kept = fill.take(choice)                                                      # [R]
-    grouped = torch.where(rank.eligible, fill.est.gather(0, rank.order), 0.0)
-    grouped = grouped.gather(0, fill.by_row).view(rows, T)
-    last = torch.where((fill.position == kept[:, None]) & (kept[:, None] > 0), grouped,
+    last = torch.where((fill.position == kept[:, None]) & (kept[:, None] > 0), fill.grouped,
                        0.0).amax(1)
     floor_top = torch.where(rank.floor.view(rows, T), fill.est.view(rows, T), 0.0).amax(1)
     bound = torch.where(kept > 0, last, torch.where(fill.floors > 0, floor_top, 1.0))  # [R]

@@ -34,8 +34,8 @@ Policies (``SpecConfig.budget_policy``):
                 :data:`EXPLORE_SHARE` of the drafting rounds' time (:meth:`BudgetPolicy.
                 explore_every`). It explores only while the last choice could still change:
                 a wider width must beat it if every node past each row's fill were accepted as
-                often as the row's last kept node (acceptance does not grow down the rank
-                order, so nothing the exploring round could observe would do better). The
+                often as the row's last kept node (the estimates' own model, acceptance
+                non-decreasing in rho, allows no more). The
                 choice weighs the round's time with the selection's own measured cost.
 
 Each round is one of three kinds (:meth:`BudgetPolicy.plan`): "plain" (goodput's plain decoding),
@@ -43,9 +43,11 @@ Each round is one of three kinds (:meth:`BudgetPolicy.plan`): "plain" (goodput's
 select_dense`, or goodput's :func:`~bole.speculative.budget.width_fill_keep`) on the device
 inside the verify graph and takes the kept nodes compacted to the front of each row, in a width W
 of :func:`width_buckets` picked by the host from the previous select round's largest per-request
-count (known from the round's one copy, so no extra synchronisation); a request that keeps more
-than W nodes this round loses its lowest-ranked ones (a suffix of a topological order:
-still a tree). A whole round verifies every drafted node without selecting:
+count (known from the round's one copy, so no extra synchronisation). Under a global budget a
+request that keeps more than W nodes this round loses those past its first W slots (a suffix of
+its topological slot order: still a tree); goodput fills each row to the narrower of its choice
+and W in rank order, and the next round takes the width of its choice. A whole round verifies
+every drafted node without selecting:
 
 - in the batch buckets where selecting cannot pay (:meth:`BudgetPolicy.whole_trees`): where a
   bucket's budget covers every drafted node (global, calibrated), or where verifying whole trees
@@ -114,7 +116,8 @@ def width_buckets(T: int) -> tuple[int, ...]:
 @dataclass
 class Selected:
     """The compacted trees a verify forward takes: ``[R, W]`` tokens, the forest, each row's
-    kept count before compaction ``[R]`` (what the next round's width follows), the kept
+    kept count before compaction ``[R]`` (what the next round's width follows; for goodput, the
+    count at its chosen width, which may exceed this round's W), the kept
     nodes' rho ``[R, W]`` (what the acceptance calibrator learns from) and, for goodput, whether
     verifying the nodes past the fill could change its choice (0-d bool: what decides whether
     exploring can teach anything)."""
@@ -152,23 +155,28 @@ def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid
            acceptance: AcceptanceCalibrator | None = None) -> Selected:
     """Keep the batch's best ``budget`` draft nodes (``[R, T]`` inputs, ``budget`` a 0-d device
     tensor, inactive rows keep their roots only) and compact them to ``width`` slots a row.
-    With ``goodput`` the budget is chosen here, on the device, from the kept nodes' acceptance
-    estimates (rho, mapped by ``acceptance`` when given)."""
+    With ``goodput`` the verify width is chosen here instead, on the device, from the nodes'
+    acceptance estimates (rho, mapped by ``acceptance`` when given), and every row is filled
+    to it (to ``width`` where that is narrower)."""
     forest = DenseForest.from_parents(parents, valid, max_depth)
     rho = rho.masked_fill(~valid, 0.0)
     rank = rank_dense(rho, forest, root_floor, active)        # one ranking for both uses
     widen = None
     if goodput is None:
         keep = select_dense(rho, forest, budget, root_floor, active=active, rank=rank)
+        kept = keep.sum(1)
     else:
-        _, keep, widen = width_fill_choice(rank, rho.shape[0], goodput.widths, goodput.t_ver,
-                                           acceptance=acceptance,
-                                           round_overhead_ms=goodput.overhead_ms)
+        choice = width_fill_choice(rank, rho.shape[0], goodput.widths, goodput.t_ver,
+                                   max_width=width, acceptance=acceptance,
+                                   round_overhead_ms=goodput.overhead_ms)
+        keep, kept, widen = choice.keep, choice.kept, choice.could_widen
         if active is not None:
-            keep[:, 0] |= forest.valid[:, 0] & ~active
+            idle = forest.valid[:, 0] & ~active
+            keep[:, 0] |= idle
+            kept = kept + idle
     c = compact(keep, tokens, forest.parents, width=width)
     return Selected(c.tokens, DenseForest.from_parents(c.parents, c.valid, max_depth),
-                    keep.sum(1), c.gather(rho), widen)
+                    kept, c.gather(rho), widen)
 
 
 class BudgetPolicy:
@@ -237,7 +245,8 @@ class BudgetPolicy:
         if self.policy in ("global", "calibrated"):
             return all(self.budget(n) >= n * drafted for n in range(1, R + 1))
         t_full = self.t_ver_at_width(R, self.T)
-        cheapest = min((self.t_ver_at_width(R, w) for w in self.widths[:-1]), default=t_full)
+        cheapest = min((self.t_ver_at_width(R, w) for w in self.goodput_widths[:-1]),
+                       default=t_full)
         return t_full <= cheapest + self.profile.t_select_at(R)
 
     def t_ver_at_width(self, R: int, width: int) -> float:
@@ -248,9 +257,16 @@ class BudgetPolicy:
         return width_priced_t_ver(self.profile.batches[row], self.profile.node_grid,
                                   self.profile.t_ver[row], width)
 
+    @property
+    def goodput_widths(self) -> tuple[int, ...]:
+        """The verify widths goodput chooses from: those that hold a root and its floors (a
+        narrower one would be priced below the width its rows need)."""
+        return tuple(w for w in self.widths if w >= 1 + self.spec.root_floor) or (self.T,)
+
     def goodput_inputs(self, R: int, device) -> Goodput:
         """Static device inputs of the goodput choice for bucket R."""
-        return Goodput.on(device, self.widths, [self.t_ver_at_width(R, w) for w in self.widths])
+        widths = self.goodput_widths
+        return Goodput.on(device, widths, [self.t_ver_at_width(R, w) for w in widths])
 
     def round_overhead_ms(self, R: int) -> float:
         """What a drafting round of bucket R adds to its verify forward (ms): the measured draft

@@ -27,9 +27,11 @@ Everything is fixed-shape tensor code without host synchronisation (sorts, cumsu
 scatters; no ``.item()``, no boolean indexing), so it runs inside a CUDA graph; ``budget`` may be
 a 0-d device tensor that changes between replays.
 
-The goodput policy picks the budget per round from the calibrated verify-time curve
-(:mod:`bole.speculative.calibration`): :func:`expected_accepted_curve` on the device, then
-:func:`goodput_best` or :func:`goodput_budget` (device) or :func:`goodput_choice` (host).
+Goodput's helpers: :func:`expected_accepted_curve` prices every global budget of a grid, and
+:func:`goodput_best`, :func:`goodput_budget` (device) and :func:`goodput_choice` (host) pick one.
+The engine's dense verify (R rows at one width) makes the policy pick a verify width instead and
+fill every row to it (:class:`RowFill`, :func:`width_fill_curve`, :func:`width_fill_keep`,
+:func:`width_fill_choice`), priced from the calibrated curve by :func:`width_priced_t_ver`.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ from bole.forest import DenseForest
 
 __all__ = ["Ranking", "rank_nodes", "select_nodes", "dense_inputs", "rank_dense", "select_dense",
            "Compacted", "compact", "safe_width", "expected_accepted_curve", "goodput_rates",
-           "goodput_choice", "goodput_best", "goodput_budget", "RowFill", "width_fill_curve",
-           "width_fill_keep", "width_fill_could_widen", "width_fill_choice",
+           "goodput_choice", "goodput_best", "goodput_budget", "RowFill", "WidthChoice",
+           "width_fill_curve", "width_fill_keep", "width_fill_could_widen", "width_fill_choice",
            "width_priced_t_ver"]
 
 #: a budget of draft nodes: a host int, or a 0-d tensor on the forest's device
@@ -439,12 +441,13 @@ def width_fill_could_widen(rank: Ranking, rows: int, widths: Tensor, choice: Ten
                            round_overhead_ms: float | Tensor = 0.0,
                            fill: RowFill | None = None) -> Tensor:
     """0-d bool: whether a width wider than ``choice`` could beat it if what lies past each row's
-    fill were accepted as often as the row's last kept node: the most that verifying those nodes
-    could teach, since acceptance does not grow down a row's rank order (rho never grows down a
-    path, and the acceptance estimates are a non-decreasing map of it). A row whose fill keeps
-    no eligible node is bounded by its best floor (every other node is a worse root child or
-    lies below one), or 1 without floors. Where it is False, verifying the nodes past the fill
-    cannot change the choice.
+    fill were accepted as often as the row's last kept node. Under the acceptance estimates' own
+    model (acceptance a non-decreasing function of rho, which never grows down a path) that is
+    the most verifying those nodes could show: a row's estimates do not grow down its rank
+    order. A row whose fill keeps no eligible node is bounded by its best floor (every other
+    node is a worse root child or lies below one), or 1 without floors. Where it is False,
+    verifying the nodes past the fill cannot change the choice unless acceptance falls as rho
+    grows, which the estimates cannot represent anyway.
 
     widths ``[Wn]`` ascending, ``choice`` 0-d (one of them), ``expected`` ``[Wn]``
     (:func:`width_fill_curve` of the same ``rank`` and ``acceptance``), ``t_ver`` ``[Wn]`` ms. On
@@ -464,19 +467,42 @@ def width_fill_could_widen(rank: Ranking, rows: int, widths: Tensor, choice: Ten
     return ((widths > choice) & (optimistic / t > expected.gather(0, at) / t.gather(0, at))).any()
 
 
+@dataclass
+class WidthChoice:
+    """The goodput policy's choice of a round (:func:`width_fill_choice`).
+
+    width:       0-d int64, the chosen verify width.
+    keep:        ``[R, T]`` bool, every row filled to ``min(width, max_width)``.
+    kept:        ``[R]`` int64, what each row would keep at ``width`` (roots and floors
+                 included): what the next round's verify width follows.
+    could_widen: 0-d bool, :func:`width_fill_could_widen`.
+    """
+
+    width: Tensor
+    keep: Tensor
+    kept: Tensor
+    could_widen: Tensor
+
+
 def width_fill_choice(rank: Ranking, rows: int, widths: Tensor, t_ver: Tensor, *,
+                      max_width: int | None = None,
                       acceptance: Callable[[Tensor], Tensor] | None = None,
-                      round_overhead_ms: float | Tensor = 0.0) -> tuple[Tensor, Tensor, Tensor]:
-    """The goodput policy's choice in one pass: ``(width 0-d, keep [rows, T] bool, could_widen
-    0-d bool)``: the width of ``widths [Wn]`` with the most expected tokens per ms (its verify
-    ``t_ver [Wn]`` plus ``round_overhead_ms``), every row filled to it
-    (:func:`width_fill_keep`), and :func:`width_fill_could_widen`. No synchronisation."""
+                      round_overhead_ms: float | Tensor = 0.0) -> WidthChoice:
+    """The goodput policy's choice in one pass: the width of ``widths [Wn]`` with the most
+    expected tokens per ms (its verify ``t_ver [Wn]`` plus ``round_overhead_ms``), the rows
+    filled to it (:func:`width_fill_keep`) or to ``max_width`` where that is narrower (the width
+    this round's forward was built for: its best nodes in rank order, not the first slots that
+    compaction would leave), each row's count at the chosen width, and
+    :func:`width_fill_could_widen`. No synchronisation."""
     fill = RowFill.of(rank, rows, acceptance)
     curve = width_fill_curve(rank, rows, widths, fill=fill)
     width, _ = goodput_best(widths, curve, t_ver, round_overhead_ms=round_overhead_ms)
     widen = width_fill_could_widen(rank, rows, widths, width, curve, t_ver,
                                    round_overhead_ms=round_overhead_ms, fill=fill)
-    return width, width_fill_keep(rank, rows, width, fill=fill), widen
+    T = rank.root.shape[0] // rows
+    kept = rank.root.view(rows, T).sum(1) + fill.floors + fill.take(width)
+    fill_to = width if max_width is None else torch.clamp(width, max=max_width)
+    return WidthChoice(width, width_fill_keep(rank, rows, fill_to, fill=fill), kept, widen)
 
 
 def width_priced_t_ver(rows: int, node_grid: Sequence[int], t_ver: Sequence[float],

@@ -164,6 +164,30 @@ def test_goodput_fills_the_width_it_picks():
         assert sel.kept.tolist() == kept, t_ver
 
 
+def test_goodput_fills_this_rounds_width_with_its_best_nodes():
+    """When the choice is wider than the width this round's forward was built for, the row is
+    filled to that width in rank order (compaction alone would keep its first slots), and its
+    count at the choice goes to the host for the next round's width."""
+    from bole.engine.selection import Goodput
+    parents = torch.tensor([[-1, 0, 1, 2, 0, 4, 5, 6]])
+    valid = torch.ones(1, 8, dtype=torch.bool)
+    rho = torch.tensor([[1.0, 0.9, 0.1, 0.05, 0.85, 0.8, 0.75, 0.7]], dtype=torch.float64)
+    goodput = Goodput.on("cpu", (2, 4, 8), [1.0, 1.0, 1.0])
+    sel = select(rho, torch.arange(8).view(1, 8), parents, valid, torch.tensor(0),
+                 torch.tensor([True]), 1, 4, 7, goodput=goodput)
+    assert sel.rho.tolist() == [[1.0, 0.9, 0.85, 0.8]] and sel.tokens.tolist() == [[0, 1, 4, 5]]
+    assert sel.kept.tolist() == [8]
+
+
+def test_goodput_never_chooses_a_width_narrower_than_its_floors():
+    """A width that cannot hold a root and its floors would be priced below the width its rows
+    need: goodput does not offer it."""
+    policy = BudgetPolicy(SpecConfig("bole", budget=8, root_floor=3, budget_policy="goodput"), 8,
+                          profile=_profile(3.0, t_dec_ms=1.0))
+    assert policy.widths == (2, 4, 8) and policy.goodput_widths == (4, 8)
+    assert policy.goodput_inputs(1, "cpu").widths.tolist() == [4, 8]
+
+
 def test_goodput_prices_each_width_from_the_profile():
     """Bucket R's width W costs the profile's forward of its measured batch at that width:
     the largest grid point whose even spread fits ``rows * (W - 1)`` nodes."""

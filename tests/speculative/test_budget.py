@@ -366,7 +366,8 @@ def test_no_host_synchronisation(monkeypatch):
     assert out.valid.tolist() == [[True, True, True], [True, False, False]]
     assert budget.dim() == 0 and use_ar.dtype == torch.bool
     assert filled.shape == (2,) and kept.sum(1).tolist() == [2, 2]
-    assert choice[0].dim() == 0 and choice[1].shape == (R, T) and choice[2].dtype == torch.bool
+    assert choice.width.dim() == 0 and choice.keep.shape == (R, T)
+    assert choice.kept.shape == (R,) and choice.could_widen.dtype == torch.bool
 
 
 # ---- the goodput policy ----
@@ -450,11 +451,16 @@ def test_could_widen_matches_brute_force(case, data):
     overhead = data.draw(st.floats(0.0, 2.0))
     rank = rank_dense(rho, forest, floor, torch.tensor(active))
     tw, tt = torch.tensor(widths), torch.tensor(t_ver, dtype=torch.float64)
-    width, keep, widen = width_fill_choice(rank, R, tw, tt, round_overhead_ms=overhead)
+    max_width = data.draw(st.sampled_from(widths))
+    choice = width_fill_choice(rank, R, tw, tt, max_width=max_width, round_overhead_ms=overhead)
+    width, widen = choice.width, choice.could_widen
     curve = width_fill_curve(rank, R, tw)
     rate = (curve / (tt + overhead)).tolist()
     c = widths.index(int(width))
-    assert rate[c] == max(rate) and torch.equal(keep, width_fill_keep(rank, R, width))
+    assert rate[c] == max(rate)
+    # filled to the narrower of the choice and this round's width; counted at the choice
+    assert torch.equal(choice.keep, width_fill_keep(rank, R, min(int(width), max_width)))
+    assert torch.equal(choice.kept, width_fill_keep(rank, R, width).sum(1) * torch.tensor(active))
     # plain Python
     f = Forest(rho.reshape(-1).tolist(), forest.parent_global().tolist(),
                [r if forest.valid[r, i] and active[r] else -1 for r in range(R) for i in range(T)])
@@ -490,8 +496,8 @@ def test_could_widen_when_the_cutoff_is_close_and_not_when_it_is_far():
     widths = torch.tensor([2, 4])
     for cost, could in ((1.5, True), (10.0, False)):
         t_ver = torch.tensor([1.0, cost], dtype=torch.float64)
-        width, _, widen = width_fill_choice(rank, 2, widths, t_ver)
-        assert int(width) == 2 and bool(widen) == could, cost
+        choice = width_fill_choice(rank, 2, widths, t_ver)
+        assert int(choice.width) == 2 and bool(choice.could_widen) == could, cost
 
 
 def test_width_fill_keeps_what_a_budget_of_the_same_width_leaves_empty():

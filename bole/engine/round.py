@@ -608,6 +608,7 @@ class RoundRunner:
         b.num_host.copy_(b.num_emitted, non_blocking=True)
         if self.policy.shared:
             b.kept_host.copy_(b.kept, non_blocking=True)
+        if self.policy.policy == "goodput":
             b.widen_host.copy_(b.widen, non_blocking=True)
         if cuda:
             done = torch.cuda.Event()

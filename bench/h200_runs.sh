@@ -41,7 +41,10 @@
 #             the tree shapes on its own (--tune-tree-serial; not yet run)
 #   e2e-27b-small  bench/e2e.py, 27B at batch 16 4 2 (chain depths 4 6, trees 4,2,8 8,2,16
 #             8,4,32, bole-goodput): the 27B batches the study lacks (not yet run)
-#   e2e-27b-large  the same at batch 64 32 (not yet run)
+#   e2e-27b-large  27B at batch 32 64, one chain depth (4) and two trees (4,2,8 6,3,16: what
+#             won at 9B there), bole-goodput (not yet run)
+#   e2e-ts-bundled  e2e-9b-ts at batch 8 alone (chain depth 6), then e2e-bundled (cut where
+#             10 minutes end; not yet run)
 #   e2e-bundled  bench/e2e.py, the bundled model with its MTP head at batch 1-64 (chain depths 3
 #             4 6, trees 4,2,8 6,3,16 8,4,32 for bole and for tree-serial, bole-goodput, 1024
 #             tokens a run; not yet run)
@@ -65,7 +68,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|e2e-9b-ts|e2e-27b-small|e2e-27b-large|e2e-bundled|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-j|budget-9b-k|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|e2e-9b-ts|e2e-27b-small|e2e-27b-large|e2e-ts-bundled|e2e-bundled|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-j|budget-9b-k|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -174,9 +177,16 @@ case "$part" in
       --tree-shapes 4,2,8 8,2,16 8,4,32 --draft-vocab 32768 "${policy[@]}" --out "$out" \
       --tag=-27b-small ;;
   e2e-27b-large)
-    timeout 585 python3 bench/e2e.py --models qwen3.5-27b --batches 64 32 --chain-depths 4 6 \
-      --tree-shapes 4,2,8 8,2,16 8,4,32 --draft-vocab 32768 "${policy[@]}" --out "$out" \
-      --tag=-27b-large ;;
+    timeout ${LIMIT:-585} python3 bench/e2e.py --models qwen3.5-27b --batches 32 64 \
+      --chain-depths 4 --tree-shapes 4,2,8 6,3,16 --draft-vocab 32768 "${policy[@]}" \
+      --out "$out" --tag=-27b-large ;;
+  e2e-ts-bundled)
+    timeout 230 python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
+      --tree-shapes 4,2,8 6,3,16 8,2,16 8,4,32 --tune-tree-serial --max-tokens 512 \
+      --min-run-tokens 4096 --draft-vocab 32768 --out "$out" --tag=-9b-ts
+    timeout 340 python3 bench/e2e.py --models bundled --batches 1 2 4 8 16 32 64 \
+      --chain-depths 3 4 6 --tree-shapes 4,2,8 6,3,16 8,4,32 --min-run-tokens 1024 \
+      --tune-tree-serial "${policy[@]}" --out "$out" --tag=-bundled ;;
   e2e-bundled)
     timeout 585 python3 bench/e2e.py --models bundled --batches 1 2 4 8 16 32 64 \
       --chain-depths 3 4 6 --tree-shapes 4,2,8 6,3,16 8,4,32 --min-run-tokens 1024 \

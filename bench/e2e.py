@@ -108,6 +108,7 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
     slots = slots or len(prompts)
     scratch = max(spec.nodes_per_request, spec.depth + 1)
     max_len = max(map(len, prompts)) + max_tokens + scratch + 1
+    gc.collect()       # the last engine's graphs and buffers hold each other: free them first
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()

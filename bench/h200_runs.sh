@@ -177,7 +177,7 @@ case "$part" in
       --tree-shapes 4,2,8 8,2,16 8,4,32 --draft-vocab 32768 "${policy[@]}" --out "$out" \
       --tag=-27b-small ;;
   e2e-27b-large)
-    timeout ${LIMIT:-585} python3 bench/e2e.py --models qwen3.5-27b --batches 32 64 \
+    timeout ${LIMIT:-585} python3 bench/e2e.py --models qwen3.5-27b --batches ${BATCHES:-32 64} \
       --chain-depths 4 --tree-shapes 4,2,8 6,3,16 --draft-vocab 32768 "${policy[@]}" \
       --out "$out" --tag=-27b-large ;;
   e2e-ts-bundled)

@@ -108,10 +108,41 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
     slots = slots or len(prompts)
     scratch = max(spec.nodes_per_request, spec.depth + 1)
     max_len = max(map(len, prompts)) + max_tokens + scratch + 1
-    gc.collect()       # the last engine's graphs and buffers hold each other: free them first
+    _free(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        return _timed(model, spec, prompts, max_tokens, continuations, device, slots, max_len,
+                      budget_profile)
+    except RuntimeError as exc:          # torch.OutOfMemoryError is one; so are cuBLAS's
+        if not _out_of_memory(exc):
+            raise
+        print(f"[e2e] {spec.mode} {spec.depth},{spec.topk},{spec.budget} at batch {slots} does "
+              f"not fit: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        return does_not_fit(exc, device)
+    finally:
+        _free(device)
+
+
+def does_not_fit(exc: BaseException, device: str) -> dict:
+    """The record of a run that ran out of device memory: no figures, the error's first line
+    and the peak it reached."""
+    return dict(fits=False, error=str(exc).splitlines()[0], tokens_per_s=None,
+                decode_tokens_per_s=None,
+                peak_mem_gib=(torch.cuda.max_memory_allocated() / 2 ** 30
+                              if device == "cuda" else None))
+
+
+def _free(device: str) -> None:
+    """Collect the last engine (its graphs and buffers hold each other) and hand its memory
+    back, so that the next run starts from the model alone."""
+    gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+
+
+def _timed(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device,
+           slots: int, max_len: int, budget_profile) -> dict:
     engine = Engine(model, spec, max_slots=slots, max_len=max_len, budget_profile=budget_profile)
     engine.generate(prompts[:slots], GenerationParams(max_tokens=min(8, max_tokens)), seed=0,
                     continuations=continuations and continuations[:slots])
@@ -131,7 +162,7 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
     outputs = [r.token_ids for r in res]
     decode_rate, prefill_s = engine.timings.decode_split(tokens - len(prompts), elapsed)
     full_rate, full_rounds = engine.timings.full_batch_rate() or (None, 0)
-    out = dict(tokens_per_s=tokens / elapsed,
+    out = dict(fits=True, tokens_per_s=tokens / elapsed,
                decode_tokens_per_s=decode_rate, prefill_s=prefill_s,
                full_batch_tokens_per_s=full_rate, full_batch_rounds=full_rounds,
                mean_accepted_tokens=accepted / max(1, rounds),
@@ -147,7 +178,6 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
                peak_mem_gib=(torch.cuda.max_memory_allocated() / 2 ** 30
                              if device == "cuda" else None),
                outputs=outputs, output_digest=digest(outputs))
-    del engine
     return out
 
 
@@ -209,8 +239,8 @@ def confirm(model, spec: SpecConfig, context: int, batch: int, device: str) -> d
     scratch = max(spec.nodes_per_request, spec.depth + 1)
     rec = dict(mode=spec.mode, shape=dict(depth=spec.depth, topk=spec.topk, budget=spec.budget),
                batch=batch, context=context)
+    _free(device)
     if device == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     engine = None
     t0 = time.perf_counter()
@@ -228,9 +258,7 @@ def confirm(model, spec: SpecConfig, context: int, batch: int, device: str) -> d
                    device_gib=torch.cuda.get_device_properties(
                        torch.cuda.current_device()).total_memory / 2 ** 30)
     del engine
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    _free(device)
     return rec
 
 
@@ -355,8 +383,11 @@ def study(args, tp=None) -> Path | None:
                         requests=requests)
             ar = run(model, SpecConfig("ar"), prompts, args.max_tokens, None, args.device,
                      batch)
-            cont = ar.pop("outputs")
+            cont = ar.pop("outputs", None)
             records.append(dict(base, mode="ar", shape=None, **ar))
+            if not ar["fits"]:               # no continuation to replay, nothing to compare
+                write(args, records, confirmations)
+                continue
             candidates = {"chain": [], "bole": []}
             if args.tune_tree_serial:
                 candidates["tree-serial"] = []
@@ -376,8 +407,9 @@ def study(args, tp=None) -> Path | None:
             best = {}
             for mode, tried in candidates.items():
                 spec, res = tried[fastest(tried, model)]
-                if len(tried) > 1:   # its figure from a fresh run: the best of several runs is
-                    # also the luckiest, and reporting it would hand the mode its timing noise
+                if res["fits"] and sum(r["fits"] for _, r in tried) > 1:
+                    # its figure from a fresh run: the best of several runs is also the
+                    # luckiest, and reporting it would hand the mode its timing noise
                     picked = res["decode_tokens_per_s"]
                     res = dict(run(model, spec, prompts, args.max_tokens, cont, args.device,
                                    batch),
@@ -404,7 +436,7 @@ def study(args, tp=None) -> Path | None:
                                                     args.device, batch))
             for mode in ("chain", "tree-serial", "bole", *(f"bole-{p}" for p in policies)):
                 spec, res = best[mode]
-                equal = res.pop("outputs") == cont
+                equal = res.pop("outputs") == cont if res["fits"] else None
                 records.append(dict(base, mode=mode, equal_to_ar=equal,
                                     shape=dict(depth=spec.depth, topk=spec.topk,
                                                budget=spec.budget),
@@ -459,7 +491,8 @@ def write(args, records: list[dict], confirmations: list[dict]) -> Path:
 def fastest(candidates: list[tuple[SpecConfig, dict]], model) -> int:
     """Index of the candidate with the most tokens/s: rank 0's pick on every rank (timings
     differ between ranks, the runs that follow must not)."""
-    i = max(range(len(candidates)), key=lambda j: candidates[j][1]["decode_tokens_per_s"])
+    i = max(range(len(candidates)),
+            key=lambda j: candidates[j][1]["decode_tokens_per_s"] or float("-inf"))
     return model.tp.broadcast_int(i)
 
 
@@ -472,10 +505,12 @@ def plot(path: Path) -> Path:
     fig, axes = plt.subplots(2, len(models), figsize=(4.5 * len(models), 7), squeeze=False)
     for j, name in enumerate(models):
         recs = [r for r in data["records"] if r["model"] == name]
-        ar = {r["batch"]: r["decode_tokens_per_s"] for r in recs if r["mode"] == "ar"}
+        ar = {r["batch"]: r["decode_tokens_per_s"] for r in recs
+              if r["mode"] == "ar" and r.get("fits", True)}
         modes = list(dict.fromkeys(r["mode"] for r in recs))
         for mode in modes:
-            pts = sorted((r["batch"], r["decode_tokens_per_s"]) for r in recs if r["mode"] == mode)
+            pts = sorted((r["batch"], r["decode_tokens_per_s"]) for r in recs
+                         if r["mode"] == mode and r.get("fits", True) and r["batch"] in ar)
             if not pts:
                 continue
             axes[0, j].plot(*zip(*pts), marker="o", label=mode)

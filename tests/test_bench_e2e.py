@@ -5,6 +5,9 @@ the same outputs and acceptance, rank 0 writing records marked tp 2."""
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 from tests.scripts import load_script
 
 SMOKE = ["--models", "tiny", "--device", "cpu", "--max-tokens", "10", "--context", "16",
@@ -116,3 +119,44 @@ def test_a_max_batch_that_does_not_fit_is_retried_smaller(monkeypatch):
     assert e2e._out_of_memory(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED when calling ..."))
     assert e2e._out_of_memory(RuntimeError("CUDA error: out of memory"))
     assert not e2e._out_of_memory(RuntimeError("shape mismatch"))
+
+
+def test_a_mode_that_does_not_fit_is_recorded_and_the_study_goes_on(tmp_path, monkeypatch):
+    """A mode whose engine runs out of device memory (27B chain at batch 64 on one H200: its
+    per-position state snapshots) gets a record saying so, with no figures; the other modes
+    still run and the plot leaves it out."""
+    e2e = _e2e()
+    real = e2e.Engine
+
+    def engine(model, spec, **kw):
+        if spec.mode == "chain" and spec.depth == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 960.00 MiB.")
+        return real(model, spec, **kw)
+
+    monkeypatch.setattr(e2e, "Engine", engine)
+    assert e2e.main(SMOKE + ["--batches", "2", "--chain-depths", "3", "--out",
+                             str(tmp_path)]) == 0
+    _, recs = _records(tmp_path)
+    by = {r["mode"]: r for r in recs}
+    assert set(by) == {"ar", "chain", "tree-serial", "bole"}
+    assert by["chain"]["fits"] is False and by["chain"]["decode_tokens_per_s"] is None
+    assert "960.00 MiB" in by["chain"]["error"] and by["chain"]["equal_to_ar"] is None
+    assert all(by[m]["fits"] and by[m]["equal_to_ar"] for m in ("tree-serial", "bole"))
+    # of two depths, the one that fits is picked and run again
+    assert e2e.main(SMOKE + ["--batches", "2", "--chain-depths", "2", "3", "--out",
+                             str(tmp_path)]) == 0
+    _, recs = _records(tmp_path)
+    chain = next(r for r in recs if r["mode"] == "chain")
+    assert chain["fits"] and chain["shape"]["depth"] == 2 and chain["equal_to_ar"]
+    assert "sweep_best_decode_tokens_per_s" not in chain      # one fitting candidate: not rerun
+
+
+def test_a_run_that_fails_otherwise_still_raises(monkeypatch):
+    e2e = _e2e()
+
+    def engine(model, spec, **kw):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(e2e, "Engine", engine)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        e2e.run(None, e2e.SpecConfig("ar"), [[1, 2]], 4, None, "cpu")

@@ -323,7 +323,13 @@ def main(argv=None) -> int:
                     help="tensor-parallel ranks: one process each (one GPU each on CUDA)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--table", nargs="+", metavar="JSON",
+                    help="print the markdown table of these result files (the README's) and "
+                         "exit: no run")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table([Path(p) for p in args.table]))
+        return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: pass --device cpu for a smoke run", file=sys.stderr)
         return 2
@@ -479,7 +485,9 @@ def write(args, records: list[dict], confirmations: list[dict]) -> Path:
                 acceptance_note=("presets: random weights, acceptance replayed from profile "
                                  f"{args.profile!r} (bole/speculative/profiles), not measured"
                                  + ("" if args.unforced else
-                                    "; greedy acceptance forced to the known continuation")))
+                                    "; greedy acceptance forced to the known continuation")
+                                 + ("; bundled: its own MTP head, acceptance measured"
+                                    if "bundled" in args.models else "")))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"e2e-{meta['date']}{args.tag}.json"
@@ -494,6 +502,60 @@ def fastest(candidates: list[tuple[SpecConfig, dict]], model) -> int:
     i = max(range(len(candidates)),
             key=lambda j: candidates[j][1]["decode_tokens_per_s"] or float("-inf"))
     return model.tp.broadcast_int(i)
+
+
+TABLE_MODES = ("chain", "tree-serial", "bole")
+
+
+def table(paths: list[Path]) -> str:
+    """One markdown row per model and batch of the result files: each mode's decode tokens/s
+    (its shape), bole's multiples, its accepted tokens a round, round split and peak memory.
+    A mode that did not fit the device reads "does not fit"."""
+    head = ("| model | batch | ar | chain (depth) | tree-serial (shape) | bole (shape) | "
+            "bole-goodput | tokens per round | bole / ar | / tree-serial | / chain | "
+            "bole round ms (draft/verify/accept/host) | peak GiB (ar/chain/tree-serial/bole) | "
+            "outputs equal to ar |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    recs = [r for p in paths for r in json.loads(p.read_text())["records"]]
+    models = list(dict.fromkeys(r["model"] for r in recs))
+    groups = sorted(dict.fromkeys((r["model"], r["batch"]) for r in recs),
+                    key=lambda g: (models.index(g[0]), g[1]))
+    for model, batch in groups:
+        by = {r["mode"]: r for r in recs if (r["model"], r["batch"]) == (model, batch)}
+        ok = {m: r for m, r in by.items() if r.get("fits", True)}
+        if "ar" not in ok:
+            continue
+
+        def rate(mode: str) -> str:
+            if mode not in by:
+                return ""
+            r = by[mode]
+            if mode not in ok:
+                return "does not fit"
+            sh = r["shape"]
+            label = (f" (d{sh['depth']})" if mode == "chain" else
+                     f" ({sh['depth']},{sh['topk']},{sh['budget']})")
+            return f"{r['decode_tokens_per_s']:.0f}{label}"
+
+        def ratio(mode: str) -> str:
+            return (f"{ok['bole']['decode_tokens_per_s'] / ok[mode]['decode_tokens_per_s']:.2f}"
+                    if "bole" in ok and mode in ok else "")
+
+        b = ok.get("bole")
+        split = (f"{b['round_ms']:.2f} ({b['draft_ms']:.2f}/{b['verify_ms']:.2f}/"
+                 f"{b['accept_commit_ms']:.2f}/{b['host_ms']:.2f})" if b else "")
+        goodput = ok.get("bole-goodput")
+        peaks = "/".join(f"{by[m]['peak_mem_gib']:.1f}" if m in by and by[m]["peak_mem_gib"]
+                         else "" for m in ("ar", *TABLE_MODES))
+        cells = [model, str(batch), f"{ok['ar']['decode_tokens_per_s']:.0f}",
+                 *(rate(m) for m in TABLE_MODES),
+                 f"{goodput['decode_tokens_per_s']:.0f}" if goodput else rate("bole-goodput"),
+                 f"{b['mean_accepted_tokens']:.2f}" if b else "", ratio("ar"),
+                 ratio("tree-serial"), ratio("chain"), split, peaks,
+                 f"{sum(bool(r.get('equal_to_ar')) for m, r in ok.items() if m != 'ar')}"
+                 f"/{len(ok) - 1}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def plot(path: Path) -> Path:
@@ -516,15 +578,19 @@ def plot(path: Path) -> Path:
             axes[0, j].plot(*zip(*pts), marker="o", label=mode)
             axes[1, j].plot([b for b, _ in pts], [t / ar[b] for b, t in pts], marker="o",
                             label=mode)
-        axes[0, j].set_title(f"{name}: decode tokens/s", fontsize=9)
+        source = ("its MTP head" if recs[0]["drafter"] == "mtp"
+                  else f"replay of {recs[0]['profile']}")
+        axes[0, j].set_title(f"{name} ({source}): decode tokens/s", fontsize=9)
         axes[1, j].set_title(f"{name}: speed-up over ar", fontsize=9)
         for ax in axes[:, j]:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("batch")
         axes[0, j].legend(fontsize=7)
     m = data["meta"]
-    title = f"{m['device']}, torch {m['torch']}, {m['date']}; {m['acceptance_note']}"
-    fig.suptitle(textwrap.fill(title, 160), fontsize=8)
+    title = f"{m['device']}, torch {m['torch']}, {m['date']}"
+    if any(r["drafter"] == "replay" for r in data["records"]):
+        title += "; " + m["acceptance_note"]
+    fig.suptitle(textwrap.fill(title, 70 * len(models)), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     return save_png(fig, path)
 

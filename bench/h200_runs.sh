@@ -40,20 +40,20 @@
 #   e2e-9b-ts  bench/e2e.py, 9B at batch 8 and 1 with 512-token requests, tree-serial swept over
 #             the tree shapes on its own (--tune-tree-serial; not yet run)
 #   e2e-27b-small  bench/e2e.py, 27B at batch 16 4 2 (chain depths 4 6, trees 4,2,8 8,2,16
-#             8,4,32, bole-goodput): the 27B batches the study lacks (not yet run)
+#             8,4,32, bole-goodput; ~5.5 min)
 #   e2e-27b-large  27B at batch 32 64, one chain depth (4) and two trees (4,2,8 6,3,16: what
-#             won at 9B there), bole-goodput (not yet run)
+#             won at 9B there), bole-goodput (~4.5 min at batch 32; batch 64's chain does not fit)
 #   e2e-27b-b64  27B at batch 64 alone: chain depth 4, the 4,2,8 tree, no budget policy (what
-#             fits in the last 3.5 minutes of a session's device time; not yet run)
+#             fits in a session's last minutes; cut at 175 s once, before its batch finished)
 #   e2e-ts-bundled  e2e-9b-ts at batch 8 alone (chain depth 6), then e2e-bundled (cut where
-#             10 minutes end; not yet run)
+#             10 minutes end; ~6 min)
 #   e2e-bundled  bench/e2e.py, the bundled model with its MTP head at batch 1-64 (chain depths 3
 #             4 6, trees 4,2,8 6,3,16 8,4,32 for bole and for tree-serial, bole-goodput, 1024
 #             tokens a run; not yet run)
 #   budget-9b-i  the 9B preset at batch 16 32 2, the oracle over the capacities that fill each
 #             verify width (--sweep-widths), goodput choosing a width (~6 min)
 #   budget-9b-j  the same at batch 8 64 4 1 (cut at 500 s: what is left of a session's device time)
-#   budget-9b-k  the same at batch 64 1 4, the batches budget-9b-i and -j left (not yet run)
+#   budget-9b-k  the same at batch 64 1 4, the batches budget-9b-i and -j left (~6 min)
 #   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
 #             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
 #             run three times (the median kept; cut where 10 minutes end)

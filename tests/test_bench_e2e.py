@@ -160,3 +160,31 @@ def test_a_run_that_fails_otherwise_still_raises(monkeypatch):
     monkeypatch.setattr(e2e, "Engine", engine)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         e2e.run(None, e2e.SpecConfig("ar"), [[1, 2]], 4, None, "cpu")
+
+
+def test_the_table_prints_one_row_per_model_and_batch(tmp_path):
+    """--table: rows sorted by batch within each model, multiples over each mode, a mode that
+    did not fit named so and left out of the multiples."""
+    e2e = _e2e()
+
+    def rec(mode, batch, rate, fits=True, **kw):
+        return dict(model="m", batch=batch, mode=mode, fits=fits, decode_tokens_per_s=rate,
+                    shape=None if mode == "ar" else dict(depth=4, topk=2, budget=8),
+                    peak_mem_gib=10.0, equal_to_ar=True if mode != "ar" else None,
+                    mean_accepted_tokens=3.5, round_ms=2.0, draft_ms=0.5, verify_ms=1.2,
+                    accept_commit_ms=0.2, host_ms=0.1, **kw)
+
+    records = [rec("ar", 64, 100.0), rec("chain", 64, None, fits=False),
+               rec("tree-serial", 64, 150.0), rec("bole", 64, 300.0),
+               rec("ar", 8, 50.0), rec("chain", 8, 100.0), rec("tree-serial", 8, 120.0),
+               rec("bole", 8, 200.0), rec("bole-goodput", 8, 210.0)]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(dict(meta={}, records=records)))
+    lines = e2e.table([path]).splitlines()
+    assert len(lines) == 4 and lines[1].count("---") == lines[0].count(" | ") + 1
+    b8 = lines[2].split(" | ")
+    assert b8[1:4] == ["8", "50", "100 (d4)"] and b8[6] == "210" and b8[8:11] == [
+        "4.00", "1.67", "2.00"]
+    b64 = lines[3].split(" | ")
+    assert b64[1] == "64" and b64[3] == "does not fit" and b64[8:11] == ["3.00", "2.00", ""]
+    assert b64[-1] == "2/2 |"

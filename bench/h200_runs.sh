@@ -43,8 +43,12 @@
 #             8,4,32, bole-goodput; ~5.5 min)
 #   e2e-27b-large  27B at batch 32 64, one chain depth (4) and two trees (4,2,8 6,3,16: what
 #             won at 9B there), bole-goodput (~4.5 min at batch 32; batch 64's chain does not fit)
-#   e2e-27b-b64  27B at batch 64 alone: chain depth 4, the 4,2,8 tree, no budget policy (what
-#             fits in a session's last minutes; cut at 175 s once, before its batch finished)
+#   e2e-27b-b64  27B at batch 64 alone: chain depth 4 (it does not fit: recorded so), trees
+#             4,2,8 6,3,16, bole-goodput (not yet run; an earlier form was cut at 175 s)
+#   e2e-27b-b1-8  27B at batch 8 1 with bole-goodput, chain depths 4 6, trees 6,3,16 8,2,16
+#             8,4,32 (the study's 27B rows at 1 and 8 lack goodput; not yet run)
+#   e2e-9b-ts-a  9B at batch 1 2, 512-token requests, tree-serial tuned on its own (not yet run)
+#   e2e-9b-ts-b  the same at batch 4 16 (4096 tokens a run; not yet run)
 #   e2e-ts-bundled  e2e-9b-ts at batch 8 alone (chain depth 6), then e2e-bundled (cut where
 #             10 minutes end; ~6 min)
 #   e2e-bundled  bench/e2e.py, the bundled model with its MTP head at batch 1-64 (chain depths 3
@@ -70,7 +74,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|e2e-9b-ts|e2e-27b-small|e2e-27b-large|e2e-27b-b64|e2e-ts-bundled|e2e-bundled|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-j|budget-9b-k|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|e2e-9b-ts|e2e-27b-small|e2e-27b-large|e2e-27b-b64|e2e-27b-b1-8|e2e-9b-ts-a|e2e-9b-ts-b|e2e-ts-bundled|e2e-bundled|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-j|budget-9b-k|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -184,7 +188,20 @@ case "$part" in
       --out "$out" --tag=-27b-large ;;
   e2e-27b-b64)
     timeout ${LIMIT:-585} python3 bench/e2e.py --models qwen3.5-27b --batches 64 \
-      --chain-depths 4 --tree-shapes 4,2,8 --draft-vocab 32768 --out "$out" --tag=-27b-b64 ;;
+      --chain-depths 4 --tree-shapes 4,2,8 6,3,16 --draft-vocab 32768 "${policy[@]}" \
+      --out "$out" --tag=-27b-b64 ;;
+  e2e-27b-b1-8)
+    timeout 585 python3 bench/e2e.py --models qwen3.5-27b --batches 8 1 --chain-depths 4 6 \
+      --tree-shapes 6,3,16 8,2,16 8,4,32 --draft-vocab 32768 "${policy[@]}" --out "$out" \
+      --tag=-27b-b1-8 ;;
+  e2e-9b-ts-a)
+    timeout 585 python3 bench/e2e.py --models qwen3.5-9b --batches 1 2 --chain-depths 6 8 \
+      --tree-shapes 4,2,8 8,2,16 8,4,32 --tune-tree-serial --max-tokens 512 \
+      --min-run-tokens 4096 --draft-vocab 32768 --out "$out" --tag=-9b-ts-a ;;
+  e2e-9b-ts-b)
+    timeout 585 python3 bench/e2e.py --models qwen3.5-9b --batches 4 16 --chain-depths 4 6 \
+      --tree-shapes 4,2,8 6,3,16 8,2,16 --tune-tree-serial --max-tokens 512 \
+      --min-run-tokens 4096 --draft-vocab 32768 --out "$out" --tag=-9b-ts-b ;;
   e2e-ts-bundled)
     timeout 230 python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
       --tree-shapes 4,2,8 6,3,16 8,2,16 8,4,32 --tune-tree-serial --max-tokens 512 \

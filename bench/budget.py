@@ -53,6 +53,16 @@ from bole.engine.selection import width_buckets  # noqa: E402
 from bole.speculative.calibration import forget_acceptance, verification_budget  # noqa: E402
 
 
+def fitted(res: dict, what: str) -> dict:
+    """``res`` of :func:`e2e.run`; a run that ran out of device memory ends the benchmark with a
+    message (every policy runs the same trees: one that does not fit leaves nothing to
+    compare)."""
+    if not res["fits"]:
+        raise SystemExit(f"budget: {what} does not fit on the device ({res['error']}); run "
+                         "fewer --batches or a shorter --context")
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,7 +118,8 @@ def main(argv=None) -> int:
         records = []
         for batch in args.batches:
             prompts = prompts_for(model, given, batch, args.context, seed=batch)
-            ar = run(model, SpecConfig("ar"), prompts, args.max_tokens, None, args.device)
+            ar = fitted(run(model, SpecConfig("ar"), prompts, args.max_tokens, None,
+                            args.device), f"ar at batch {batch}")
             cont = ar.pop("outputs") if drafter == "replay" else None
 
             def one(policy: str, spec: SpecConfig, budget: int, model=model,
@@ -117,8 +128,9 @@ def main(argv=None) -> int:
                 for _ in range(args.repeats):
                     if not args.shared_acceptance:
                         forget_acceptance(model)
-                    runs.append(run(model, spec, prompts, args.max_tokens, cont, args.device,
-                                    budget_profile=budget_profile))
+                    runs.append(fitted(run(model, spec, prompts, args.max_tokens, cont,
+                                           args.device, budget_profile=budget_profile),
+                                       f"{policy} at batch {batch}"))
                 res = sorted(runs, key=lambda r: r["decode_tokens_per_s"])[len(runs) // 2]
                 rec = dict(model=name, batch=batch, policy=policy, budget=budget,
                            tokens_per_s=res["decode_tokens_per_s"],

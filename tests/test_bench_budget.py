@@ -5,6 +5,8 @@ on first use."""
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,3 +46,12 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
             assert r["tokens_per_s"] == sorted(r["tokens_per_s_runs"])[1]
     assert data["meta"]["b_ver"] and list((tmp_path / "cache").glob("budget-*.json"))
     assert list(tmp_path.glob("budget-*-tiny-t.png"))
+
+
+def test_a_policy_that_does_not_fit_ends_the_run_with_a_message(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    budget = load_script("bench/budget.py", "budget_bench")
+    with pytest.raises(SystemExit, match="goodput at batch 64 does not fit.*960.00 MiB"):
+        budget.fitted(dict(fits=False, error="CUDA out of memory. Tried to allocate 960.00 MiB."),
+                      "goodput at batch 64")
+    assert budget.fitted(dict(fits=True, x=1), "ar")["x"] == 1

@@ -404,8 +404,9 @@ class BudgetPolicy:
         whole rounds. ``could_widen`` (goodput's select rounds): whether verifying the nodes
         past the fill could change the choice, at best (:func:`~bole.speculative.budget.
         width_fill_could_widen`); while it is False the bucket does not explore. Whole rounds'
-        counts say nothing of the next choice."""
-        if kind != "select":
+        counts say nothing of the next choice; nor does a select round with no counts (every
+        row drafted a tree cut short by its token limit): the last ones stay."""
+        if kind != "select" or not kept:
             return
         if could_widen is not None:
             self.could_widen[R] = could_widen

@@ -41,6 +41,19 @@ def test_a_shared_budget_keeps_greedy_output(model, mode, drafter):
         assert stats["plain_round_share"] == 0
 
 
+def test_rows_near_their_token_limit_do_not_set_the_next_width(model):
+    """A request within a tree's depth of its token limit drafts a shallower tree; its kept
+    count would narrow the next round's verify for requests that draft whole trees (the last
+    round of a lone request, or a warm-up of a few tokens, then the next request's first)."""
+    spec = SpecConfig("bole", "mtp", depth=4, topk=3, budget=12, budget_policy="global",
+                      shared_budget=24)
+    engine = Engine(model, spec, max_slots=3)
+    engine.generate(PROMPTS, GenerationParams(max_tokens=4))   # every round within depth 4
+    assert engine.rounds.policy.last_kept == {}
+    engine.generate(PROMPTS, GenerationParams(max_tokens=16))
+    assert engine.rounds.policy.last_kept                      # rounds of whole trees counted
+
+
 def test_the_selection_honours_the_budget_and_floors():
     # three requests, 6 node slots: chains of rho 1 > 0.9 > 0.8 ... ; the last row is padding
     R, T = 3, 6
@@ -67,6 +80,8 @@ def test_widths_follow_the_previous_round():
     assert policy.width(8, 6) == 8                   # 1 + ceil(24 / 6) = 5 -> 8
     policy.observe(8, [3, 11, 2])
     assert policy.width(8, 6) == 16
+    policy.observe(8, [])                           # every row's tree cut by its limit
+    assert policy.width(8, 6) == 16                 # the last counts stay
     assert BudgetPolicy(SpecConfig(budget=32), 32).width(8, 6) == 32      # fixed: the tree
     with pytest.raises(ValueError, match="shared_budget"):
         BudgetPolicy(SpecConfig(budget_policy="global"), 32)

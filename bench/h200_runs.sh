@@ -58,6 +58,8 @@
 #             verify width (--sweep-widths), goodput choosing a width (~6 min)
 #   budget-9b-j  the same at batch 8 64 4 1 (cut at 500 s: what is left of a session's device time)
 #   budget-9b-k  the same at batch 64 1 4, the batches budget-9b-i and -j left (~6 min)
+#   budget-9b-l  the same at batch 2 8 16 again: the could-widen gate and the width that
+#             ignores rows near their token limit came after those runs (not yet run)
 #   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
 #             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
 #             run three times (the median kept; cut where 10 minutes end)
@@ -74,7 +76,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|e2e-9b-ts|e2e-27b-small|e2e-27b-large|e2e-27b-b64|e2e-27b-b1-8|e2e-9b-ts-a|e2e-9b-ts-b|e2e-ts-bundled|e2e-bundled|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-j|budget-9b-k|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|e2e-9b-ts|e2e-27b-small|e2e-27b-large|e2e-27b-b64|e2e-27b-b1-8|e2e-9b-ts-a|e2e-9b-ts-b|e2e-ts-bundled|e2e-bundled|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-j|budget-9b-k|budget-9b-l|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -219,6 +221,9 @@ case "$part" in
   budget-9b-j)
     timeout 500 python3 bench/budget.py --models qwen3.5-9b --batches 8 64 4 1 --sweep \
       --sweep-widths --draft-vocab 32768 --out "$out" --tag=-j ;;
+  budget-9b-l)
+    timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 2 8 16 --sweep \
+      --sweep-widths --draft-vocab 32768 --out "$out" --tag=-l ;;
   budget-9b-k)
     timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 64 1 4 --sweep \
       --sweep-widths --draft-vocab 32768 --out "$out" --tag=-k ;;

@@ -510,7 +510,8 @@ TABLE_MODES = ("chain", "tree-serial", "bole")
 def table(paths: list[Path]) -> str:
     """One markdown row per model and batch of the result files: each mode's decode tokens/s
     (its shape), bole's multiples, its accepted tokens a round, round split and peak memory.
-    A mode that did not fit the device reads "does not fit"."""
+    A mode that did not fit the device reads "does not fit"; the last column counts the modes
+    whose every request's output equalled ar's."""
     head = ("| model | batch | ar | chain (depth) | tree-serial (shape) | bole (shape) | "
             "bole-goodput | tokens per round | bole / ar | / tree-serial | / chain | "
             "bole round ms (draft/verify/accept/host) | peak GiB (ar/chain/tree-serial/bole) | "

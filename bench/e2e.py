@@ -316,8 +316,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-policies", nargs="*", default=[],
                     choices=["global", "calibrated", "goodput"],
                     help="also run bole under these verification-budget policies (mode "
-                         "bole-<policy>, on the largest --tree-shapes tree; the calibration "
+                         "bole-<policy>, on the tree --policy-tree names; the calibration "
                          "profile is made first where missing; tp 1 only)")
+    ap.add_argument("--policy-tree", choices=["largest", "best"], default="largest",
+                    help="the tree the budget policies choose from: the largest of --tree-shapes, "
+                         "or bole's best fixed tree at that batch")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks: one process each (one GPU each on CUDA)")
@@ -428,13 +431,15 @@ def study(args, tp=None) -> Path | None:
                                     forced_acceptance=forced)
                 best["tree-serial"] = (t_spec, run(model, t_spec, prompts, args.max_tokens, cont,
                                                    args.device, batch))
-            # the budget policies on the largest tree (the global one keeps half its nodes)
-            largest = max(shapes, key=lambda sh: sh[2])
+            # the budget policies on the largest tree (the global one keeps half its nodes), or
+            # on bole's best fixed one
+            tree = (max(shapes, key=lambda sh: sh[2]) if args.policy_tree == "largest" else
+                    (best["bole"][0].depth, best["bole"][0].topk, best["bole"][0].budget))
             policies = args.budget_policies if tp is None else []
             for policy in policies:
-                spec = SpecConfig("bole", drafter, *largest, profile, draft_vocab=args.draft_vocab,
+                spec = SpecConfig("bole", drafter, *tree, profile, draft_vocab=args.draft_vocab,
                                   forced_acceptance=forced, budget_policy=policy,
-                                  shared_budget=(batch * (largest[2] - 1) // 2
+                                  shared_budget=(batch * (tree[2] - 1) // 2
                                                  if policy == "global" else 0))
                 if policy != "global":
                     load_or_calibrate(model, spec, max(args.batches))

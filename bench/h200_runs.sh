@@ -51,6 +51,8 @@
 #   e2e-9b-ts-b  the same at batch 4 16 (4096 tokens a run; not yet run)
 #   e2e-ts-bundled  e2e-9b-ts at batch 8 alone (chain depth 6), then e2e-bundled (cut where
 #             10 minutes end; ~6 min)
+#   e2e-bundled-best  the bundled study with goodput on bole's best fixed tree at each batch
+#             (--policy-tree best; tree-serial on bole's trees; not yet run)
 #   e2e-bundled  bench/e2e.py, the bundled model with its MTP head at batch 1-64 (chain depths 3
 #             4 6, trees 4,2,8 6,3,16 8,4,32 for bole and for tree-serial, bole-goodput, 1024
 #             tokens a run; not yet run)
@@ -76,7 +78,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|e2e-9b-ts|e2e-27b-small|e2e-27b-large|e2e-27b-b64|e2e-27b-b1-8|e2e-9b-ts-a|e2e-9b-ts-b|e2e-ts-bundled|e2e-bundled|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-j|budget-9b-k|budget-9b-l|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
+part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|e2e-9b-ts|e2e-27b-small|e2e-27b-large|e2e-27b-b64|e2e-27b-b1-8|e2e-9b-ts-a|e2e-9b-ts-b|e2e-ts-bundled|e2e-bundled-best|e2e-bundled|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-j|budget-9b-k|budget-9b-l|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -211,6 +213,10 @@ case "$part" in
     timeout 340 python3 bench/e2e.py --models bundled --batches 1 2 4 8 16 32 64 \
       --chain-depths 3 4 6 --tree-shapes 4,2,8 6,3,16 8,4,32 --min-run-tokens 1024 \
       --tune-tree-serial "${policy[@]}" --out "$out" --tag=-bundled ;;
+  e2e-bundled-best)
+    timeout 585 python3 bench/e2e.py --models bundled --batches 1 2 4 8 16 32 64 \
+      --chain-depths 3 4 --tree-shapes 4,2,8 6,3,16 8,4,32 --min-run-tokens 1024 \
+      "${policy[@]}" --policy-tree best --out "$out" --tag=-bundled-best ;;
   e2e-bundled)
     timeout 585 python3 bench/e2e.py --models bundled --batches 1 2 4 8 16 32 64 \
       --chain-depths 3 4 6 --tree-shapes 4,2,8 6,3,16 8,4,32 --min-run-tokens 1024 \

@@ -188,3 +188,18 @@ def test_the_table_prints_one_row_per_model_and_batch(tmp_path):
     b64 = lines[3].split(" | ")
     assert b64[1] == "64" and b64[3] == "does not fit" and b64[8:11] == ["3.00", "2.00", ""]
     assert b64[-1] == "2/2 |"
+
+
+def test_the_budget_policies_can_choose_from_bole_s_best_tree(tmp_path, monkeypatch):
+    """--policy-tree best: the policies run on the tree bole's sweep picked at that batch."""
+    monkeypatch.setenv("BOLE_CACHE", str(tmp_path / "cache"))
+    e2e = _e2e()
+    # every sweep picks its last candidate: bole's best is then 2,2,3, not the largest tree
+    monkeypatch.setattr(e2e, "fastest", lambda candidates, model: len(candidates) - 1)
+    assert e2e.main(SMOKE[:-1] + ["3,2,6", "2,2,3", "--batches", "2", "--chain-depths", "2",
+                                  "--budget-policies", "global", "--policy-tree", "best",
+                                  "--out", str(tmp_path)]) == 0
+    _, recs = _records(tmp_path)
+    by = {r["mode"]: r for r in recs}
+    assert by["bole"]["shape"] == dict(depth=2, topk=2, budget=3)
+    assert by["bole-global"]["shape"] == by["bole"]["shape"] and by["bole-global"]["equal_to_ar"]

@@ -385,6 +385,7 @@ def study(args, tp=None) -> Path | None:
         model, given, drafter, _ = load(name, device, dtype, tp)
         profile = args.profile if drafter == "replay" else None
         forced = drafter == "replay" and not args.unforced
+        best: dict = {}
         for batch in args.batches:
             requests = requests_per_run(args, batch)
             prompts = prompts_for(model, given, requests, args.context, seed=batch)
@@ -457,7 +458,7 @@ def study(args, tp=None) -> Path | None:
                       flush=True)
             if tp is None or not tp.rank:
                 write(args, records, confirmations)
-        if args.confirm_max_batch and args.tp == 1:
+        if args.confirm_max_batch and args.tp == 1 and "tree-serial" in best:
             spec = best["tree-serial"][0]
             computed = max_batch(model, spec, args.max_context, args.device)
             confirmations.append(dict(model=name, computed_max_batch=computed,
@@ -529,7 +530,9 @@ def table(paths: list[Path]) -> str:
     for model, batch in groups:
         by = {r["mode"]: r for r in recs if (r["model"], r["batch"]) == (model, batch)}
         ok = {m: r for m, r in by.items() if r.get("fits", True)}
-        if "ar" not in ok:
+        if "ar" not in ok:                   # nothing ran there: say so
+            lines.append("| " + " | ".join([model, str(batch), "does not fit"]
+                                           + [""] * (head.count(" | ") - 2)) + " |")
             continue
 
         def rate(mode: str) -> str:

@@ -203,3 +203,26 @@ def test_the_budget_policies_can_choose_from_bole_s_best_tree(tmp_path, monkeypa
     by = {r["mode"]: r for r in recs}
     assert by["bole"]["shape"] == dict(depth=2, topk=2, budget=3)
     assert by["bole-global"]["shape"] == by["bole"]["shape"] and by["bole-global"]["equal_to_ar"]
+
+
+def test_a_batch_whose_plain_decoding_does_not_fit_records_only_that(tmp_path, monkeypatch):
+    """ar out of memory at a batch leaves nothing to replay or compare there: one record saying
+    so, and the study's other batches (and the max-batch confirmation) go on."""
+    e2e = _e2e()
+    real = e2e.Engine
+
+    def engine(model, spec, max_slots, **kw):
+        if spec.mode == "ar" and max_slots == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return real(model, spec, max_slots=max_slots, **kw)
+
+    monkeypatch.setattr(e2e, "Engine", engine)
+    assert e2e.main(SMOKE + ["--batches", "1", "2", "--chain-depths", "2", "--out",
+                             str(tmp_path)]) == 0
+    _, recs = _records(tmp_path)
+    assert [(r["batch"], r["mode"], r["fits"]) for r in recs if r["batch"] == 2] == [
+        (2, "ar", False)]
+    assert {r["mode"] for r in recs if r["batch"] == 1} == {"ar", "chain", "tree-serial", "bole"}
+    rows = e2e.table([next(tmp_path.glob("e2e-*.json"))]).splitlines()
+    assert rows[3].startswith("| tiny | 2 | does not fit |")
+    assert rows[3].count(" | ") == rows[0].count(" | ")

@@ -2,6 +2,7 @@
 chat, streaming, stop strings, errors, metrics, disconnects, and a bounded soak test."""
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -227,8 +228,11 @@ def test_soak(bundled):
             elif kind == 3:                                       # cancelled mid-stream
                 stream = await client.completions.create(
                     model=NAME, prompt=p, max_tokens=64, temperature=0, stream=True)
-                async for _ in stream:
-                    break
+                # the client's chunk iterator is an async generator: close it here, in the
+                # loop, rather than leave it to a garbage collection in another thread
+                async with contextlib.aclosing(stream.__aiter__()) as chunks:
+                    async for _ in chunks:
+                        break
                 await stream.close()
                 results["cancelled"] += 1
                 return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -192,13 +193,14 @@ class _Stream:
 
     async def read(self, resp: httpx.Response) -> _Stream:
         """Read to ``[DONE]``, timing lines as they arrive; ValueError on an error or bad data."""
-        async for line in resp.aiter_lines():
-            now = time.perf_counter()
-            if line.startswith("data:"):            # skip blank lines, comments, event names
-                if line[5:].strip() == "[DONE]":
-                    self.done = True
-                    break
-                self.take(json.loads(line[5:]), now)
+        async with contextlib.aclosing(resp.aiter_lines()) as lines:   # closed here, not by GC
+            async for line in lines:
+                now = time.perf_counter()
+                if line.startswith("data:"):        # skip blank lines, comments, event names
+                    if line[5:].strip() == "[DONE]":
+                        self.done = True
+                        break
+                    self.take(json.loads(line[5:]), now)
         self.end = time.perf_counter()
         return self
 

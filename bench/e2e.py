@@ -100,11 +100,13 @@ def requests_per_run(args, batch: int) -> int:
 
 
 def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device,
-        slots: int | None = None, budget_profile=None) -> dict:
+        slots: int | None = None, budget_profile=None, warmup_requests: int = 0) -> dict:
     """One timed generate of ``prompts`` (after a warm-up) with its round split and peak memory:
     ``slots`` requests at a time (default all), each finished one's slot taking the next
     (continuous batching). ``budget_profile``: the calibrated and goodput policies' profile
-    (default: this device's saved one)."""
+    (default: this device's saved one). The warm-up generates 8 tokens for the first
+    ``warmup_requests`` prompts (0: one per slot; the rounds' graphs are captured whatever it
+    runs, so fewer saves their prefills at large batches)."""
     slots = slots or len(prompts)
     scratch = max(spec.nodes_per_request, spec.depth + 1)
     max_len = max(map(len, prompts)) + max_tokens + scratch + 1
@@ -113,7 +115,7 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
         torch.cuda.reset_peak_memory_stats()
     try:
         return _timed(model, spec, prompts, max_tokens, continuations, device, slots, max_len,
-                      budget_profile)
+                      budget_profile, warmup_requests or slots)
     except RuntimeError as exc:          # torch.OutOfMemoryError is one; so are cuBLAS's
         if not _out_of_memory(exc):
             raise
@@ -142,10 +144,11 @@ def _free(device: str) -> None:
 
 
 def _timed(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device,
-           slots: int, max_len: int, budget_profile) -> dict:
+           slots: int, max_len: int, budget_profile, warmup: int) -> dict:
     engine = Engine(model, spec, max_slots=slots, max_len=max_len, budget_profile=budget_profile)
-    engine.generate(prompts[:slots], GenerationParams(max_tokens=min(8, max_tokens)), seed=0,
-                    continuations=continuations and continuations[:slots])
+    warmup = min(warmup, slots)
+    engine.generate(prompts[:warmup], GenerationParams(max_tokens=min(8, max_tokens)), seed=0,
+                    continuations=continuations and continuations[:warmup])
     engine.timings = type(engine.timings)()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -318,6 +321,10 @@ def main(argv=None) -> int:
                     help="also run bole under these verification-budget policies (mode "
                          "bole-<policy>, on the tree --policy-tree names; the calibration "
                          "profile is made first where missing; tp 1 only)")
+    ap.add_argument("--warmup-requests", type=int, default=0,
+                    help="requests in each run's warm-up (0: one per slot); the rounds' graphs are "
+                         "captured either way, and fewer save the warm-up's prefills at large "
+                         "batches (a 27B prefill of 64 x 2k tokens takes about 20 s)")
     ap.add_argument("--policy-tree", choices=["largest", "best"], default="largest",
                     help="the tree the budget policies choose from: the largest of --tree-shapes, "
                          "or bole's best fixed tree at that batch")
@@ -391,8 +398,11 @@ def study(args, tp=None) -> Path | None:
             prompts = prompts_for(model, given, requests, args.context, seed=batch)
             base = dict(model=name, drafter=drafter, profile=profile, batch=batch, tp=args.tp,
                         requests=requests)
-            ar = run(model, SpecConfig("ar"), prompts, args.max_tokens, None, args.device,
-                     batch)
+            def go(spec: SpecConfig, cont=None, batch=batch, prompts=prompts) -> dict:
+                return run(model, spec, prompts, args.max_tokens, cont, args.device, batch,
+                           warmup_requests=args.warmup_requests)
+
+            ar = go(SpecConfig("ar"))
             cont = ar.pop("outputs", None)
             records.append(dict(base, mode="ar", shape=None, **ar))
             if not ar["fits"]:               # no continuation to replay, nothing to compare
@@ -404,16 +414,14 @@ def study(args, tp=None) -> Path | None:
             for d in args.chain_depths:
                 spec = SpecConfig("chain", drafter, d, 1, d + 1, profile,
                                   draft_vocab=args.draft_vocab, forced_acceptance=forced)
-                candidates["chain"].append((spec, run(model, spec, prompts, args.max_tokens,
-                                                      cont, args.device, batch)))
+                candidates["chain"].append((spec, go(spec, cont)))
             for d, k, b in shapes:
                 for mode in ("bole", "tree-serial"):
                     if mode not in candidates:
                         continue
                     spec = SpecConfig(mode, drafter, d, k, b, profile,
                                       draft_vocab=args.draft_vocab, forced_acceptance=forced)
-                    candidates[mode].append((spec, run(model, spec, prompts, args.max_tokens,
-                                                       cont, args.device, batch)))
+                    candidates[mode].append((spec, go(spec, cont)))
             best = {}
             for mode, tried in candidates.items():
                 spec, res = tried[fastest(tried, model)]
@@ -421,17 +429,14 @@ def study(args, tp=None) -> Path | None:
                     # its figure from a fresh run: the best of several runs is also the
                     # luckiest, and reporting it would hand the mode its timing noise
                     picked = res["decode_tokens_per_s"]
-                    res = dict(run(model, spec, prompts, args.max_tokens, cont, args.device,
-                                   batch),
-                               sweep_best_decode_tokens_per_s=picked)
+                    res = dict(go(spec, cont), sweep_best_decode_tokens_per_s=picked)
                 best[mode] = (spec, res)
             if "tree-serial" not in best:            # on bole's trees
                 b_spec = best["bole"][0]
                 t_spec = SpecConfig("tree-serial", drafter, b_spec.depth, b_spec.topk,
                                     b_spec.budget, profile, draft_vocab=args.draft_vocab,
                                     forced_acceptance=forced)
-                best["tree-serial"] = (t_spec, run(model, t_spec, prompts, args.max_tokens, cont,
-                                                   args.device, batch))
+                best["tree-serial"] = (t_spec, go(t_spec, cont))
             # the budget policies on the largest tree (the global one keeps half its nodes), or
             # on bole's best fixed one
             tree = (max(shapes, key=lambda sh: sh[2]) if args.policy_tree == "largest" else
@@ -444,8 +449,7 @@ def study(args, tp=None) -> Path | None:
                                                  if policy == "global" else 0))
                 if policy != "global":
                     load_or_calibrate(model, spec, max(args.batches))
-                best[f"bole-{policy}"] = (spec, run(model, spec, prompts, args.max_tokens, cont,
-                                                    args.device, batch))
+                best[f"bole-{policy}"] = (spec, go(spec, cont))
             for mode in ("chain", "tree-serial", "bole", *(f"bole-{p}" for p in policies)):
                 spec, res = best[mode]
                 equal = res.pop("outputs") == cont if res["fits"] else None

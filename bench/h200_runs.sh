@@ -44,7 +44,8 @@
 #   e2e-27b-large  27B at batch 32 64, one chain depth (4) and two trees (4,2,8 6,3,16: what
 #             won at 9B there), bole-goodput (~4.5 min at batch 32; batch 64's chain does not fit)
 #   e2e-27b-b64  27B at batch 64 alone: chain depth 4 (it does not fit: recorded so), trees
-#             4,2,8 6,3,16, bole-goodput (not yet run; an earlier form was cut at 175 s)
+#             4,2,8 6,3,16, bole-goodput, warm-ups of 8 requests (each run's warm-up otherwise
+#             prefills 64 x 2k tokens, about 20 s; not yet run; an earlier form was cut at 175 s)
 #   e2e-27b-b1-8  27B at batch 8 1 with bole-goodput, chain depths 4 6, trees 6,3,16 8,2,16
 #             8,4,32 (the study's 27B rows at 1 and 8 lack goodput; not yet run)
 #   e2e-9b-ts-a  9B at batch 1 2, 512-token requests, tree-serial tuned on its own (not yet run)
@@ -193,7 +194,7 @@ case "$part" in
   e2e-27b-b64)
     timeout ${LIMIT:-585} python3 bench/e2e.py --models qwen3.5-27b --batches 64 \
       --chain-depths 4 --tree-shapes 4,2,8 6,3,16 --draft-vocab 32768 "${policy[@]}" \
-      --out "$out" --tag=-27b-b64 ;;
+      --warmup-requests 8 --out "$out" --tag=-27b-b64 ;;
   e2e-27b-b1-8)
     timeout 585 python3 bench/e2e.py --models qwen3.5-27b --batches 8 1 --chain-depths 4 6 \
       --tree-shapes 6,3,16 8,2,16 8,4,32 --draft-vocab 32768 "${policy[@]}" --out "$out" \

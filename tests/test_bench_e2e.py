@@ -226,3 +226,22 @@ def test_a_batch_whose_plain_decoding_does_not_fit_records_only_that(tmp_path, m
     rows = e2e.table([next(tmp_path.glob("e2e-*.json"))]).splitlines()
     assert rows[3].startswith("| tiny | 2 | does not fit |")
     assert rows[3].count(" | ") == rows[0].count(" | ")
+
+
+def test_the_warm_up_can_take_fewer_requests_than_slots(tmp_path, monkeypatch):
+    """--warmup-requests 1: each run's warm-up generates for one prompt, the timed part for
+    every one, and the outputs still equal ar's."""
+    e2e = _e2e()
+    real, sizes = e2e.Engine, []
+
+    class Counting(real):
+        def generate(self, prompts, *a, **kw):
+            sizes.append(len(prompts))
+            return super().generate(prompts, *a, **kw)
+
+    monkeypatch.setattr(e2e, "Engine", Counting)
+    assert e2e.main(SMOKE + ["--batches", "2", "--chain-depths", "2", "--warmup-requests", "1",
+                             "--out", str(tmp_path)]) == 0
+    assert sizes and sizes[0::2] == [1] * (len(sizes) // 2) and set(sizes[1::2]) == {2}
+    _, recs = _records(tmp_path)
+    assert all(r["equal_to_ar"] for r in recs if r["mode"] != "ar")

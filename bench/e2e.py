@@ -12,7 +12,8 @@ model drafts with its own MTP head (real acceptance). Per model and batch:
     tree-serial   the bole trees, node-by-node GDN with snapshots, copy commit
     bole          closed form + factors; (depth, topk, budget) swept (--tree-shapes), best kept
     bole-POLICY   bole under a verification-budget policy (--budget-policies: global,
-                  calibrated, goodput) on the largest swept tree
+                  calibrated, goodput) on the largest swept tree, or with --policy-tree best
+                  on bole's best one
 
 tree-serial runs bole's best shape, so the two see the same trees (``--tune-tree-serial``: its
 own best of --tree-shapes instead, as a sweep of its own). The best of a sweep is run
@@ -117,7 +118,9 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
         return _timed(model, spec, prompts, max_tokens, continuations, device, slots, max_len,
                       budget_profile, warmup_requests or slots)
     except RuntimeError as exc:          # torch.OutOfMemoryError is one; so are cuBLAS's
-        if not _out_of_memory(exc):
+        # under tensor parallelism a rank that went on alone would leave the others waiting in
+        # a collective: there it ends the run
+        if not _out_of_memory(exc) or (model is not None and model.tp.world > 1):
             raise
         print(f"[e2e] {spec.mode} {spec.depth},{spec.topk},{spec.budget} at batch {slots} does "
               f"not fit: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
@@ -126,9 +129,9 @@ def run(model, spec: SpecConfig, prompts, max_tokens: int, continuations, device
         _free(device)
 
 
-def does_not_fit(exc: BaseException, device: str) -> dict:
-    """The record of a run that ran out of device memory: no figures, the error's first line
-    and the peak it reached."""
+def does_not_fit(exc: BaseException | str, device: str | None) -> dict:
+    """The record of a run that ran out of device memory (or, ``exc`` a string, was not run
+    for that reason): no figures, the error's first line and the peak it reached."""
     return dict(fits=False, error=str(exc).splitlines()[0], tokens_per_s=None,
                 decode_tokens_per_s=None,
                 peak_mem_gib=(torch.cuda.max_memory_allocated() / 2 ** 30
@@ -265,12 +268,15 @@ def confirm(model, spec: SpecConfig, context: int, batch: int, device: str) -> d
     return rec
 
 
-def _out_of_memory(exc: BaseException) -> bool:
+def _out_of_memory(exc: BaseException | None) -> bool:
     """Whether an error is the device running out of memory: torch's own, or a library's
-    RuntimeError saying so (cuBLAS, graph instantiation)."""
+    RuntimeError saying so (cuBLAS, graph instantiation), or an error raised while one was
+    being handled (a graph capture ended by it)."""
+    if exc is None:
+        return False
     text = str(exc).lower()
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text \
-        or "alloc_failed" in text
+        or "alloc_failed" in text or _out_of_memory(exc.__cause__ or exc.__context__)
 
 
 def confirm_max_batch(model, spec: SpecConfig, context: int, computed: int, device: str,
@@ -324,7 +330,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-requests", type=int, default=0,
                     help="requests in each run's warm-up (0: one per slot); the rounds' graphs are "
                          "captured either way, and fewer save the warm-up's prefills at large "
-                         "batches (a 27B prefill of 64 x 2k tokens takes about 20 s)")
+                         "batches (a 27B prefill of 64 x 2k tokens takes about 20 s), but then the "
+                         "policies' state at the full batch (goodput's first rounds, the last "
+                         "width) is learnt inside the timed run")
     ap.add_argument("--policy-tree", choices=["largest", "best"], default="largest",
                     help="the tree the budget policies choose from: the largest of --tree-shapes, "
                          "or bole's best fixed tree at that batch")
@@ -337,6 +345,8 @@ def main(argv=None) -> int:
                     help="print the markdown table of these result files (the README's) and "
                          "exit: no run")
     args = ap.parse_args(argv)
+    if args.warmup_requests < 0:
+        ap.error(f"--warmup-requests must be >= 0 (0: one per slot), got {args.warmup_requests}")
     if args.table:
         print(table([Path(p) for p in args.table]))
         return 0
@@ -406,7 +416,8 @@ def study(args, tp=None) -> Path | None:
             cont = ar.pop("outputs", None)
             records.append(dict(base, mode="ar", shape=None, **ar))
             if not ar["fits"]:               # no continuation to replay, nothing to compare
-                write(args, records, confirmations)
+                if tp is None or not tp.rank:
+                    write(args, records, confirmations)
                 continue
             candidates = {"chain": [], "bole": []}
             if args.tune_tree_serial:
@@ -431,12 +442,15 @@ def study(args, tp=None) -> Path | None:
                     picked = res["decode_tokens_per_s"]
                     res = dict(go(spec, cont), sweep_best_decode_tokens_per_s=picked)
                 best[mode] = (spec, res)
+            bole_fits = best["bole"][1]["fits"]
+            unfit = "not run: no bole tree fits"
             if "tree-serial" not in best:            # on bole's trees
                 b_spec = best["bole"][0]
                 t_spec = SpecConfig("tree-serial", drafter, b_spec.depth, b_spec.topk,
                                     b_spec.budget, profile, draft_vocab=args.draft_vocab,
                                     forced_acceptance=forced)
-                best["tree-serial"] = (t_spec, go(t_spec, cont))
+                best["tree-serial"] = (t_spec, go(t_spec, cont) if bole_fits else
+                                       does_not_fit(unfit, None))
             # the budget policies on the largest tree (the global one keeps half its nodes), or
             # on bole's best fixed one
             tree = (max(shapes, key=lambda sh: sh[2]) if args.policy_tree == "largest" else
@@ -447,6 +461,9 @@ def study(args, tp=None) -> Path | None:
                                   forced_acceptance=forced, budget_policy=policy,
                                   shared_budget=(batch * (tree[2] - 1) // 2
                                                  if policy == "global" else 0))
+                if args.policy_tree == "best" and not bole_fits:
+                    best[f"bole-{policy}"] = (spec, does_not_fit(unfit, None))
+                    continue
                 if policy != "global":
                     load_or_calibrate(model, spec, max(args.batches))
                 best[f"bole-{policy}"] = (spec, go(spec, cont))
@@ -534,6 +551,8 @@ def table(paths: list[Path]) -> str:
     for model, batch in groups:
         by = {r["mode"]: r for r in recs if (r["model"], r["batch"]) == (model, batch)}
         ok = {m: r for m, r in by.items() if r.get("fits", True)}
+        if "ar" not in by:
+            continue
         if "ar" not in ok:                   # nothing ran there: say so
             lines.append("| " + " | ".join([model, str(batch), "does not fit"]
                                            + [""] * (head.count(" | ") - 2)) + " |")

@@ -152,6 +152,9 @@ def test_a_mode_that_does_not_fit_is_recorded_and_the_study_goes_on(tmp_path, mo
 
 
 def test_a_run_that_fails_otherwise_still_raises(monkeypatch):
+    """Other errors raise; so does running out of memory under tensor parallelism (a rank that
+    went on alone would leave the others in a collective), also when the error that reaches
+    the study is one raised while handling it."""
     e2e = _e2e()
 
     def engine(model, spec, **kw):
@@ -160,6 +163,42 @@ def test_a_run_that_fails_otherwise_still_raises(monkeypatch):
     monkeypatch.setattr(e2e, "Engine", engine)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         e2e.run(None, e2e.SpecConfig("ar"), [[1, 2]], 4, None, "cpu")
+
+    def out_of_memory(model, spec, **kw):
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("graph capture ended") from None
+
+    monkeypatch.setattr(e2e, "Engine", out_of_memory)
+    assert e2e.run(None, e2e.SpecConfig("ar"), [[1, 2]], 4, None, "cpu")["fits"] is False
+    two_ranks = type("M", (), {"tp": type("TP", (), {"world": 2})()})()
+    with pytest.raises(RuntimeError, match="graph capture ended"):
+        e2e.run(two_ranks, e2e.SpecConfig("ar"), [[1, 2]], 4, None, "cpu")
+
+
+def test_when_no_bole_tree_fits_its_followers_are_not_run(tmp_path, monkeypatch):
+    """Tree-serial on bole's trees and the policies on bole's best tree are recorded as not
+    run when no bole tree fits."""
+    e2e = _e2e()
+    real, built = e2e.Engine, []
+
+    def engine(model, spec, **kw):
+        built.append(spec.mode)
+        if spec.mode == "bole" and spec.budget_policy == "fixed":
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        return real(model, spec, **kw)
+
+    monkeypatch.setattr(e2e, "Engine", engine)
+    monkeypatch.setenv("BOLE_CACHE", str(tmp_path / "cache"))
+    assert e2e.main(SMOKE + ["--batches", "2", "--chain-depths", "2", "--budget-policies",
+                             "global", "--policy-tree", "best", "--out", str(tmp_path)]) == 0
+    _, recs = _records(tmp_path)
+    by = {r["mode"]: r for r in recs}
+    assert not by["bole"]["fits"] and by["chain"]["fits"]
+    for mode in ("tree-serial", "bole-global"):
+        assert by[mode]["fits"] is False and by[mode]["error"] == "not run: no bole tree fits"
+    assert "tree-serial" not in built
 
 
 def test_the_table_prints_one_row_per_model_and_batch(tmp_path):
@@ -207,7 +246,7 @@ def test_the_budget_policies_can_choose_from_bole_s_best_tree(tmp_path, monkeypa
 
 def test_a_batch_whose_plain_decoding_does_not_fit_records_only_that(tmp_path, monkeypatch):
     """ar out of memory at a batch leaves nothing to replay or compare there: one record saying
-    so, and the study's other batches (and the max-batch confirmation) go on."""
+    so, and the study's other batches go on."""
     e2e = _e2e()
     real = e2e.Engine
 
@@ -243,5 +282,7 @@ def test_the_warm_up_can_take_fewer_requests_than_slots(tmp_path, monkeypatch):
     assert e2e.main(SMOKE + ["--batches", "2", "--chain-depths", "2", "--warmup-requests", "1",
                              "--out", str(tmp_path)]) == 0
     assert sizes and sizes[0::2] == [1] * (len(sizes) // 2) and set(sizes[1::2]) == {2}
+    with pytest.raises(SystemExit):
+        e2e.main(SMOKE + ["--warmup-requests", "-1", "--out", str(tmp_path)])
     _, recs = _records(tmp_path)
     assert all(r["equal_to_ar"] for r in recs if r["mode"] != "ar")

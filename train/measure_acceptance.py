@@ -221,15 +221,15 @@ def vocab_sweep(model: HybridModel, sequences: list[list[int]], starts: list[int
     return rows
 
 
-def plot_vocab_sweep(rows: list[dict], title: str, path: Path) -> Path:
+def plot_vocab_sweep(rows: list[dict], title: str, path: Path, depth: int = 8) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     rows = sorted(rows, key=lambda r: r["draft_vocab"])
     sizes = [r["draft_vocab"] for r in rows]
-    for key, label in (("tree_accept_length", "depth-8 top-4 tree of 32 (replay model)"),
-                       ("chain_accept_length", "depth-8 chain (measured)")):
+    for key, label in (("tree_accept_length", f"depth-{depth} top-4 tree of 32 (replay model)"),
+                       ("chain_accept_length", f"depth-{depth} chain (measured)")):
         ax.plot(sizes, [r[key] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)
     for r in rows:
@@ -323,6 +323,11 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-out", default=None,
                     help="write the draft-vocabulary sweep's JSON here (and its plot beside it)")
     args = ap.parse_args(argv)
+    if args.vocab_out and not args.draft_vocab:
+        ap.error("--vocab-out writes the --draft-vocab sweep: name its sizes")
+    if any(not args.ranks <= n for n in args.draft_vocab):
+        ap.error(f"--draft-vocab sizes must be at least --ranks ({args.ranks}): the head "
+                 f"proposes its top {args.ranks}")
     if args.quick:
         args.count, args.prompt_len, args.new_tokens = 8, 64, 32
     torch.set_grad_enabled(False)
@@ -403,8 +408,9 @@ def main(argv=None) -> int:
         if args.vocab_out:
             path = Path(args.vocab_out)
             path.write_text(json.dumps(report, indent=1) + "\n")
-            plot_vocab_sweep(sweep, f"{report['model']} MTP head, {len(prompts)} held-out "
-                             f"prompts, fp32 CPU, {report['date']}", path.with_suffix(".png"))
+            plot_vocab_sweep(sweep, f"{report['model']} MTP head, {len(prompts)} "
+                             f"{args.prompts} prompts, fp32 CPU, {report['date']}",
+                             path.with_suffix(".png"), args.depth)
     print(f"[measure] done in {seconds:.1f} s: p = "
           + ", ".join(f"{x:.3f}" for x in summary["rank_acceptance"]), file=sys.stderr)
     return 0

@@ -398,9 +398,10 @@ class BudgetPolicy:
 
     def observe(self, R: int, kept: list[int], kind: str = "select",
                 could_widen: bool | None = None) -> None:
-        """The kept counts of a round of bucket R. A select round's set the next one's width;
-        goodput's choice keeping every row's whole tree (T nodes: a request near its token
-        limit grows a shallower one, and its round keeps choosing) starts :data:`WHOLE_ROUNDS`
+        """The kept counts of a round of bucket R, of the rows that drafted whole trees (the
+        caller leaves out a request within a tree's depth of its token limit: its shallower
+        tree says nothing of the next round's). A select round's set the next one's width;
+        goodput's choice keeping all T nodes of every such row starts :data:`WHOLE_ROUNDS`
         whole rounds. ``could_widen`` (goodput's select rounds): whether verifying the nodes
         past the fill could change the choice, at best (:func:`~bole.speculative.budget.
         width_fill_could_widen`); while it is False the bucket does not explore. Whole rounds'

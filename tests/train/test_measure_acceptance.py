@@ -2,6 +2,7 @@
 measures along on-path chains (also over a reduced draft vocabulary) and the published profile's
 fit, on a tiny random model and hand-made ranks."""
 
+import pytest
 import torch
 
 from bole.models.presets import preset_config
@@ -64,22 +65,35 @@ def test_ranks_are_in_range_and_a_draft_vocabulary_without_the_target_never_prop
     assert int((own < RANKS).sum()) > 2 * int((rank < RANKS).sum())
 
 
-def test_the_vocabulary_sweep_reports_each_size(monkeypatch):
+def test_the_vocabulary_sweep_reports_each_size():
+    """Each size's row is the measurement over that draft vocabulary (a model without token
+    counts drafts over its first ``size`` ids), the share of the greedy tokens inside it, and
+    the replay model's tree length of its rank shares."""
     m = _script()
     model = _model()
     seqs, starts = _sequences(model)
     V = model.config.vocab_size
-    # the draft vocabulary of a model with no counts: the first `size` ids
-    monkeypatch.setattr(m, "draft_vocab_ids", lambda model, size: torch.arange(size))
     full = m.summarise(m.measure_ranks(model, seqs, starts, DEPTH, RANKS)[0], RANKS)
-    rows = m.vocab_sweep(model, seqs, starts, DEPTH, RANKS, [V // 2], full)
-    assert [r["draft_vocab"] for r in rows] == [V, V // 2]
+    rows = m.vocab_sweep(model, seqs, starts, DEPTH, RANKS, [V // 4], full)
+    assert [r["draft_vocab"] for r in rows] == [V, V // 4]
+    assert rows[0]["rank_acceptance"] == full["rank_acceptance"]
     assert rows[0]["greedy_tokens_inside"] == 1.0
     generated = torch.cat([torch.tensor(s[st:]) for s, st in zip(seqs, starts)])
-    assert rows[1]["greedy_tokens_inside"] == float((generated < V // 2).double().mean())
-    for r in rows:
-        assert r["tree_accept_length"] >= 1.0 and r["chain_accept_length"] >= 1.0
-        assert abs(sum(r["rank_acceptance"])) <= 1.0
+    assert rows[1]["greedy_tokens_inside"] == float((generated < V // 4).double().mean())
+    quarter = m.summarise(m.measure_ranks(model, seqs, starts, DEPTH, RANKS,
+                                          vocab_ids=torch.arange(V // 4))[0], RANKS)
+    assert rows[1]["rank_acceptance"] == quarter["rank_acceptance"]
+    assert rows[1]["chain_accept_length"] == quarter["chain"]["measured_accept_length"]
+    profile = m.AcceptanceProfile("t", "t", tuple(quarter["rank_acceptance"]))
+    assert rows[1]["tree_accept_length"] == profile.tree_accept_length(DEPTH, 4, 32)
+
+
+def test_the_sweep_s_arguments_are_checked():
+    m = _script()
+    with pytest.raises(SystemExit):
+        m.main(["--vocab-out", "x.json"])                 # no sizes to sweep
+    with pytest.raises(SystemExit):
+        m.main(["--draft-vocab", "4", "--ranks", "8"])    # fewer tokens than proposals
 
 
 def test_the_published_fit_meets_the_mean_published_length():

@@ -646,7 +646,7 @@ class RoundRunner:
             # the next width follows the rows that drafted whole trees: one near its token limit
             # drafts a shallower tree, whose count says nothing of the next request's
             grown = [k for k, r in zip(kept, requests) if r.remaining > self.D]
-            self.policy.observe(R, grown, kind, widen if grown else None)
+            self.policy.observe(R, grown, kind, widen)
             draft_nodes = sum(min(k, W) - 1 for k in kept)      # verified, past the roots
         emitted = b.emitted_host[:len(requests)].tolist()
         new = [row[:n] for row, n in zip(emitted, counts)]

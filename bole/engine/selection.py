@@ -411,8 +411,8 @@ class BudgetPolicy:
             return
         if could_widen is not None:
             self.could_widen[R] = could_widen
-        self.last_kept[R] = max(kept, default=1)
-        if self.policy == "goodput" and kept and min(kept) >= self.T:
+        self.last_kept[R] = max(kept)
+        if self.policy == "goodput" and min(kept) >= self.T:
             self.whole_left[R] = WHOLE_ROUNDS
 
 

@@ -368,6 +368,7 @@ class RowFill:
               others).
     sums:     ``[R, T + 1]`` float64, ``sums[r, k]`` the estimates of row r's first k eligible
               nodes.
+    eligible: ``[R]`` eligible nodes per row (the most a row can take).
     """
 
     position: Tensor
@@ -376,6 +377,7 @@ class RowFill:
     est: Tensor
     grouped: Tensor
     sums: Tensor
+    eligible: Tensor
 
     @classmethod
     def of(cls, rank: Ranking, rows: int,
@@ -392,12 +394,12 @@ class RowFill:
         sums = torch.zeros(rows, T + 1, dtype=torch.float64, device=est.device)
         sums.scatter_add_(1, position, grouped)
         return cls(position, by_row, rank.floor.view(rows, T).sum(1), est, grouped,
-                   torch.cumsum(sums, 1))
+                   torch.cumsum(sums, 1), eligible.sum(1))
 
     def take(self, width: Tensor) -> Tensor:
         """Eligible nodes each row keeps at ``width`` (any shape ``[...]``): ``[..., R]``."""
         room = width.to(torch.int64)[..., None] - 1 - self.floors
-        return torch.minimum(room.clamp(min=0), self.position.amax(1))
+        return torch.minimum(room.clamp(min=0), self.eligible)
 
 
 def width_fill_curve(rank: Ranking, rows: int, widths: Tensor, *,

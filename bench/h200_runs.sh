@@ -3,7 +3,11 @@
 # command (times estimated from the H200 runs of 2026-12-01). Run one part per call, carrying
 # .whl (bench/README.md):
 #
-#   bash bench/h200_runs.sh PART            # writes under $OUT (or /tmp/bole-runs)
+#   bash bench/h200_runs.sh PART [PART...]  # writes under $OUT (or /tmp/bole-runs)
+#
+# Several parts run in order and share BUDGET_S seconds (default 590, one device command): each
+# step's time limit is its own or what is left, whichever is less, so a late part is cut, not the
+# command. LIMIT sets the e2e-27b-large and -b64 parts' own limit.
 #
 #   tests     the compiled test suite in 8 shards (~4 min)          -> $OUT/tests/summary.txt
 #   round     bole bench (bundled, batch 1 and 8) and model_forward (9B) (~4.5 min)
@@ -79,7 +83,17 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-part=${1:?usage: bash bench/h200_runs.sh tests|linear|linear-rows|round|e2e-9b-a|e2e-9b-b|e2e-9b-c|e2e-27b|confirm-9b|waves-budget|profile-waves|e2e-9b-d|e2e-9b-e|e2e-9b-f|e2e-9b-f16|e2e-9b-ts|e2e-27b-small|e2e-27b-large|e2e-27b-b64|e2e-27b-b1-8|e2e-9b-ts-a|e2e-9b-ts-b|e2e-ts-bundled|e2e-bundled-best|e2e-bundled|budget-bundled-r3|budget-9b-g|budget-9b-i|budget-9b-j|budget-9b-k|budget-9b-l|budget-9b-h|budget-9b-short|budget-9b-eps|budget-bundled|budget-9b|budget-both|budget-9b-rest|serve|serve-process|tp|tp-e2e}
+parts="tests linear linear-rows round e2e-9b-a e2e-9b-b e2e-9b-c e2e-27b confirm-9b waves-budget
+profile-waves e2e-9b-d e2e-9b-e e2e-9b-f e2e-9b-f16 e2e-9b-ts e2e-27b-small e2e-27b-large
+e2e-27b-b64 e2e-27b-b1-8 e2e-9b-ts-a e2e-9b-ts-b e2e-ts-bundled e2e-bundled-best e2e-bundled
+budget-bundled-r3 budget-9b-g budget-9b-i budget-9b-j budget-9b-k budget-9b-l budget-9b-h
+budget-9b-short budget-9b-eps budget-bundled budget-9b budget-both budget-9b-rest serve
+serve-process tp tp-e2e"
+parts=${parts//$'\n'/ }
+[ $# -gt 0 ] || { echo "usage: bash bench/h200_runs.sh PART... (one of: $parts)" >&2; exit 2; }
+for part in "$@"; do
+  [[ " $parts " == *" $part "* ]] || { echo "unknown part $part (one of: $parts)" >&2; exit 2; }
+done
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
 if [ -d .whl ]; then
@@ -88,175 +102,192 @@ if [ -d .whl ]; then
 fi
 shapes=(--chain-depths 3 4 --tree-shapes 4,2,8 6,3,16 8,4,32 --draft-vocab 32768)
 policy=(--budget-policies goodput)
+deadline=$(( $(date +%s) + ${BUDGET_S:-590} ))
+
+# A step's time limit: its own, or what is left of BUDGET_S when that is less.
+lim() {
+  local left=$(( deadline - $(date +%s) ))
+  (( left < 1 )) && left=1
+  echo $(( $1 < left ? $1 : left ))
+}
+
+run_part() {
+  local part=$1
 case "$part" in
   tests)
-    timeout 560 bash bench/gpu_tests.sh "$out/tests" 8 tests/ops tests/models tests/speculative \
+    timeout $(lim 560) bash bench/gpu_tests.sh "$out/tests" 8 tests/ops tests/models tests/speculative \
       tests/engine tests/test_round_cuda.py tests/test_engine.py tests/test_forest.py > /dev/null
     head -20 "$out/tests/summary.txt" ;;
   linear)
-    timeout 400 python3 bench/linear.py --out "$out" ;;
+    timeout $(lim 400) python3 bench/linear.py --out "$out" ;;
   linear-rows)
-    timeout 400 python3 bench/linear.py --rows 24 32 48 64 --quick --tag=-rows --out "$out" ;;
+    timeout $(lim 400) python3 bench/linear.py --rows 24 32 48 64 --quick --tag=-rows --out "$out" ;;
   round)
-    timeout 150 python3 -m bole.cli bench --prompts 8 --batches 1 8 --max-tokens 256 --out "$out"
-    timeout 400 python3 bench/model_forward.py --out "$out" ;;
+    timeout $(lim 150) python3 -m bole.cli bench --prompts 8 --batches 1 8 --max-tokens 256 --out "$out"
+    timeout $(lim 400) python3 bench/model_forward.py --out "$out" ;;
   e2e-9b-a)
-    timeout 70 python3 -m pytest -q -p no:cacheprovider tests/ops/test_linear.py \
+    timeout $(lim 70) python3 -m pytest -q -p no:cacheprovider tests/ops/test_linear.py \
       > "$out/test-linear.txt" 2>&1; tail -2 "$out/test-linear.txt"
-    timeout 510 python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 4 2 --chain-depths 6 8 \
+    timeout $(lim 510) python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 4 2 --chain-depths 6 8 \
       --tree-shapes 7,2,14 8,2,16 8,4,32 --min-run-tokens 1024 --draft-vocab 32768 \
       "${policy[@]}" --out "$out" --tag=-9b-a ;;
   e2e-9b-c)
-    timeout 170 python3 bench/e2e.py --models qwen3.5-9b --batches 16 --chain-depths 4 6 \
+    timeout $(lim 170) python3 bench/e2e.py --models qwen3.5-9b --batches 16 --chain-depths 4 6 \
       --tree-shapes 4,2,8 6,3,16 --min-run-tokens 1024 --draft-vocab 32768 --out "$out" \
       --tag=-9b-b16
-    timeout 150 python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
+    timeout $(lim 150) python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
       --tree-shapes 8,2,16 --min-run-tokens 4096 --draft-vocab 32768 --out "$out" \
       --tag=-9b-b8-waves ;;
   e2e-9b-b)
-    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 16 32 64 --chain-depths 4 \
+    timeout $(lim 580) python3 bench/e2e.py --models qwen3.5-9b --batches 16 32 64 --chain-depths 4 \
       --tree-shapes 4,2,8 6,3,16 --draft-vocab 32768 "${policy[@]}" \
       --out "$out" --tag=-9b-b ;;
   e2e-27b)
-    timeout 580 python3 bench/e2e.py --models qwen3.5-27b --batches 1 8 32 "${shapes[@]}" \
+    timeout $(lim 580) python3 bench/e2e.py --models qwen3.5-27b --batches 1 8 32 "${shapes[@]}" \
       --confirm-max-batch --out "$out" --tag=-27b ;;
   confirm-9b)
-    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 1 --chain-depths 4 \
+    timeout $(lim 580) python3 bench/e2e.py --models qwen3.5-9b --batches 1 --chain-depths 4 \
       --tree-shapes 8,4,32 --draft-vocab 32768 --confirm-max-batch --out "$out" --tag=-9b-confirm ;;
   budget-bundled)
-    timeout 580 python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
+    timeout $(lim 580) python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
       --sweep 64 256 1024 2048 --out "$out" ;;
   budget-9b)
-    timeout 580 python3 bench/budget.py --models qwen3.5-9b --batches 1 2 4 8 16 32 64 \
+    timeout $(lim 580) python3 bench/budget.py --models qwen3.5-9b --batches 1 2 4 8 16 32 64 \
       --sweep 64 256 1024 --draft-vocab 32768 --out "$out" ;;
   budget-both)
-    timeout 185 python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
+    timeout $(lim 185) python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
       --sweep 64 256 1024 2048 --out "$out"
-    timeout 395 python3 bench/budget.py --models qwen3.5-9b --batches 8 16 1 64 2 4 32 \
+    timeout $(lim 395) python3 bench/budget.py --models qwen3.5-9b --batches 8 16 1 64 2 4 32 \
       --sweep 64 256 --draft-vocab 32768 --out "$out" ;;
   budget-9b-rest)
-    timeout 580 python3 bench/budget.py --models qwen3.5-9b --batches 2 4 64 32 \
+    timeout $(lim 580) python3 bench/budget.py --models qwen3.5-9b --batches 2 4 64 32 \
       --sweep 64 256 --draft-vocab 32768 --out "$out" --tag=-rest ;;
   waves-budget)
-    timeout 150 python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
+    timeout $(lim 150) python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
       --tree-shapes 8,2,16 --min-run-tokens 4096 --draft-vocab 32768 --out "$out" \
       --tag=-9b-b8-waves
-    timeout 380 python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
+    timeout $(lim 380) python3 bench/budget.py --models bundled --batches 1 2 4 8 16 32 64 \
       --sweep 64 256 1024 2048 --eps-sweep 0.25 0.5 1 2 --out "$out" --tag=-eps ;;
   profile-waves)
-    timeout 200 python3 bench/round_profile.py --batch 8 --tree 8,2,16 --draft-vocab 32768 \
+    timeout $(lim 200) python3 bench/round_profile.py --batch 8 --tree 8,2,16 --draft-vocab 32768 \
       --out "$out" | tail -8
-    timeout 360 python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
+    timeout $(lim 360) python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
       --tree-shapes 8,2,16 --min-run-tokens 4096 --draft-vocab 32768 --out "$out" \
       --tag=-9b-b8-waves ;;
   e2e-9b-d)
-    timeout 110 python3 -m pytest -q -p no:cacheprovider tests/speculative/test_replay_kernel.py \
+    timeout $(lim 110) python3 -m pytest -q -p no:cacheprovider tests/speculative/test_replay_kernel.py \
       tests/ops/test_topk_softmax.py tests/ops/test_gdn_triton_verify.py -k "factors or ids or \
       kernel_proposes or shapes_are or matches_definition" > "$out/test-d.txt" 2>&1
     tail -2 "$out/test-d.txt"
-    timeout 470 python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 4 2 --chain-depths 6 8 \
+    timeout $(lim 470) python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 4 2 --chain-depths 6 8 \
       --tree-shapes 7,2,14 8,2,16 8,4,32 --min-run-tokens 1024 --draft-vocab 32768 \
       --out "$out" --tag=-9b-d ;;
   e2e-9b-e)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/ops/test_commit_rows.py \
+    timeout $(lim 120) python3 -m pytest -q -p no:cacheprovider tests/ops/test_commit_rows.py \
       tests/ops/test_linear.py tests/models/test_runtime_vs_transformers.py -k "conv or out or \
       triton" > "$out/test-e.txt" 2>&1
     tail -2 "$out/test-e.txt"
-    timeout 300 python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
+    timeout $(lim 300) python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
       --tree-shapes 8,2,16 --min-run-tokens 1024 --draft-vocab 32768 --out "$out" \
       --tag=-9b-b8-e ;;
   e2e-9b-f)
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/speculative/test_replay_kernel.py \
+    timeout $(lim 100) python3 -m pytest -q -p no:cacheprovider tests/speculative/test_replay_kernel.py \
       tests/ops/test_linear.py > "$out/test-f.txt" 2>&1
     tail -2 "$out/test-f.txt"
-    timeout 480 python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 4 2 --chain-depths 6 8 \
+    timeout $(lim 480) python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 4 2 --chain-depths 6 8 \
       --tree-shapes 8,2,16 8,4,32 --max-tokens 512 --min-run-tokens 4096 --draft-vocab 32768 \
       --out "$out" --tag=-9b-f ;;
   e2e-9b-f16)
-    timeout 580 python3 bench/e2e.py --models qwen3.5-9b --batches 16 --chain-depths 4 6 \
+    timeout $(lim 580) python3 bench/e2e.py --models qwen3.5-9b --batches 16 --chain-depths 4 6 \
       --tree-shapes 4,2,8 6,3,16 8,2,16 --max-tokens 512 --min-run-tokens 8192 \
       --draft-vocab 32768 --out "$out" --tag=-9b-f16 ;;
   budget-9b-h)
-    timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 2 8 16 \
+    timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 2 8 16 \
       --sweep 64 128 256 512 --eps-sweep 0.25 0.5 1 --draft-vocab 32768 --out "$out" --tag=-h ;;
   e2e-9b-ts)
-    timeout 585 python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 --chain-depths 6 8 \
+    timeout $(lim 585) python3 bench/e2e.py --models qwen3.5-9b --batches 8 1 --chain-depths 6 8 \
       --tree-shapes 4,2,8 6,3,16 8,2,16 8,4,32 --tune-tree-serial --max-tokens 512 \
       --min-run-tokens 4096 --draft-vocab 32768 --out "$out" --tag=-9b-ts ;;
   e2e-27b-small)
-    timeout 585 python3 bench/e2e.py --models qwen3.5-27b --batches 16 4 2 --chain-depths 4 6 \
+    timeout $(lim 585) python3 bench/e2e.py --models qwen3.5-27b --batches 16 4 2 --chain-depths 4 6 \
       --tree-shapes 4,2,8 8,2,16 8,4,32 --draft-vocab 32768 "${policy[@]}" --out "$out" \
       --tag=-27b-small ;;
   e2e-27b-large)
-    timeout ${LIMIT:-585} python3 bench/e2e.py --models qwen3.5-27b --batches ${BATCHES:-32 64} \
+    timeout $(lim ${LIMIT:-585}) python3 bench/e2e.py --models qwen3.5-27b --batches ${BATCHES:-32 64} \
       --chain-depths 4 --tree-shapes 4,2,8 6,3,16 --draft-vocab 32768 "${policy[@]}" \
       --out "$out" --tag=-27b-large ;;
   e2e-27b-b64)
-    timeout ${LIMIT:-585} python3 bench/e2e.py --models qwen3.5-27b --batches 64 \
+    timeout $(lim ${LIMIT:-585}) python3 bench/e2e.py --models qwen3.5-27b --batches 64 \
       --chain-depths 4 --tree-shapes 4,2,8 6,3,16 --draft-vocab 32768 "${policy[@]}" \
       --warmup-requests 8 --out "$out" --tag=-27b-b64 ;;
   e2e-27b-b1-8)
-    timeout 585 python3 bench/e2e.py --models qwen3.5-27b --batches 8 1 --chain-depths 4 6 \
+    timeout $(lim 585) python3 bench/e2e.py --models qwen3.5-27b --batches 8 1 --chain-depths 4 6 \
       --tree-shapes 6,3,16 8,2,16 8,4,32 --draft-vocab 32768 "${policy[@]}" --out "$out" \
       --tag=-27b-b1-8 ;;
   e2e-9b-ts-a)
-    timeout 585 python3 bench/e2e.py --models qwen3.5-9b --batches 1 2 --chain-depths 6 8 \
+    timeout $(lim 585) python3 bench/e2e.py --models qwen3.5-9b --batches 1 2 --chain-depths 6 8 \
       --tree-shapes 4,2,8 8,2,16 8,4,32 --tune-tree-serial --max-tokens 512 \
       --min-run-tokens 4096 --draft-vocab 32768 --out "$out" --tag=-9b-ts-a ;;
   e2e-9b-ts-b)
-    timeout 585 python3 bench/e2e.py --models qwen3.5-9b --batches 4 16 --chain-depths 4 6 \
+    timeout $(lim 585) python3 bench/e2e.py --models qwen3.5-9b --batches 4 16 --chain-depths 4 6 \
       --tree-shapes 4,2,8 6,3,16 8,2,16 --tune-tree-serial --max-tokens 512 \
       --min-run-tokens 4096 --draft-vocab 32768 --out "$out" --tag=-9b-ts-b ;;
   e2e-ts-bundled)
-    timeout 230 python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
+    timeout $(lim 230) python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
       --tree-shapes 4,2,8 6,3,16 8,2,16 8,4,32 --tune-tree-serial --max-tokens 512 \
       --min-run-tokens 4096 --draft-vocab 32768 --out "$out" --tag=-9b-ts
-    timeout 340 python3 bench/e2e.py --models bundled --batches 1 2 4 8 16 32 64 \
+    timeout $(lim 340) python3 bench/e2e.py --models bundled --batches 1 2 4 8 16 32 64 \
       --chain-depths 3 4 6 --tree-shapes 4,2,8 6,3,16 8,4,32 --min-run-tokens 1024 \
       --tune-tree-serial "${policy[@]}" --out "$out" --tag=-bundled ;;
   e2e-bundled-best)
-    timeout 585 python3 bench/e2e.py --models bundled --batches 1 2 4 8 16 32 64 \
+    timeout $(lim 585) python3 bench/e2e.py --models bundled --batches 1 2 4 8 16 32 64 \
       --chain-depths 3 4 --tree-shapes 4,2,8 6,3,16 8,4,32 --min-run-tokens 1024 \
       "${policy[@]}" --policy-tree best --out "$out" --tag=-bundled-best ;;
   e2e-bundled)
-    timeout 585 python3 bench/e2e.py --models bundled --batches 1 2 4 8 16 32 64 \
+    timeout $(lim 585) python3 bench/e2e.py --models bundled --batches 1 2 4 8 16 32 64 \
       --chain-depths 3 4 6 --tree-shapes 4,2,8 6,3,16 8,4,32 --min-run-tokens 1024 \
       --tune-tree-serial "${policy[@]}" --out "$out" --tag=-bundled ;;
   budget-9b-i)
-    timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 16 32 2 --sweep \
+    timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 16 32 2 --sweep \
       --sweep-widths --draft-vocab 32768 --out "$out" --tag=-i ;;
   budget-9b-j)
-    timeout 500 python3 bench/budget.py --models qwen3.5-9b --batches 8 64 4 1 --sweep \
+    timeout $(lim 500) python3 bench/budget.py --models qwen3.5-9b --batches 8 64 4 1 --sweep \
       --sweep-widths --draft-vocab 32768 --out "$out" --tag=-j ;;
   budget-9b-l)
-    timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 2 8 16 --sweep \
+    timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 2 8 16 --sweep \
       --sweep-widths --draft-vocab 32768 --out "$out" --tag=-l ;;
   budget-9b-k)
-    timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 64 1 4 --sweep \
+    timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 64 1 4 --sweep \
       --sweep-widths --draft-vocab 32768 --out "$out" --tag=-k ;;
   budget-bundled-r3)
-    timeout 70 python3 bench/attention_splits.py --out "$out" | tail -3
-    timeout 510 python3 bench/budget.py --models bundled --batches 8 64 1 16 2 4 32 \
+    timeout $(lim 70) python3 bench/attention_splits.py --out "$out" | tail -3
+    timeout $(lim 510) python3 bench/budget.py --models bundled --batches 8 64 1 16 2 4 32 \
       --sweep 256 1024 2048 --repeats 3 --out "$out" --tag=-r3 ;;
   budget-9b-g)
-    timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 64 32 2 16 \
+    timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 64 32 2 16 \
       --sweep 64 128 256 512 --draft-vocab 32768 --out "$out" --tag=-g ;;
   budget-9b-short)
-    timeout 420 python3 bench/budget.py --models qwen3.5-9b --batches 2 4 --sweep 64 256 \
+    timeout $(lim 420) python3 bench/budget.py --models qwen3.5-9b --batches 2 4 --sweep 64 256 \
       --eps-sweep 0.5 1 --draft-vocab 32768 --out "$out" --tag=-short ;;
   budget-9b-eps)
-    timeout 585 python3 bench/budget.py --models qwen3.5-9b --batches 2 4 64 32 1 8 16 \
+    timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 2 4 64 32 1 8 16 \
       --sweep 64 256 --eps-sweep 0.25 0.5 1 --draft-vocab 32768 --out "$out" --tag=-eps ;;
   tp)
-    timeout 580 python3 bench/tp.py --out "$out" ;;
+    timeout $(lim 580) python3 bench/tp.py --out "$out" ;;
   tp-e2e)
-    timeout 580 python3 bench/e2e.py --models qwen3.5-27b --batches 1 8 --tp 2 \
+    timeout $(lim 580) python3 bench/e2e.py --models qwen3.5-27b --batches 1 8 --tp 2 \
       --chain-depths 3 --tree-shapes 6,3,16 8,4,32 --draft-vocab 32768 --out "$out" --tag=-27b-tp2 ;;
   serve)
-    timeout 580 python3 bench/serve.py --requests 512 --out "$out" --log-dir "$out/serve-logs" ;;
+    timeout $(lim 580) python3 bench/serve.py --requests 512 --out "$out" --log-dir "$out/serve-logs" ;;
   serve-process)
-    timeout 580 python3 bench/serve.py --requests 512 --engine-process --tag=-engine-process \
+    timeout $(lim 580) python3 bench/serve.py --requests 512 --engine-process --tag=-engine-process \
       --out "$out" --log-dir "$out/serve-logs" ;;
   *)
     echo "unknown part $part" >&2; exit 2 ;;
 esac
+}
+
+for part in "$@"; do
+  (( $(lim 590) > 5 )) || { echo "no time left for $part" >&2; break; }
+  run_part "$part"
+done

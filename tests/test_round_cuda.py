@@ -79,7 +79,8 @@ def test_every_width_is_captured_at_start_up(bundled, policy, shared):
     profile = BudgetProfile(gpu="test", config_hash="x", dtype="bfloat16", torch_version="",
                             triton_version="", eps=0.1, batches=[1, 2, 4], node_grid=grid,
                             t_dec=[1.0] * 3, t_ver=[[1.0 + i for i in range(len(grid))]] * 3,
-                            b_ver=[16] * 3, t_select=[0.1] * 3, model="bundled", created="")
+                            b_ver=[16] * 3, t_select=[0.1] * 3, tree_nodes=16, model="bundled",
+                            created="")
     outputs = []
     for graphs in (False, True):
         engine = Engine(model, spec, max_slots=4, max_len=512, cuda_graphs=graphs,

@@ -143,7 +143,7 @@ def calibrate_model(model, spec, batches, *, node_grid=DEFAULT_GRID, eps: float 
                   end="" if done < total else "\n", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     select_fn = selection_time_fn(spec, model.device, reps=reps)
-    profile = calibrate(time_fn, batches, grid, eps, gpu=gpu_name(model.device),
+    profile = calibrate(time_fn, batches, grid, eps, tree_nodes=T, gpu=gpu_name(model.device),
                         config_hash=config_hash(model.config), dtype=model.dtype,
                         versions=runtime_versions(), progress=bar, select_fn=select_fn,
                         model=f"hidden {model.config.hidden_size}, "
@@ -156,8 +156,10 @@ def calibrate_model(model, spec, batches, *, node_grid=DEFAULT_GRID, eps: float 
 
 
 def load_or_calibrate(model, spec, max_batch: int) -> BudgetProfile:
-    """This device's saved profile for ``model``, or a new calibration (with a message)."""
-    key = (gpu_name(model.device), config_hash(model.config), model.dtype, runtime_versions())
+    """This device's saved profile for ``model`` and the spec's tree size, or a new calibration
+    (with a message)."""
+    key = (gpu_name(model.device), config_hash(model.config), model.dtype, runtime_versions(),
+           spec.nodes_per_request)
     try:
         profile = find_profile(*key)
     except ProfileFormatError as e:
@@ -168,8 +170,9 @@ def load_or_calibrate(model, spec, max_batch: int) -> BudgetProfile:
             and max(profile.node_grid) >= nodes:
         return profile
     if profile is None:
-        print("[bole] no verification-budget profile for this GPU, model, dtype and versions: "
-              "calibrating now (bole calibrate does it ahead of time)", file=sys.stderr)
+        print("[bole] no verification-budget profile for this GPU, model, dtype, versions and "
+              f"tree size ({spec.nodes_per_request} nodes): calibrating now (bole calibrate "
+              "does it ahead of time)", file=sys.stderr)
     else:
         print(f"[bole] the saved verification-budget profile reaches batch "
               f"{max(profile.batches)} and {max(profile.node_grid)} draft nodes; this engine "

@@ -198,8 +198,9 @@ class Engine:
                  budget_profile=None):
         """``gdn_backend`` overrides the mode's GDN backend (an oracle: ar on the serial
         reference recurrence checks the closed form end to end). ``budget_profile``: the
-        calibration profile of the calibrated budget policy (else the one saved for this GPU,
-        model, dtype and versions is loaded, and calibrated first when there is none)."""
+        calibration profile of the calibrated and goodput budget policies, measured for this
+        spec's tree size (else the one saved for this GPU, model, dtype, versions and tree size
+        is loaded, and calibrated first when there is none)."""
         spec.validate()
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         on_gpu = model.device.type == "cuda"

@@ -192,6 +192,12 @@ class BudgetPolicy:
         if spec.budget_policy in ("calibrated", "goodput") and profile is None:
             raise ValueError(f"the {spec.budget_policy} policy needs a calibration profile "
                              "(bole calibrate, or Engine(..., budget_profile=...))")
+        if spec.budget_policy in ("calibrated", "goodput") and profile.tree_nodes != T:
+            raise ValueError(f"the budget profile was measured for trees of {profile.tree_nodes} "
+                             f"nodes, and this engine's trees have {T}: its verify widths and "
+                             "selection times do not apply. Calibrate for this tree (bole "
+                             "calibrate with the same --depth, --topk and --budget), or pass a "
+                             "profile measured for it")
         self.policy, self.spec, self.T, self.profile = spec.budget_policy, spec, T, profile
         self.widths = width_buckets(T)
         self._whole: dict[int, bool] = {}

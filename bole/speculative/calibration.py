@@ -1,11 +1,12 @@
 """Hardware calibration of the verification budget, and of acceptance against rho.
 
-A :class:`BudgetProfile` holds what one GPU measured for one model, dtype and software stack:
+A :class:`BudgetProfile` holds what one GPU measured for one model, dtype, software stack and
+tree size:
 plain decoding's time ``T_dec(b)`` and the verify forward's time ``T_ver(b, N)`` over a grid of
 ``N`` = draft nodes in the whole batch (roots excluded; ``N = 0`` is plain decoding), and the
 paper's budget ``B_ver(b)`` = the largest measured N with ``T_ver(b, N) <= (1 + eps) T_dec(b)``.
 Profiles live as JSON under ``$BOLE_CACHE`` (default ``~/.cache/bole/``), one file per key
-(GPU name, model config hash, dtype, torch and triton versions).
+(GPU name, model config hash, dtype, torch and triton versions, nodes per tree).
 
 :func:`calibrate` builds a profile from any timing callable, so the GPU run only supplies
 ``time_fn(batch, nodes) -> ms``. :class:`AcceptanceCalibrator` maps rho to the acceptance
@@ -36,8 +37,8 @@ __all__ = ["FORMAT", "BudgetProfile", "ProfileFormatError", "cache_dir", "config
 
 _INF = float("inf")
 
-#: version of the profile's JSON layout (2: ``t_select``)
-FORMAT = 2
+#: version of the profile's JSON layout (2: ``t_select``; 3: ``tree_nodes``, in the key)
+FORMAT = 3
 
 #: ``time_fn(batch, nodes) -> ms``: one round's verify forward over ``batch`` requests holding
 #: ``nodes`` draft nodes in all (plus one root each); ``nodes == 0`` is plain decoding
@@ -84,12 +85,13 @@ def _slug(text: str) -> str:
 
 
 def profile_path(gpu: str, config_hash: str, dtype: torch.dtype | str,
-                 versions: Mapping[str, str], root: Path | None = None) -> Path:
-    """Where the profile of this key lives: ``budget-<gpu>-<hash>-<dtype>-torch<v>-triton<v>.json``
-    under ``root`` (default :func:`cache_dir`)."""
+                 versions: Mapping[str, str], tree_nodes: int, root: Path | None = None) -> Path:
+    """Where the profile of this key lives:
+    ``budget-<gpu>-<hash>-<dtype>-torch<v>-triton<v>-tree<T>.json`` under ``root`` (default
+    :func:`cache_dir`)."""
     name = "-".join(["budget", _slug(gpu), _slug(config_hash), _slug(dtype_name(dtype)),
                      "torch" + _slug(versions.get("torch", "")),
-                     "triton" + _slug(versions.get("triton", ""))])
+                     "triton" + _slug(versions.get("triton", "")), f"tree{int(tree_nodes)}"])
     return (root if root is not None else cache_dir()) / f"{name}.json"
 
 
@@ -100,7 +102,7 @@ class ProfileFormatError(ValueError):
 
 @dataclasses.dataclass
 class BudgetProfile:
-    """One GPU's verify-time curve for one model, dtype and software stack.
+    """One GPU's verify-time curve for one model, dtype, software stack and tree size.
 
     batches:   measured batch sizes, ascending.
     node_grid: measured N (draft nodes over the batch, roots excluded), ascending, all > 0.
@@ -109,6 +111,10 @@ class BudgetProfile:
     b_ver:     ``[len(batches)]`` the largest N with ``t_ver <= (1 + eps) t_dec`` (0 if none).
     t_select:  ``[len(batches)]`` ms of the goodput policy's selection over whole trees (the
                device-side choice, ranking, floors and compaction a shared verify adds).
+    tree_nodes: the nodes per request (root included) of the trees it was measured for: a
+               round pads each row to a verify width of :func:`~bole.engine.selection.
+               width_buckets` of it (powers of two, and the tree's size as the widest), and the
+               selection ranks whole trees of it, so a profile serves only trees of this size.
     """
 
     gpu: str
@@ -123,6 +129,7 @@ class BudgetProfile:
     t_ver: list[list[float]]
     b_ver: list[int]
     t_select: list[float]
+    tree_nodes: int
     model: str = ""
     created: str = ""
 
@@ -136,6 +143,10 @@ class BudgetProfile:
         if list(self.node_grid) != sorted(set(self.node_grid)) or self.node_grid[0] < 1:
             raise ValueError(f"node_grid must be distinct, ascending and >= 1, got "
                              f"{self.node_grid}")
+        if isinstance(self.tree_nodes, bool) or not isinstance(self.tree_nodes, int) \
+                or self.tree_nodes < 2:
+            raise ValueError(f"tree_nodes must be an int >= 2 (a root and a draft node), got "
+                             f"{self.tree_nodes!r}")
         if (len(self.t_dec) != nb or len(self.b_ver) != nb or len(self.t_select) != nb
                 or len(self.t_ver) != nb or any(len(row) != ng for row in self.t_ver)):
             raise ValueError(f"t_dec, b_ver, t_select need {nb} entries and t_ver {nb} rows "
@@ -147,23 +158,26 @@ class BudgetProfile:
         return {"torch": self.torch_version, "triton": self.triton_version}
 
     def differences(self, gpu: str, config_hash: str, dtype: torch.dtype | str,
-                    versions: Mapping[str, str]) -> list[str]:
+                    versions: Mapping[str, str], tree_nodes: int) -> list[str]:
         """Every key field where this profile differs from the running setup, as text."""
         here = {"GPU": gpu, "model config hash": config_hash, "dtype": dtype_name(dtype),
-                "torch": versions.get("torch", ""), "triton": versions.get("triton", "")}
+                "torch": versions.get("torch", ""), "triton": versions.get("triton", ""),
+                "tree nodes": tree_nodes}
         mine = {"GPU": self.gpu, "model config hash": self.config_hash, "dtype": self.dtype,
-                "torch": self.torch_version, "triton": self.triton_version}
+                "torch": self.torch_version, "triton": self.triton_version,
+                "tree nodes": self.tree_nodes}
         return [f"{name}: profile {mine[name]!r}, here {here[name]!r}"
                 for name in here if str(here[name]) != str(mine[name])]
 
     def check(self, gpu: str, config_hash: str, dtype: torch.dtype | str,
-              versions: Mapping[str, str]) -> None:
+              versions: Mapping[str, str], tree_nodes: int) -> None:
         """Raise ``ValueError`` naming every difference between the profile and this setup."""
-        diff = self.differences(gpu, config_hash, dtype, versions)
+        diff = self.differences(gpu, config_hash, dtype, versions, tree_nodes)
         if diff:
             what = f" ({self.model})" if self.model else ""
             raise ValueError(f"the budget profile{what} was measured on another setup: "
-                             + "; ".join(diff) + ". Recalibrate with `bole calibrate`.")
+                             + "; ".join(diff) + ". Recalibrate with `bole calibrate` (with "
+                             "this engine's --depth, --topk and --budget for its tree size).")
 
     # ---- lookups at a batch (the rule of verification_budget) ----
     def row(self, batch: int) -> int:
@@ -194,7 +208,8 @@ class BudgetProfile:
 
     # ---- files ----
     def path(self, root: Path | None = None) -> Path:
-        return profile_path(self.gpu, self.config_hash, self.dtype, self.versions, root)
+        return profile_path(self.gpu, self.config_hash, self.dtype, self.versions,
+                            self.tree_nodes, root)
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, **dataclasses.asdict(self)}
@@ -227,14 +242,15 @@ class BudgetProfile:
 
 
 def find_profile(gpu: str, config_hash: str, dtype: torch.dtype | str,
-                 versions: Mapping[str, str], root: Path | None = None) -> BudgetProfile | None:
+                 versions: Mapping[str, str], tree_nodes: int,
+                 root: Path | None = None) -> BudgetProfile | None:
     """The cached profile of this key, or None when there is none (then calibrate). A file
     whose contents disagree with its key is refused by :meth:`BudgetProfile.check`."""
-    path = profile_path(gpu, config_hash, dtype, versions, root)
+    path = profile_path(gpu, config_hash, dtype, versions, tree_nodes, root)
     if not path.exists():
         return None
     profile = BudgetProfile.load(path)
-    profile.check(gpu, config_hash, dtype, versions)
+    profile.check(gpu, config_hash, dtype, versions, tree_nodes)
     return profile
 
 
@@ -247,12 +263,13 @@ def b_ver_from_curve(t_dec: float, node_grid: Sequence[int], t_ver: Sequence[flo
 
 
 def calibrate(time_fn: TimeFn, batches: Sequence[int], node_grid: Sequence[int],
-              eps: float = 0.1, *, gpu: str = "unknown", config_hash: str = "",
+              eps: float = 0.1, *, tree_nodes: int, gpu: str = "unknown", config_hash: str = "",
               dtype: torch.dtype | str = "", versions: Mapping[str, str] | None = None,
               model: str = "", select_fn: Callable[[int], float] | None = None,
               progress: Callable[[int, int], None] | None = None) -> BudgetProfile:
     """Measure ``T_dec`` = ``time_fn(b, 0)`` and ``T_ver`` = ``time_fn(b, N)`` for every batch
     and grid point, and derive ``B_ver``; ``T_select`` = ``select_fn(b)`` (0 without one).
+    ``tree_nodes``: the tree size (root included) ``time_fn`` and ``select_fn`` measure.
     ``progress(done, total)`` is called after each point (a progress bar). The key fields are
     stored as given (``versions`` defaults to :func:`runtime_versions`)."""
     if eps < 0:
@@ -276,7 +293,8 @@ def calibrate(time_fn: TimeFn, batches: Sequence[int], node_grid: Sequence[int],
                          torch_version=versions.get("torch", ""),
                          triton_version=versions.get("triton", ""), eps=float(eps),
                          batches=batches, node_grid=grid, t_dec=t_dec, t_ver=t_ver,
-                         b_ver=b_ver, t_select=t_select, model=model,
+                         b_ver=b_ver, t_select=t_select, tree_nodes=int(tree_nodes),
+                         model=model,
                          created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 

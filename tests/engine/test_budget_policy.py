@@ -97,7 +97,7 @@ def test_goodput_compares_what_drafting_and_plain_rounds_deliver():
     from bole.engine.selection import AR_ROUNDS, FIRST_ROUNDS
     assert FIRST_ROUNDS == 3
     policy = BudgetPolicy(SpecConfig("bole", budget=3, budget_policy="goodput"), 3,
-                          profile=_profile(3.0, t_dec_ms=1.0))
+                          profile=_profile(3.0, t_dec_ms=1.0, T=3))
     policy.after_round(1, False, draft_ms=0.6, accept_ms=0.5, rate=0.01)   # a slow first round
     assert not policy.plain_round() and policy.overhead_ms == pytest.approx(1.1)
     policy.after_round(1, False, draft_ms=0.6, accept_ms=0.5, rate=0.9)
@@ -132,7 +132,8 @@ def test_goodput_explores_only_while_its_choice_could_change():
     next round explores."""
     T, K = 4, 40
     policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
-                          profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, t_select_ms=0.25))
+                          profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, t_select_ms=0.25,
+                                           T=T))
     assert not policy.whole_trees(2)
     kinds = []
     for n in range(K + 3):
@@ -147,7 +148,7 @@ def test_goodput_verifies_the_best_width_of_an_uncertain_tree():
     """A drafted tree is paid for: however little its nodes promise, the round verifies the
     width with the most expected tokens per ms rather than its roots alone."""
     policy = BudgetPolicy(SpecConfig("bole", budget=3, budget_policy="goodput"), 3,
-                          profile=_profile(3.0, t_dec_ms=1.0))
+                          profile=_profile(3.0, t_dec_ms=1.0, T=3))
     goodput = policy.goodput_inputs(1, "cpu")
     assert goodput.widths.tolist() == [2, 3]
     goodput.t_ver.copy_(torch.tensor([1.0, 1.0], dtype=torch.float64))
@@ -198,7 +199,7 @@ def test_goodput_never_chooses_a_width_narrower_than_its_floors():
     """A width that cannot hold a root and its floors would be priced below the width its rows
     need: goodput does not offer it."""
     policy = BudgetPolicy(SpecConfig("bole", budget=8, root_floor=3, budget_policy="goodput"), 8,
-                          profile=_profile(3.0, t_dec_ms=1.0))
+                          profile=_profile(3.0, t_dec_ms=1.0, T=8))
     assert policy.widths == (2, 4, 8) and policy.goodput_widths == (4, 8)
     assert policy.goodput_inputs(1, "cpu").widths.tolist() == [4, 8]
 
@@ -207,7 +208,7 @@ def test_goodput_prices_each_width_from_the_profile():
     """Bucket R's width W costs the profile's forward of its measured batch at that width:
     the largest grid point whose even spread fits ``rows * (W - 1)`` nodes."""
     policy = BudgetPolicy(SpecConfig("bole", budget=16, budget_policy="goodput"), 16,
-                          profile=_profile(3.0, t_dec_ms=1.0))
+                          profile=_profile(3.0, t_dec_ms=1.0, T=16))
     profile = policy.profile
     row = profile.row(2)
     by_n = dict(zip(profile.node_grid, profile.t_ver[row]))
@@ -240,6 +241,39 @@ def test_calibrated_policy_calibrates_on_first_use(model, tmp_path, monkeypatch,
     assert all(t > 0 for t in bigger.rounds.policy.profile.t_select)   # the selection, timed
 
 
+def test_each_tree_size_has_its_own_profile(model, tmp_path, monkeypatch, capsys):
+    """A profile measures verify widths up to its tree's size and the selection over its
+    trees, so an engine with larger trees calibrates its own (a second file) rather than
+    pricing widths its profile never ran; each engine then finds its own again."""
+    monkeypatch.setenv("BOLE_CACHE", str(tmp_path))
+    import bole.engine.calibrate as cal
+    monkeypatch.setattr(cal, "DEFAULT_GRID", (1, 4))
+    small = SpecConfig("bole", "mtp", depth=2, topk=2, budget=4, budget_policy="goodput")
+    large = SpecConfig("bole", "mtp", depth=3, topk=2, budget=8, budget_policy="goodput")
+    assert (small.nodes_per_request, large.nodes_per_request) == (4, 8)
+    Engine(model, small, max_slots=2)
+    capsys.readouterr()
+    engine = Engine(model, large, max_slots=2)
+    assert "tree size (8 nodes): calibrating now" in capsys.readouterr().err
+    assert engine.rounds.policy.profile.tree_nodes == 8
+    assert sorted(p.name.rsplit("-", 1)[1] for p in tmp_path.glob("budget-*.json")) == \
+        ["tree4.json", "tree8.json"]
+    for spec in (small, large):
+        found = Engine(model, spec, max_slots=2).rounds.policy.profile
+        assert found.tree_nodes == spec.nodes_per_request
+    assert "calibrating" not in capsys.readouterr().err
+
+
+def test_a_profile_of_another_tree_size_is_refused():
+    spec = SpecConfig("bole", "mtp", budget=16, budget_policy="goodput")
+    with pytest.raises(ValueError, match="measured for trees of 8 nodes, and this engine's "
+                                         "trees have 16.*--depth, --topk and --budget"):
+        BudgetPolicy(spec, 16, profile=_profile(1.0, T=8))
+    calibrated = SpecConfig("bole", "mtp", budget=16, budget_policy="calibrated")
+    with pytest.raises(ValueError, match="trees of 8 nodes"):
+        BudgetPolicy(calibrated, 16, profile=_profile(1.0, T=8))
+
+
 def test_a_profile_of_an_older_layout_is_calibrated_again(model, tmp_path, monkeypatch, capsys):
     """A cached profile written by an older Bole (format 1: no selection times) is neither
     used nor an error: the engine says so and calibrates again."""
@@ -257,24 +291,25 @@ def test_a_profile_of_an_older_layout_is_calibrated_again(model, tmp_path, monke
     capsys.readouterr()
     engine = Engine(model, spec, max_slots=2)
     err = capsys.readouterr().err
-    assert "format 1, this Bole reads format 2" in err and "calibrating now" in err
+    assert "format 1, this Bole reads format 3" in err and "calibrating now" in err
     assert len(engine.rounds.policy.profile.t_select) == 2
-    assert json.loads(path.read_text())["format"] == 2
+    assert json.loads(path.read_text())["format"] == 3
 
 
 def _profile(t_ver_ms: float, t_dec_ms: float = 1000.0, slope: float = 0.01,
-             t_select_ms: float = 0.0):
-    """A synthetic profile: decode and verify times far above this CPU's measured draft and
-    accept overhead (15-100 ms on a busy CI machine), so that the choice follows the profile.
-    The verify time grows by ``slope`` a grid point (so that the selection can pay)."""
+             t_select_ms: float = 0.0, *, T: int):
+    """A synthetic profile for trees of ``T`` nodes: decode and verify times far above this
+    CPU's measured draft and accept overhead (15-100 ms on a busy CI machine), so that the
+    choice follows the profile. The verify time grows by ``slope`` a grid point (so that the
+    selection can pay)."""
     from bole.speculative.calibration import BudgetProfile
     grid = [1, 2, 4, 8, 16]
     return BudgetProfile(gpu="test", config_hash="x", dtype="float32", torch_version="",
                          triton_version="", eps=0.1, batches=[1, 2, 4], node_grid=grid,
                          t_dec=[t_dec_ms] * 3,
                          t_ver=[[t_ver_ms * (1 + slope * i) for i in range(len(grid))]] * 3,
-                         b_ver=[16, 16, 16], t_select=[t_select_ms] * 3, model="tiny",
-                         created="")
+                         b_ver=[16, 16, 16], t_select=[t_select_ms] * 3, tree_nodes=T,
+                         model="tiny", created="")
 
 
 def test_whole_trees_where_the_selection_cannot_pay():
@@ -286,21 +321,21 @@ def test_whole_trees_where_the_selection_cannot_pay():
     assert [glob.whole_trees(R) for R in (1, 2, 4)] == [True, True, False]
     assert glob.width(2, 2) == T
     calibrated = BudgetPolicy(SpecConfig(drafter="mtp", budget=T, budget_policy="calibrated"),
-                              T, profile=_profile(1.0))         # b_ver 16 at every batch
+                              T, profile=_profile(1.0, T=T))         # b_ver 16 at every batch
     assert [calibrated.whole_trees(R) for R in (1, 2, 4)] == [True, True, True]
     # host drafters' trees are often small: their rounds always compact
     ngram = BudgetPolicy(SpecConfig(drafter="ngram", budget=T, budget_policy="calibrated"), T,
-                         profile=_profile(1.0))
+                         profile=_profile(1.0, T=T))
     assert not any(ngram.whole_trees(R) for R in (1, 2, 4))
     # goodput, bucket 2: width 4 (6 draft nodes: grid 4, 1.02 ms) against width 2 (grid 2,
     # 1.01 ms)
     goodput = lambda sel: BudgetPolicy(  # noqa: E731
         SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
-        profile=_profile(1.0, slope=0.01, t_select_ms=sel))
+        profile=_profile(1.0, slope=0.01, t_select_ms=sel, T=T))
     assert not goodput(0.005).whole_trees(2) and goodput(0.015).whole_trees(2)
     assert goodput(0.0).whole_trees(1) is False            # 3 nodes: grid 2 (1.01) vs 1.0
     flat = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
-                        profile=_profile(1.0, slope=0.0))
+                        profile=_profile(1.0, slope=0.0, T=T))
     assert all(flat.whole_trees(R) for R in (1, 2, 4)) and flat.width(4, 4) == T
     assert flat.plan(4) == "whole" and not flat.learns("whole", 4)
 
@@ -315,7 +350,7 @@ def test_goodput_explores_whole_trees_and_weighs_its_selection():
     for slope, select_ms in ((0.5, 0.25), (0.5, 0.002)):
         policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                               profile=_profile(1.0, t_dec_ms=100.0, slope=slope,
-                                               t_select_ms=select_ms))
+                                               t_select_ms=select_ms, T=T))
         assert not policy.whole_trees(2) and policy.explore_every(2) == EXPLORE_EVERY
         policy.observe(2, [2, 1])                      # width 2: grid point 2
         policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
@@ -337,7 +372,8 @@ def test_goodput_explores_whole_trees_and_weighs_its_selection():
         assert policy.round_overhead_ms(2) == pytest.approx(policy.overhead_ms + select_ms)
     # where whole trees cost about the choice's forward, one round in EXPLORE_EVERY explores
     policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
-                          profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, t_select_ms=0.25))
+                          profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, t_select_ms=0.25,
+                                           T=T))
     policy.observe(2, [T, 3])                          # the whole trees' width
     assert policy.explore_every(2) == EXPLORE_EVERY
     kinds = []
@@ -365,7 +401,7 @@ def test_a_choice_of_every_node_is_followed_by_whole_rounds():
     from bole.engine.selection import EXPLORE_EVERY, WHOLE_ROUNDS
     T = 4
     policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
-                          profile=_profile(1.0, t_dec_ms=100.0, slope=0.5))
+                          profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, T=T))
     assert policy.plan(2) == "select"
     policy.observe(2, [T, 3], "select")                # one request lost a node: no stretch
     assert policy.plan(2) == "select"
@@ -406,11 +442,11 @@ def test_each_policy_names_the_rounds_it_can_run():
     assert glob.variants(2) == [("whole", T, False)]
     assert glob.variants(4) == [("select", W, False) for W in width_buckets(T)]
     goodput = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
-                           profile=_profile(1.0, slope=0.5))
+                           profile=_profile(1.0, slope=0.5, T=T))
     extra = [("plain", 1, False), ("whole", T, False), ("whole", T, True)]
     assert goodput.variants(2) == extra + [("select", W, True) for W in width_buckets(T)]
     flat = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
-                        profile=_profile(1.0, slope=0.0))
+                        profile=_profile(1.0, slope=0.0, T=T))
     assert flat.variants(2) == extra
 
 
@@ -419,7 +455,8 @@ def test_whole_tree_rounds_verify_every_drafted_node(model):
     verified (as the fixed policy verifies them), and greedy output is plain decoding's."""
     params = GenerationParams(max_tokens=24)
     ar, spec = _goodput_case(model, params)
-    engine = Engine(model, spec, max_slots=3, budget_profile=_profile(1000.0, slope=0.0))
+    engine = Engine(model, spec, max_slots=3,
+                    budget_profile=_profile(1000.0, slope=0.0, T=spec.nodes_per_request))
     fixed = Engine(model, SpecConfig(**{**spec.__dict__, "budget_policy": "fixed"}),
                    max_slots=3)
     res = engine.generate(PROMPTS, params, continuations=ar)
@@ -446,11 +483,13 @@ def test_goodput_drafts_when_it_pays_and_decodes_plainly_when_not(model):
     from bole.engine.selection import AR_ROUNDS, FIRST_ROUNDS
     params = GenerationParams(max_tokens=24)
     ar, spec = _goodput_case(model, params)
-    cheap = Engine(model, spec, max_slots=3, budget_profile=_profile(1000.0))
+    cheap = Engine(model, spec, max_slots=3,
+                   budget_profile=_profile(1000.0, T=spec.nodes_per_request))
     res = cheap.generate(PROMPTS, params, continuations=ar)
     assert [r.token_ids for r in res] == ar
     assert res[0].accepted[0] > 1 and sum(r.mean_accepted_tokens for r in res) / 3 > 1.5
-    costly = Engine(model, spec, max_slots=3, budget_profile=_profile(1000.0, t_dec_ms=1e-3))
+    costly = Engine(model, spec, max_slots=3,
+                    budget_profile=_profile(1000.0, t_dec_ms=1e-3, T=spec.nodes_per_request))
     res = costly.generate(PROMPTS, params, continuations=ar)
     assert [r.token_ids for r in res] == ar
     rounds = res[0].accepted                    # tokens per round of the first request
@@ -472,7 +511,7 @@ def test_goodput_learns_acceptance_from_its_rounds(model):
     ar, spec = _goodput_case(model, params)
     # past 4 draft nodes a verify costs 1000x: the choice is never whole trees (at any batch,
     # at least its width of 12 costs 1000x more), so that every drafting round learns
-    knee = _profile(1000.0, slope=0.0)
+    knee = _profile(1000.0, slope=0.0, T=spec.nodes_per_request)
     knee.t_ver = [[1000.0 if n <= 4 else 1e6 for n in knee.node_grid] for _ in knee.batches]
     engine = Engine(model, spec, max_slots=3, budget_profile=knee)
     calib = engine.rounds.calibrator
@@ -496,14 +535,15 @@ def test_engines_of_one_model_share_what_goodput_learnt(model):
     """Acceptance per rho belongs to a model and its drafter: a second engine of the same model
     and drafter starts from the first one's estimates; another drafter or model does not."""
     _, spec = _goodput_case(model, GenerationParams(max_tokens=4))
-    first = Engine(model, spec, max_slots=3, budget_profile=_profile(1000.0))
-    second = Engine(model, spec, max_slots=2, budget_profile=_profile(1000.0))
+    profile = _profile(1000.0, T=spec.nodes_per_request)
+    first = Engine(model, spec, max_slots=3, budget_profile=profile)
+    second = Engine(model, spec, max_slots=2, budget_profile=profile)
     assert second.rounds.calibrator is first.rounds.calibrator
     other_vocab = Engine(model, SpecConfig(**{**spec.__dict__, "draft_vocab": 64}), max_slots=3,
-                         budget_profile=_profile(1000.0))
+                         budget_profile=_profile(1000.0, T=spec.nodes_per_request))
     assert other_vocab.rounds.calibrator is not first.rounds.calibrator
     twin = HybridModel(model.config, dict(model.w), gdn_backend="torch")
-    assert Engine(twin, spec, max_slots=3, budget_profile=_profile(1000.0)).rounds.calibrator \
+    assert Engine(twin, spec, max_slots=3, budget_profile=profile).rounds.calibrator \
         is not first.rounds.calibrator
 
 
@@ -512,7 +552,7 @@ def test_goodput_looks_less_often_while_drafting_keeps_not_paying():
     doubles the plain stretch, up to AR_ROUNDS_MAX; a look that drafts resets it."""
     from bole.engine.selection import AR_ROUNDS, AR_ROUNDS_MAX, FIRST_ROUNDS
     policy = BudgetPolicy(SpecConfig("bole", budget=4, budget_policy="goodput"), 4,
-                          profile=_profile(1.0, t_dec_ms=1.0))
+                          profile=_profile(1.0, t_dec_ms=1.0, T=4))
     for _ in range(FIRST_ROUNDS - 1):                # the bucket's first rounds: no decision
         policy.after_round(1, False, draft_ms=1.0, accept_ms=0.1, rate=0.1)
         assert not policy.plain_round()
@@ -541,7 +581,8 @@ def test_goodput_is_refused_under_tensor_parallelism(model):
     twin.tp = types.SimpleNamespace(world=2)
     _, spec = _goodput_case(model, GenerationParams(max_tokens=4))
     with pytest.raises(ValueError, match="tensor-parallel ranks.*fixed, global or calibrated"):
-        Engine(twin, spec, max_slots=2, budget_profile=_profile(1000.0))
+        Engine(twin, spec, max_slots=2,
+               budget_profile=_profile(1000.0, T=spec.nodes_per_request))
 
 
 def test_budget_eps_derives_b_ver_from_the_profiles_curves(model):
@@ -549,7 +590,7 @@ def test_budget_eps_derives_b_ver_from_the_profiles_curves(model):
     measuring again: B_ver at that eps from the same curves; greedy output unchanged."""
     spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=8, budget_policy="calibrated")
     # t_ver 1000, 1010, 1020, 1030, 1040 at N = 1, 2, 4, 8, 16 against t_dec 1000
-    profile = _profile(1000.0)
+    profile = _profile(1000.0, T=spec.nodes_per_request)
     params = GenerationParams(max_tokens=10)
     ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar")).generate(PROMPTS, params)]
     for eps, b_ver in ((None, 16), (0.0, 1), (0.025, 4), (1.0, 16)):

@@ -594,13 +594,13 @@ GRID = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384]
 def make_profile(**key):
     defaults = dict(gpu="NVIDIA H200", config_hash="abc123", dtype=torch.bfloat16,
                     versions={"torch": "2.11.0", "triton": "3.6.0"}, model="bundled")
-    return calibrate(synthetic_time_fn(), [1, 2, 4, 8, 16, 32, 64], GRID, 0.1,
+    return calibrate(synthetic_time_fn(), [1, 2, 4, 8, 16, 32, 64], GRID, 0.1, tree_nodes=32,
                      select_fn=lambda b: 0.01 * b, **{**defaults, **key})
 
 
 def test_calibrate_on_a_synthetic_curve():
     calls, ticks = [], []
-    profile = calibrate(synthetic_time_fn(calls), [4, 1, 16], GRID, 0.1,
+    profile = calibrate(synthetic_time_fn(calls), [4, 1, 16], GRID, 0.1, tree_nodes=32,
                         progress=lambda done, total: ticks.append((done, total)))
     assert profile.batches == [1, 4, 16]
     assert profile.b_ver == [expected_b_ver(b, GRID, 0.1) for b in (1, 4, 16)] == [256, 64, 16]
@@ -608,7 +608,7 @@ def test_calibrate_on_a_synthetic_curve():
     assert len(calls) == 3 * (len(GRID) + 1) and ticks[-1] == (len(calls), len(calls))
     assert profile.t_dec == [1.02, 1.08, 1.32]
     assert profile.versions == runtime_versions()
-    tight = calibrate(synthetic_time_fn(), [64], GRID, 0.0)
+    tight = calibrate(synthetic_time_fn(), [64], GRID, 0.0, tree_nodes=32)
     assert tight.b_ver == [0]                     # even N = 1 costs 1% more than decoding
 
 
@@ -618,7 +618,7 @@ def test_b_ver_takes_the_largest_passing_node_count():
 
 
 def test_at_eps_derives_b_ver_again_from_the_same_curves():
-    profile = calibrate(synthetic_time_fn(), [1, 4, 16], GRID, 0.1)
+    profile = calibrate(synthetic_time_fn(), [1, 4, 16], GRID, 0.1, tree_nodes=32)
     for eps in (0.0, 0.1, 0.5, 3.0):
         at = profile.at_eps(eps)
         assert at.eps == eps and at.t_ver == profile.t_ver and at.t_dec == profile.t_dec
@@ -633,7 +633,7 @@ def test_at_eps_derives_b_ver_again_from_the_same_curves():
 
 
 def test_verification_budget_uses_the_bucket_at_or_above():
-    profile = calibrate(synthetic_time_fn(), [1, 4, 16], GRID, 0.1)
+    profile = calibrate(synthetic_time_fn(), [1, 4, 16], GRID, 0.1, tree_nodes=32)
     rows = {b: verification_budget(profile, b) for b in (1, 2, 3, 4, 5, 16, 17, 100)}
     assert rows == {1: 256, 2: 64, 3: 64, 4: 64, 5: 16, 16: 16, 17: 16, 100: 16}
     assert profile.t_dec_at(3) == 1.08 and list(profile.t_ver_curve(3)) == GRID
@@ -646,15 +646,16 @@ def test_profile_round_trip(tmp_path, monkeypatch):
     profile = make_profile()
     path = profile.save()
     assert path.parent == tmp_path / "cache" and path.suffix == ".json"
-    assert path.name == "budget-NVIDIA-H200-abc123-bfloat16-torch2.11.0-triton3.6.0.json"
+    assert path.name == "budget-NVIDIA-H200-abc123-bfloat16-torch2.11.0-triton3.6.0-tree32.json"
     assert BudgetProfile.load(path) == profile
     key = dict(gpu="NVIDIA H200", config_hash="abc123", dtype="bfloat16",
-               versions={"torch": "2.11.0", "triton": "3.6.0"})
+               versions={"torch": "2.11.0", "triton": "3.6.0"}, tree_nodes=32)
     assert find_profile(**key) == profile
     assert find_profile(**{**key, "gpu": "NVIDIA A100"}) is None
+    assert find_profile(**{**key, "tree_nodes": 16}) is None     # trees of another size
     assert profile_path(**key) == path
     raw = json.loads(path.read_text())
-    assert raw["format"] == 2 and raw["b_ver"] == profile.b_ver
+    assert raw["format"] == 3 and raw["b_ver"] == profile.b_ver and raw["tree_nodes"] == 32
     assert raw["t_select"] == [0.01 * b for b in profile.batches]
 
 
@@ -666,29 +667,36 @@ def test_cache_dir_default(monkeypatch, tmp_path):
 
 def test_a_mismatched_profile_names_every_difference(tmp_path):
     profile = make_profile()
-    profile.check("NVIDIA H200", "abc123", torch.bfloat16, {"torch": "2.11.0", "triton": "3.6.0"})
+    profile.check("NVIDIA H200", "abc123", torch.bfloat16, {"torch": "2.11.0", "triton": "3.6.0"},
+                  32)
     with pytest.raises(ValueError) as err:
         profile.check("NVIDIA A100-SXM4-80GB", "ffff00", "float16",
-                      {"torch": "2.11.0", "triton": "3.5.0"})
+                      {"torch": "2.11.0", "triton": "3.5.0"}, 16)
     msg = str(err.value)
     for part in ("GPU: profile 'NVIDIA H200', here 'NVIDIA A100-SXM4-80GB'",
                  "model config hash: profile 'abc123', here 'ffff00'",
                  "dtype: profile 'bfloat16', here 'float16'",
-                 "triton: profile '3.6.0', here '3.5.0'", "bundled", "bole calibrate"):
+                 "triton: profile '3.6.0', here '3.5.0'", "tree nodes: profile 32, here 16",
+                 "bundled", "bole calibrate", "--depth, --topk and --budget"):
         assert part in msg
     assert "torch:" not in msg                     # only the differences are named
     # a file whose contents disagree with its key is refused on lookup
-    path = profile.save(profile_path("NVIDIA A100", "abc123", "bfloat16", profile.versions,
+    path = profile.save(profile_path("NVIDIA A100", "abc123", "bfloat16", profile.versions, 32,
                                      tmp_path))
     assert path.exists()
     with pytest.raises(ValueError, match="GPU: profile 'NVIDIA H200', here 'NVIDIA A100'"):
-        find_profile("NVIDIA A100", "abc123", "bfloat16", profile.versions, tmp_path)
+        find_profile("NVIDIA A100", "abc123", "bfloat16", profile.versions, 32, tmp_path)
 
 
 def test_malformed_profiles_are_refused(tmp_path):
     raw = make_profile().to_dict()
-    with pytest.raises(ProfileFormatError, match="format 1, this Bole reads format 2"):
-        BudgetProfile.from_dict({**raw, "format": 1})
+    with pytest.raises(ProfileFormatError, match="format 2, this Bole reads format 3"):
+        BudgetProfile.from_dict({**raw, "format": 2})
+    with pytest.raises(ValueError, match="lacks tree_nodes"):
+        BudgetProfile.from_dict({k: v for k, v in raw.items() if k != "tree_nodes"})
+    for bad in (1, 0, 2.5, True, "32"):
+        with pytest.raises(ValueError, match="tree_nodes must be an int >= 2"):
+            BudgetProfile.from_dict({**raw, "tree_nodes": bad})
     with pytest.raises(ValueError, match="lacks b_ver"):
         BudgetProfile.from_dict({k: v for k, v in raw.items() if k != "b_ver"})
     with pytest.raises(ValueError, match="t_ver"):

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from e2e import load, prompts_for, run  # noqa: E402
+from e2e import load, profile_meta, prompts_for, run  # noqa: E402
 from kernels import save_png  # noqa: E402
 
 from bole.engine import SpecConfig  # noqa: E402
@@ -177,12 +177,7 @@ def main(argv=None) -> int:
             meta = dict(date=date, model=name, drafter=drafter, acceptance=acceptance,
                         draft_vocab=args.draft_vocab,
                         device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                        torch=torch.__version__, profile_gpu=profile.gpu, eps=profile.eps,
-                        b_ver=dict(zip(profile.batches, profile.b_ver)),
-                        node_grid=profile.node_grid,
-                        t_dec_ms=dict(zip(profile.batches, profile.t_dec)),
-                        t_ver_ms=dict(zip(profile.batches, profile.t_ver)),
-                        t_select_ms=dict(zip(profile.batches, profile.t_select)))
+                        torch=torch.__version__, **profile_meta(profile))
             path = out / f"budget-{date}-{name}{args.tag}.json"
             path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
         paths += [path, plot(path)]

@@ -397,7 +397,7 @@ def study(args, tp=None) -> Path | None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     device = f"cuda:{tp.rank}" if tp is not None and args.device == "cuda" else args.device
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.tree_shapes]
-    records, confirmations = [], []
+    records, confirmations, profiles = [], [], {}
     for name in args.models:
         model, given, drafter, _ = load(name, device, dtype, tp)
         profile = args.profile if drafter == "replay" else None
@@ -417,7 +417,7 @@ def study(args, tp=None) -> Path | None:
             records.append(dict(base, mode="ar", shape=None, **ar))
             if not ar["fits"]:               # no continuation to replay, nothing to compare
                 if tp is None or not tp.rank:
-                    write(args, records, confirmations)
+                    write(args, records, confirmations, profiles)
                 continue
             candidates = {"chain": [], "bole": []}
             if args.tune_tree_serial:
@@ -465,7 +465,8 @@ def study(args, tp=None) -> Path | None:
                     best[f"bole-{policy}"] = (spec, does_not_fit(unfit, None))
                     continue
                 if policy != "global":
-                    load_or_calibrate(model, spec, max(args.batches))
+                    profiles[name] = profile_meta(load_or_calibrate(model, spec,
+                                                                    max(args.batches)))
                 best[f"bole-{policy}"] = (spec, go(spec, cont))
             for mode in ("chain", "tree-serial", "bole", *(f"bole-{p}" for p in policies)):
                 spec, res = best[mode]
@@ -478,7 +479,7 @@ def study(args, tp=None) -> Path | None:
                 print(json.dumps({k: v for k, v in records[-1].items() if k != "outputs"}),
                       flush=True)
             if tp is None or not tp.rank:
-                write(args, records, confirmations)
+                write(args, records, confirmations, profiles)
         if args.confirm_max_batch and args.tp == 1 and "tree-serial" in best:
             spec = best["tree-serial"][0]
             computed = max_batch(model, spec, args.max_context, args.device)
@@ -490,14 +491,16 @@ def study(args, tp=None) -> Path | None:
         del model
     if tp is not None and tp.rank:
         return None
-    path = write(args, records, confirmations)
+    path = write(args, records, confirmations, profiles)
     print(path, plot(path))
     return path
 
 
-def write(args, records: list[dict], confirmations: list[dict]) -> Path:
+def write(args, records: list[dict], confirmations: list[dict],
+          profiles: dict[str, dict] | None = None) -> Path:
     """The study's JSON (rewritten after every batch, so that a run cut short keeps its
-    finished batches); ``confirmations``: the max-batch runs (:func:`confirm`)."""
+    finished batches); ``confirmations``: the max-batch runs (:func:`confirm`); ``profiles``:
+    per model, the calibration the budget policies ran on (:func:`profile_meta`)."""
     meta = dict(date=_dt.date.today().isoformat(), device=(torch.cuda.get_device_name()
                 if args.device == "cuda" else "cpu"), torch=torch.__version__, tp=args.tp,
                 context=args.context, max_context=args.max_context, max_tokens=args.max_tokens,
@@ -514,13 +517,24 @@ def write(args, records: list[dict], confirmations: list[dict]) -> Path:
                                  + ("" if args.unforced else
                                     "; greedy acceptance forced to the known continuation")
                                  + ("; bundled: its own MTP head, acceptance measured"
-                                    if "bundled" in args.models else "")))
+                                    if "bundled" in args.models else "")),
+                budget_profiles=profiles or {})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"e2e-{meta['date']}{args.tag}.json"
     path.write_text(json.dumps(dict(meta=meta, records=records,
                                     max_batch_confirmed=confirmations), indent=1))
     return path
+
+
+def profile_meta(profile) -> dict:
+    """A calibration profile's figures for a result file: its GPU, tree size and eps, B_ver, the
+    node grid and per batch the decode, verify (over the grid) and selection times in ms."""
+    return dict(profile_gpu=profile.gpu, tree_nodes=profile.tree_nodes, eps=profile.eps,
+                b_ver=dict(zip(profile.batches, profile.b_ver)), node_grid=profile.node_grid,
+                t_dec_ms=dict(zip(profile.batches, profile.t_dec)),
+                t_ver_ms=dict(zip(profile.batches, profile.t_ver)),
+                t_select_ms=dict(zip(profile.batches, profile.t_select)))
 
 
 def fastest(candidates: list[tuple[SpecConfig, dict]], model) -> int:
@@ -605,11 +619,13 @@ def plot(path: Path) -> Path:
         for mode in modes:
             pts = sorted((r["batch"], r["decode_tokens_per_s"]) for r in recs
                          if r["mode"] == mode and r.get("fits", True) and r["batch"] in ar)
-            if not pts:
-                continue
-            axes[0, j].plot(*zip(*pts), marker="o", label=mode)
+            unfit = sorted(r["batch"] for r in recs if r["mode"] == mode and not
+                           r.get("fits", True))
+            label = mode + (f" (does not fit at batch {', '.join(map(str, unfit))})"
+                            if unfit else "")
+            line, = axes[0, j].plot(*(zip(*pts) if pts else ([], [])), marker="o", label=label)
             axes[1, j].plot([b for b, _ in pts], [t / ar[b] for b, t in pts], marker="o",
-                            label=mode)
+                            color=line.get_color(), label=label)
         source = ("its MTP head" if recs[0]["drafter"] == "mtp"
                   else f"replay of {recs[0]['profile']}")
         axes[0, j].set_title(f"{name} ({source}): decode tokens/s", fontsize=9)

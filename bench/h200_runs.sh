@@ -49,11 +49,13 @@
 #             won at 9B there), bole-goodput (~4.5 min at batch 32; batch 64's chain does not fit)
 #   e2e-27b-b64  27B at batch 64 alone: chain depth 4 (it does not fit: recorded so), trees
 #             4,2,8 6,3,16, bole-goodput, warm-ups of 8 requests (each run's warm-up otherwise
-#             prefills 64 x 2k tokens, about 20 s; not yet run; an earlier form was cut at 175 s)
+#             prefills 64 x 2k tokens, about 20 s; ~4 min)
 #   e2e-27b-b1-8  27B at batch 8 1 with bole-goodput, chain depths 4 6, trees 6,3,16 8,2,16
-#             8,4,32 (the study's 27B rows at 1 and 8 lack goodput; not yet run)
-#   e2e-9b-ts-a  9B at batch 1 2, 512-token requests, tree-serial tuned on its own (not yet run)
-#   e2e-9b-ts-b  the same at batch 4 16 (4096 tokens a run; not yet run)
+#             8,4,32 (~3.5 min)
+#   e2e-9b-ts-a  9B at batch 1 2, 512-token requests, tree-serial tuned on its own
+#   e2e-9b-ts-b  the same at batch 4 16 (4096 tokens a run; -a and -b ~8 min together)
+#   e2e-9b-ts-c  9B at batch 32 64, tree-serial tuned over e2e-9b-b's two trees (128-token
+#             requests; ~5 min)
 #   e2e-ts-bundled  e2e-9b-ts at batch 8 alone (chain depth 6), then e2e-bundled (cut where
 #             10 minutes end; ~6 min)
 #   e2e-bundled-best  the bundled study with goodput on bole's best fixed tree at each batch
@@ -66,7 +68,7 @@
 #   budget-9b-j  the same at batch 8 64 4 1 (cut at 500 s: what is left of a session's device time)
 #   budget-9b-k  the same at batch 64 1 4, the batches budget-9b-i and -j left (~6 min)
 #   budget-9b-l  the same at batch 2 8 16 again: the could-widen gate and the width that
-#             ignores rows near their token limit came after those runs (not yet run)
+#             ignores rows near their token limit came after those runs (~4.5 min)
 #   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
 #             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
 #             run three times (the median kept; cut where 10 minutes end)
@@ -85,7 +87,7 @@
 set -u
 parts="tests linear linear-rows round e2e-9b-a e2e-9b-b e2e-9b-c e2e-27b confirm-9b waves-budget
 profile-waves e2e-9b-d e2e-9b-e e2e-9b-f e2e-9b-f16 e2e-9b-ts e2e-27b-small e2e-27b-large
-e2e-27b-b64 e2e-27b-b1-8 e2e-9b-ts-a e2e-9b-ts-b e2e-ts-bundled e2e-bundled-best e2e-bundled
+e2e-27b-b64 e2e-27b-b1-8 e2e-9b-ts-a e2e-9b-ts-b e2e-9b-ts-c e2e-ts-bundled e2e-bundled-best e2e-bundled
 budget-bundled-r3 budget-9b-g budget-9b-i budget-9b-j budget-9b-k budget-9b-l budget-9b-h
 budget-9b-short budget-9b-eps budget-bundled budget-9b budget-both budget-9b-rest serve
 serve-process tp tp-e2e"
@@ -96,8 +98,9 @@ for part in "$@"; do
 done
 out=${OUT:-/tmp/bole-runs}
 mkdir -p "$out"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+if [ -d .whl ]; then      # once per machine: a warm one keeps /tmp/site between commands
+  [ -d /tmp/site/fla ] ||
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
 shapes=(--chain-depths 3 4 --tree-shapes 4,2,8 6,3,16 8,4,32 --draft-vocab 32768)
@@ -232,6 +235,10 @@ case "$part" in
     timeout $(lim 585) python3 bench/e2e.py --models qwen3.5-9b --batches 4 16 --chain-depths 4 6 \
       --tree-shapes 4,2,8 6,3,16 8,2,16 --tune-tree-serial --max-tokens 512 \
       --min-run-tokens 4096 --draft-vocab 32768 --out "$out" --tag=-9b-ts-b ;;
+  e2e-9b-ts-c)
+    timeout $(lim 585) python3 bench/e2e.py --models qwen3.5-9b --batches 32 64 --chain-depths 4 \
+      --tree-shapes 4,2,8 6,3,16 --tune-tree-serial --draft-vocab 32768 --out "$out" \
+      --tag=-9b-ts-c ;;
   e2e-ts-bundled)
     timeout $(lim 230) python3 bench/e2e.py --models qwen3.5-9b --batches 8 --chain-depths 6 \
       --tree-shapes 4,2,8 6,3,16 8,2,16 8,4,32 --tune-tree-serial --max-tokens 512 \

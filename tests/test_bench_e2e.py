@@ -66,12 +66,18 @@ def test_e2e_runs_the_budget_policies_as_modes(tmp_path, monkeypatch):
     monkeypatch.setenv("BOLE_CACHE", str(tmp_path / "cache"))
     assert _e2e().main(SMOKE + ["--batches", "2", "--chain-depths", "2", "--budget-policies",
                                 "global", "goodput", "--out", str(tmp_path)]) == 0
-    _, recs = _records(tmp_path)
+    meta, recs = _records(tmp_path)
     by = {r["mode"]: r for r in recs}
     assert set(by) == {"ar", "chain", "tree-serial", "bole", "bole-global", "bole-goodput"}
     for mode in ("bole-global", "bole-goodput"):
         assert by[mode]["equal_to_ar"] and by[mode]["shape"] == dict(depth=3, topk=2, budget=6)
-    assert list((tmp_path / "cache").glob("budget-*.json"))
+    saved = list((tmp_path / "cache").glob("budget-*.json"))
+    assert saved
+    # the curve goodput chose from is in the result file: its batches, grid and times
+    (name, used), = meta["budget_profiles"].items()
+    assert name == by["bole"]["model"] and "2" in used["t_ver_ms"] and used["tree_nodes"] == 6
+    assert len(used["t_ver_ms"]["2"]) == len(used["node_grid"])
+    assert used["node_grid"] == json.loads(saved[0].read_text())["node_grid"]
 
 
 def test_e2e_with_two_ranks_equals_one(tmp_path):

@@ -404,7 +404,7 @@ class RowFill:
 
 def width_fill_curve(rank: Ranking, rows: int, widths: Tensor, *,
                      acceptance: Callable[[Tensor], Tensor] | None = None,
-                     fill: RowFill | None = None) -> Tensor:
+                     fill: RowFill | None = None, taken: Tensor | None = None) -> Tensor:
     """``[Wn]`` float64 expected accepted tokens if every row kept its best ``W - 1`` draft
     nodes, for each verify width ``W`` of ``widths [Wn]``.
 
@@ -413,10 +413,11 @@ def width_fill_curve(rank: Ranking, rows: int, widths: Tensor, *,
     row. A row's candidates are its floors (kept whatever the width) and then its eligible
     nodes in rank order (a prefix of the rank order restricted to the row: ancestor-closed).
     ``rank`` ranks the ``rows x T`` dense layout (:func:`rank_dense`); estimates as in
-    :func:`expected_accepted_curve`; ``fill``: :meth:`RowFill.of` of the same inputs, when the
-    caller has it. On the device, no synchronisation."""
+    :func:`expected_accepted_curve`; ``fill``: :meth:`RowFill.of` of the same inputs, and
+    ``taken`` its :meth:`RowFill.take` of ``widths``, when the caller has them. On the device,
+    no synchronisation."""
     fill = fill or RowFill.of(rank, rows, acceptance)
-    take = fill.take(widths)                                                      # [Wn, R]
+    take = fill.take(widths) if taken is None else taken                         # [Wn, R]
     rows_sums = fill.sums[None].expand(take.shape[0], -1, -1)
     filled = rows_sums.gather(2, take[..., None])[..., 0].sum(1)
     return rank.root.sum().to(torch.float64) + torch.where(rank.floor, fill.est, 0.0).sum() + \
@@ -441,7 +442,8 @@ def width_fill_could_widen(rank: Ranking, rows: int, widths: Tensor, choice: Ten
                            expected: Tensor, t_ver: Tensor, *,
                            acceptance: Callable[[Tensor], Tensor] | None = None,
                            round_overhead_ms: float | Tensor = 0.0,
-                           fill: RowFill | None = None) -> Tensor:
+                           fill: RowFill | None = None, taken: Tensor | None = None,
+                           kept: Tensor | None = None) -> Tensor:
     """0-d bool: whether a width wider than ``choice`` could beat it if what lies past each row's
     fill were accepted as often as the row's last kept node. Under the acceptance estimates' own
     model (acceptance a non-decreasing function of rho, which never grows down a path) that is
@@ -452,16 +454,18 @@ def width_fill_could_widen(rank: Ranking, rows: int, widths: Tensor, choice: Ten
     grows, which the estimates cannot represent anyway.
 
     widths ``[Wn]`` ascending, ``choice`` 0-d (one of them), ``expected`` ``[Wn]``
-    (:func:`width_fill_curve` of the same ``rank`` and ``acceptance``), ``t_ver`` ``[Wn]`` ms. On
-    the device, no synchronisation."""
+    (:func:`width_fill_curve` of the same ``rank`` and ``acceptance``), ``t_ver`` ``[Wn]`` ms;
+    ``taken`` ``[Wn, R]`` and ``kept`` ``[R]``: ``fill.take`` of ``widths`` and of ``choice``,
+    when the caller has them. On the device, no synchronisation."""
     fill = fill or RowFill.of(rank, rows, acceptance)
     T = rank.root.shape[0] // rows
-    kept = fill.take(choice)                                                      # [R]
+    kept = fill.take(choice) if kept is None else kept                           # [R]
     last = torch.where((fill.position == kept[:, None]) & (kept[:, None] > 0), fill.grouped,
                        0.0).amax(1)
     floor_top = torch.where(rank.floor.view(rows, T), fill.est.view(rows, T), 0.0).amax(1)
     bound = torch.where(kept > 0, last, torch.where(fill.floors > 0, floor_top, 1.0))  # [R]
-    more = (fill.take(widths) - kept[None, :]).clamp(min=0)                       # [Wn, R]
+    taken = fill.take(widths) if taken is None else taken                        # [Wn, R]
+    more = (taken - kept[None, :]).clamp(min=0)
     widths = widths.to(torch.int64)
     at = torch.searchsorted(widths, choice.view(1).to(torch.int64))               # [1]
     optimistic = expected.gather(0, at) + (more * bound[None, :]).sum(1)         # [Wn]
@@ -497,12 +501,15 @@ def width_fill_choice(rank: Ranking, rows: int, widths: Tensor, t_ver: Tensor, *
     compaction would leave), each row's count at the chosen width, and
     :func:`width_fill_could_widen`. No synchronisation."""
     fill = RowFill.of(rank, rows, acceptance)
-    curve = width_fill_curve(rank, rows, widths, fill=fill)
+    taken = fill.take(widths)                                                     # [Wn, R]
+    curve = width_fill_curve(rank, rows, widths, fill=fill, taken=taken)
     width, _ = goodput_best(widths, curve, t_ver, round_overhead_ms=round_overhead_ms)
+    drafted = fill.take(width)                                                    # [R]
     widen = width_fill_could_widen(rank, rows, widths, width, curve, t_ver,
-                                   round_overhead_ms=round_overhead_ms, fill=fill)
+                                   round_overhead_ms=round_overhead_ms, fill=fill, taken=taken,
+                                   kept=drafted)
     T = rank.root.shape[0] // rows
-    kept = rank.root.view(rows, T).sum(1) + fill.floors + fill.take(width)
+    kept = rank.root.view(rows, T).sum(1) + fill.floors + drafted
     fill_to = width if max_width is None else torch.clamp(width, max=max_width)
     return WidthChoice(width, width_fill_keep(rank, rows, fill_to, fill=fill), kept, widen)
 

@@ -69,6 +69,10 @@
 #   budget-9b-k  the same at batch 64 1 4, the batches budget-9b-i and -j left (~6 min)
 #   budget-9b-l  the same at batch 2 8 16 again: the could-widen gate and the width that
 #             ignores rows near their token limit came after those runs (~4.5 min)
+#   budget-9b-wk  the GPU tests of goodput's width choice in Triton (tests/speculative/
+#             test_width_kernel.py, test_round_cuda.py -k captured_at_start), then the 9B preset
+#             at batch 16 8 2 with BOLE_WIDTH_KERNEL=1 (goodput's choice in two launches; the
+#             other policies do not use it), to compare with budget-9b-l (not yet run)
 #   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
 #             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
 #             run three times (the median kept; cut where 10 minutes end)
@@ -87,10 +91,10 @@
 set -u
 parts="tests linear linear-rows round e2e-9b-a e2e-9b-b e2e-9b-c e2e-27b confirm-9b waves-budget
 profile-waves e2e-9b-d e2e-9b-e e2e-9b-f e2e-9b-f16 e2e-9b-ts e2e-27b-small e2e-27b-large
-e2e-27b-b64 e2e-27b-b1-8 e2e-9b-ts-a e2e-9b-ts-b e2e-9b-ts-c e2e-ts-bundled e2e-bundled-best e2e-bundled
-budget-bundled-r3 budget-9b-g budget-9b-i budget-9b-j budget-9b-k budget-9b-l budget-9b-h
-budget-9b-short budget-9b-eps budget-bundled budget-9b budget-both budget-9b-rest serve
-serve-process tp tp-e2e"
+e2e-27b-b64 e2e-27b-b1-8 e2e-9b-ts-a e2e-9b-ts-b e2e-9b-ts-c e2e-ts-bundled e2e-bundled-best
+e2e-bundled budget-bundled-r3 budget-9b-g budget-9b-i budget-9b-j budget-9b-k budget-9b-l
+budget-9b-wk budget-9b-h budget-9b-short budget-9b-eps budget-bundled budget-9b budget-both
+budget-9b-rest serve serve-process tp tp-e2e"
 parts=${parts//$'\n'/ }
 [ $# -gt 0 ] || { echo "usage: bash bench/h200_runs.sh PART... (one of: $parts)" >&2; exit 2; }
 for part in "$@"; do
@@ -263,6 +267,13 @@ case "$part" in
   budget-9b-l)
     timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 2 8 16 --sweep \
       --sweep-widths --draft-vocab 32768 --out "$out" --tag=-l ;;
+  budget-9b-wk)
+    timeout $(lim 150) python3 -m pytest -q -p no:cacheprovider tests/speculative/test_width_kernel.py \
+      tests/test_round_cuda.py -k "chooses or asked or ties or captured_at_start" \
+      > "$out/test-wk.txt" 2>&1
+    tail -2 "$out/test-wk.txt"
+    BOLE_WIDTH_KERNEL=1 timeout $(lim 430) python3 bench/budget.py --models qwen3.5-9b \
+      --batches 16 8 2 --sweep --sweep-widths --draft-vocab 32768 --out "$out" --tag=-wk ;;
   budget-9b-k)
     timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 64 1 4 --sweep \
       --sweep-widths --draft-vocab 32768 --out "$out" --tag=-k ;;

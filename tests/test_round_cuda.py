@@ -66,12 +66,14 @@ def test_a_round_synchronises_once(bundled, mode, drafter, prelaunch):
         engine.release(r)
 
 
-@pytest.mark.parametrize("policy,shared", [("global", 20), ("fixed", 0), ("goodput", 0)])
-def test_every_width_is_captured_at_start_up(bundled, policy, shared):
+@pytest.mark.parametrize("policy,shared,width_kernel", [("global", 20, "0"), ("fixed", 0, "0"),
+                                                       ("goodput", 0, "0"), ("goodput", 0, "1")])
+def test_every_width_is_captured_at_start_up(bundled, policy, shared, width_kernel, monkeypatch):
     """A shared budget changes the verify width and the kind of round (select, whole, plain)
     from round to round: each one's graphs exist before the first round, so no round captures
-    (and output still equals the eager one)."""
+    (and output still equals the eager one; goodput also with its width choice in Triton)."""
     from bole.speculative.calibration import BudgetProfile
+    monkeypatch.setenv("BOLE_WIDTH_KERNEL", width_kernel)
     model, prompts = bundled
     spec = SpecConfig("bole", "mtp", depth=6, topk=3, budget=16, budget_policy=policy,
                       shared_budget=shared)

@@ -499,7 +499,12 @@ def width_fill_choice(rank: Ranking, rows: int, widths: Tensor, t_ver: Tensor, *
     filled to it (:func:`width_fill_keep`) or to ``max_width`` where that is narrower (the width
     this round's forward was built for: its best nodes in rank order, not the first slots that
     compaction would leave), each row's count at the chosen width, and
-    :func:`width_fill_could_widen`. No synchronisation."""
+    :func:`width_fill_could_widen`. No synchronisation. On CUDA with ``BOLE_WIDTH_KERNEL=1`` in
+    the environment it runs as two Triton launches (:mod:`bole.speculative.width_kernel`)."""
+    if rank.order.device.type == "cuda" and os.environ.get("BOLE_WIDTH_KERNEL", "0") == "1":
+        from bole.speculative.width_kernel import width_fill_choice_triton
+        return width_fill_choice_triton(rank, rows, widths, t_ver, _estimates(rank, acceptance),
+                                        max_width=max_width, round_overhead_ms=round_overhead_ms)
     fill = RowFill.of(rank, rows, acceptance)
     taken = fill.take(widths)                                                     # [Wn, R]
     curve = width_fill_curve(rank, rows, widths, fill=fill, taken=taken)

@@ -199,7 +199,9 @@ def _build_parser() -> argparse.ArgumentParser:
     _tp_option(serve)
     cal = sub.add_parser("calibrate", formatter_class=fmt,
                          help="measure how many tree nodes a verify forward takes before it costs "
-                              "more than decoding, per batch (the calibrated budget's profile)")
+                              "more than decoding, per batch (the calibrated and goodput budgets' "
+                              "profile, one per tree size: pass the --depth, --topk and --budget "
+                              "the engine will run)")
     _model_source(cal)
     cal.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
                      help="batch sizes to measure")

@@ -105,6 +105,11 @@ def _choice_kernel(place, eligible, root, floor, est, widths, t_ver, overhead, w
     tl.store(widen_out, (tl.max(better.to(tl.int32), axis=0) > 0).to(tl.int8))
 
 
+def _as_int8(flags: torch.Tensor) -> torch.Tensor:
+    """A bool tensor's bytes, for the kernel's loads."""
+    return flags.contiguous().view(torch.int8)
+
+
 def width_fill_choice_triton(rank, rows: int, widths: torch.Tensor, t_ver: torch.Tensor,
                              est: torch.Tensor, *, max_width: int | None = None,
                              round_overhead_ms: float | torch.Tensor = 0.0):
@@ -132,9 +137,9 @@ def width_fill_choice_triton(rank, rows: int, widths: torch.Tensor, t_ver: torch
     block = 256
     _place_kernel[(triton.cdiv(N, block),)](rank.order.contiguous(), place, N, BLOCK=block,
                                            num_warps=4)
-    as8 = (lambda x: x.contiguous().view(torch.int8))
     cap = T if max_width is None else int(max_width)
-    _choice_kernel[(1,)](place, as8(rank.eligible), as8(rank.root), as8(rank.floor),
+    _choice_kernel[(1,)](place, _as_int8(rank.eligible), _as_int8(rank.root),
+                         _as_int8(rank.floor),
                          est.to(torch.float64).contiguous(), widths.contiguous(),
                          t_ver.to(torch.float64).contiguous(), overhead, width, keep, kept,
                          widen, rows, T, widths.numel(), cap, TB=triton.next_power_of_2(T),

@@ -471,9 +471,9 @@ def _calibrate(args) -> int:
     model, _, _ = _load_model(args, device, dtype)
     profile = calibrate_model(model, spec, args.batches, eps=args.eps, context=args.context,
                               reps=args.reps)
-    print(f"{'batch':>6} {'T_dec ms':>9} {'B_ver':>6}")
+    print(f"{'batch':>6} {'T_dec ms':>9} {'B_ver':>6} {'width':>6}")
     for b, t, n in zip(profile.batches, profile.t_dec, profile.b_ver):
-        print(f"{b:>6} {t:>9.3f} {n:>6}")
+        print(f"{b:>6} {t:>9.3f} {n:>6} {(n // b + 1 if n else '-'):>6}")
     print(f"wrote {profile.path()}")
     return 0
 

@@ -424,7 +424,7 @@ class RoundRunner:
         elif kind == "select":
             sel = select(b.tree_rho, b.tree_tokens, b.tree_parents, b.tree_valid, b.budget,
                          b.active, self.spec.root_floor, W, self.D, goodput=b.goodput,
-                         acceptance=self.calibrator)
+                         acceptance=self.calibrator, row_width=self.policy.row_width(b.R))
             b.kept.copy_(sel.kept)
             if sel.widen is not None:
                 b.widen.copy_(sel.widen)

@@ -7,7 +7,10 @@ Policies (``SpecConfig.budget_policy``):
                 roots always, at least ``root_floor`` root children per request (TETRIS-style
                 fixed capacity)
     calibrated  the same selection with the budget ``B_ver(batch)`` of this GPU's calibration
-                profile (:mod:`bole.speculative.calibration`)
+                profile (:mod:`bole.speculative.calibration`), each request holding at most what
+                the verify width that ``B_ver`` was measured at holds (:meth:`BudgetPolicy.
+                row_width`): the profile priced ``B_ver`` nodes spread evenly at that width, and
+                a request past it would widen every row's verify
     goodput     each round, the verify width that maximises expected tokens (one per request
                 plus the kept nodes' acceptance estimates) per ms of the round (the profile's
                 T_ver at that width, plus the measured draft and accept time). The verify is
@@ -73,8 +76,8 @@ import torch
 
 from bole.forest import DenseForest
 from bole.speculative.calibration import AcceptanceCalibrator
-from bole.speculative.budget import (compact, rank_dense, select_dense, width_fill_choice,
-                                     width_priced_t_ver)
+from bole.speculative.budget import (compact, rank_dense, select_dense, width_buckets,
+                                     width_fill_choice, width_priced_t_ver)
 
 POLICIES = ("fixed", "global", "calibrated", "goodput")
 #: rounds of plain decoding after the goodput policy finds drafting does not pay; doubled
@@ -102,15 +105,6 @@ EXPLORE_SHARE = 0.03
 WHOLE_ROUNDS = 7
 #: drafters that grow every request's tree to its full size (whole trees fill the verify width)
 DEVICE_DRAFTERS = ("mtp", "replay")
-
-
-def width_buckets(T: int) -> tuple[int, ...]:
-    """The verify widths of a round whose trees have ``T`` node slots: powers of two, and T."""
-    out, w = [], 2
-    while w < T:
-        out.append(w)
-        w *= 2
-    return tuple(out) + (T,)
 
 
 @dataclass
@@ -152,9 +146,11 @@ class Goodput:
 def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
            budget: torch.Tensor, active: torch.Tensor, root_floor: int, width: int,
            max_depth: int, goodput: Goodput | None = None,
-           acceptance: AcceptanceCalibrator | None = None) -> Selected:
+           acceptance: AcceptanceCalibrator | None = None,
+           row_width: int | None = None) -> Selected:
     """Keep the batch's best ``budget`` draft nodes (``[R, T]`` inputs, ``budget`` a 0-d device
-    tensor, inactive rows keep their roots only) and compact them to ``width`` slots a row.
+    tensor, inactive rows keep their roots only), each row at most what a verify of
+    ``row_width`` holds when that is given, and compact them to ``width`` slots a row.
     With ``goodput`` the verify width is chosen here instead, on the device, from the nodes'
     acceptance estimates (rho, mapped by ``acceptance`` when given), and every row is filled
     to it (to ``width`` where that is narrower)."""
@@ -163,7 +159,8 @@ def select(rho: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, valid
     rank = rank_dense(rho, forest, root_floor, active)        # one ranking for both uses
     widen = None
     if goodput is None:
-        keep = select_dense(rho, forest, budget, root_floor, active=active, rank=rank)
+        keep = select_dense(rho, forest, budget, root_floor, active=active, rank=rank,
+                            row_width=row_width)
         kept = keep.sum(1)
     else:
         choice = width_fill_choice(rank, rho.shape[0], goodput.widths, goodput.t_ver,
@@ -231,6 +228,16 @@ class BudgetPolicy:
         if self.policy == "goodput":
             return max(self.profile.node_grid)
         return batch * (self.T - 1)
+
+    def row_width(self, R: int) -> int | None:
+        """The calibrated policy's verify width for bucket ``R``: the width bucket of ``B_ver``
+        spread evenly over the profile's measured batch (where the profile measured its time),
+        at least a root and its floors; None for the other policies."""
+        if self.policy != "calibrated":
+            return None
+        rows = self.profile.batches[self.profile.row(R)]
+        share = -(-self.budget(R) // rows)
+        return self._bucket(1 + max(self.spec.root_floor, share))
 
     def whole_trees(self, R: int) -> bool:
         """Whether rounds of bucket ``R`` verify whole trees, without the selection: every
@@ -378,7 +385,9 @@ class BudgetPolicy:
     def variants(self, R: int) -> list[tuple[str, int, bool]]:
         """Every ``(kind, width, learns)`` a round of bucket ``R`` can run (a graph each)."""
         goodput = self.policy == "goodput"
-        out = [] if self.whole_trees(R) else [("select", W, goodput) for W in self.widths]
+        cap = self.row_width(R) or self.T
+        out = [] if self.whole_trees(R) else [("select", W, goodput) for W in self.widths
+                                              if W <= cap]
         if goodput:
             return [("plain", 1, False), ("whole", self.T, False), ("whole", self.T, True)] + out
         return out or [("whole", self.T, False)]
@@ -387,7 +396,7 @@ class BudgetPolicy:
         """The verify width of a round of ``kind`` (None: the kind :meth:`plan` would give, its
         stretch not counted down): 1 plain, the tree whole, else the previous select round's
         largest kept count, or an even share of the budget (at least the floor), rounded up to
-        a bucket."""
+        a bucket (for the calibrated policy, at most its :meth:`row_width`)."""
         kind = kind or self._kind(R)
         if kind == "plain":
             return 1
@@ -396,7 +405,7 @@ class BudgetPolicy:
         need = self.last_kept.get(R)
         if need is None:
             need = 1 + max(self.spec.root_floor, -(-self.budget(batch) // max(batch, 1)))
-        return self._bucket(need)
+        return min(self._bucket(need), self.row_width(R) or self.T)
 
     def _bucket(self, need: int) -> int:
         """The narrowest verify width that holds ``need`` nodes a row (the tree's, at most)."""

@@ -32,6 +32,9 @@ Goodput's helpers: :func:`expected_accepted_curve` prices every global budget of
 The engine's dense verify (R rows at one width) makes the policy pick a verify width instead and
 fill every row to it (:class:`RowFill`, :func:`width_fill_curve`, :func:`width_fill_keep`,
 :func:`width_fill_choice`), priced from the calibrated curve by :func:`width_priced_t_ver`.
+The same layout caps a global budget per row (:func:`cap_rows`): at a verify width ``W`` a row
+holds its root and ``W - 1`` draft nodes, and a budget of ``R (W - 1)`` nodes
+(:func:`width_capacity`) is the most that width's verify can take.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ __all__ = ["Ranking", "rank_nodes", "select_nodes", "dense_inputs", "rank_dense"
            "Compacted", "compact", "safe_width", "expected_accepted_curve", "goodput_rates",
            "goodput_choice", "goodput_best", "goodput_budget", "RowFill", "WidthChoice",
            "width_fill_curve", "width_fill_keep", "width_fill_could_widen", "width_fill_choice",
-           "width_priced_t_ver"]
+           "width_priced_t_ver", "width_buckets", "width_bucket", "width_capacity", "cap_rows"]
 
 #: a budget of draft nodes: a host int, or a 0-d tensor on the forest's device
 Budget = Union[int, Tensor]
@@ -172,6 +175,49 @@ def _keep(rank: Ranking, budget: Budget) -> Tensor:
 
 
 # ---- the dense layout of the engine (R rows x T node slots) ----
+def width_buckets(T: int) -> tuple[int, ...]:
+    """The verify widths of a round whose trees have ``T`` node slots: powers of two, and T."""
+    out, w = [], 2
+    while w < T:
+        out.append(w)
+        w *= 2
+    return tuple(out) + (T,)
+
+
+def width_bucket(need: int, T: int) -> int:
+    """The narrowest verify width of :func:`width_buckets` that holds ``need`` nodes a row (the
+    tree's ``T``, at most)."""
+    return next((w for w in width_buckets(T) if w >= need), T)
+
+
+def width_capacity(rows: int, nodes: int, T: int) -> int:
+    """The most draft nodes a verify of ``rows`` rows takes at the width that ``nodes`` draft
+    nodes spread evenly over them need (each row a root plus ``ceil(nodes / rows)``): ``rows
+    (W - 1)``. A dense verify pads every row to its width, so it costs the same for any count up
+    to this one."""
+    if rows < 1 or nodes < 0:
+        raise ValueError(f"rows must be >= 1 and nodes >= 0, got {rows} and {nodes}")
+    if nodes == 0:
+        return 0
+    return rows * (width_bucket(1 + -(-nodes // rows), T) - 1)
+
+
+def cap_rows(rank: Ranking, rows: int, width: int) -> Ranking:
+    """``rank`` with each row's eligible nodes cut to those that fit a verify ``width`` beside the
+    row's root and floors: its first ``width - 1 - floors`` eligible nodes in rank order (a prefix
+    of the row's rank order, so still ancestor-closed). :func:`_keep` of the result is the global
+    budget taken in rank order among what every row can hold. ``rank`` ranks a ``rows x T``
+    dense layout (:func:`rank_dense`). No synchronisation."""
+    T = rank.root.shape[0] // rows
+    by_row = torch.sort(rank.order // T, stable=True).indices          # rank positions by row
+    eligible = rank.eligible.gather(0, by_row).view(rows, T)
+    position = torch.cumsum(eligible, 1)
+    room = (width - 1 - rank.floor.view(rows, T).sum(1)).clamp(min=0)
+    fits = (eligible & (position <= room[:, None])).reshape(-1)
+    capped = torch.zeros_like(rank.eligible).scatter(0, by_row, fits)
+    return Ranking(rank.order, capped, rank.root, rank.floor, rank.score)
+
+
 def dense_inputs(forest: DenseForest, active: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(parents [R*T], request_of_node [R*T])`` of a dense forest for :func:`rank_nodes`.
 
@@ -201,16 +247,20 @@ def rank_dense(rho: Tensor, forest: DenseForest, root_floor: int = 1,
 
 
 def select_dense(rho: Tensor, forest: DenseForest, budget: Budget, root_floor: int = 1,
-                 active: Tensor | None = None, rank: Ranking | None = None) -> Tensor:
+                 active: Tensor | None = None, rank: Ranking | None = None,
+                 row_width: int | None = None) -> Tensor:
     """``[R, T]`` keep mask of :func:`select_nodes` over the dense layout.
 
     rho: ``[R, T]`` cumulative draft probability (a :class:`DraftForest`'s ``rho``).
     active: optional ``[R]`` bool; an inactive row keeps only its root slot 0 (so that the
     forward stays well-formed) and takes no budget. rank: :func:`rank_dense` of the same
-    inputs, when the caller has it."""
+    inputs, when the caller has it. row_width: when given, each row keeps at most what a verify
+    of that width holds (:func:`cap_rows`; floors beyond it are still kept)."""
     R, T = forest.parents.shape
     if rank is None:
         rank = rank_dense(rho, forest, root_floor, active)
+    if row_width is not None:
+        rank = cap_rows(rank, R, row_width)
     keep = _keep(rank, budget).view(R, T)
     if active is not None:
         keep[:, 0] |= forest.valid[:, 0] & ~active
@@ -499,9 +549,10 @@ def width_fill_choice(rank: Ranking, rows: int, widths: Tensor, t_ver: Tensor, *
     filled to it (:func:`width_fill_keep`) or to ``max_width`` where that is narrower (the width
     this round's forward was built for: its best nodes in rank order, not the first slots that
     compaction would leave), each row's count at the chosen width, and
-    :func:`width_fill_could_widen`. No synchronisation. On CUDA with ``BOLE_WIDTH_KERNEL=1`` in
-    the environment it runs as two Triton launches (:mod:`bole.speculative.width_kernel`)."""
-    if rank.order.device.type == "cuda" and os.environ.get("BOLE_WIDTH_KERNEL", "0") == "1":
+    :func:`width_fill_could_widen`. No synchronisation. On CUDA it runs as two Triton launches
+    (:mod:`bole.speculative.width_kernel`); ``BOLE_WIDTH_KERNEL=0`` in the environment keeps
+    this torch code there too."""
+    if rank.order.device.type == "cuda" and os.environ.get("BOLE_WIDTH_KERNEL", "1") != "0":
         from bole.speculative.width_kernel import width_fill_choice_triton
         return width_fill_choice_triton(rank, rows, widths, t_ver, _estimates(rank, acceptance),
                                         max_width=max_width, round_overhead_ms=round_overhead_ms)

@@ -4,7 +4,10 @@ A :class:`BudgetProfile` holds what one GPU measured for one model, dtype, softw
 tree size:
 plain decoding's time ``T_dec(b)`` and the verify forward's time ``T_ver(b, N)`` over a grid of
 ``N`` = draft nodes in the whole batch (roots excluded; ``N = 0`` is plain decoding), and the
-paper's budget ``B_ver(b)`` = the largest measured N with ``T_ver(b, N) <= (1 + eps) T_dec(b)``.
+paper's budget ``B_ver(b)``: the largest measured N with ``T_ver(b, N) <= (1 + eps) T_dec(b)``,
+raised to the most nodes its verify width holds (:func:`b_ver_from_curve`: the round's verify is
+dense, each row padded to a width bucket, so every count up to that width's capacity costs the
+time measured at N).
 Profiles live as JSON under ``$BOLE_CACHE`` (default ``~/.cache/bole/``), one file per key
 (GPU name, model config hash, dtype, torch and triton versions, nodes per tree).
 
@@ -30,6 +33,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from bole.speculative.budget import width_capacity
+
 __all__ = ["FORMAT", "BudgetProfile", "ProfileFormatError", "cache_dir", "config_hash",
            "runtime_versions", "gpu_name", "dtype_name", "profile_path", "find_profile",
            "b_ver_from_curve", "calibrate", "verification_budget", "plot_profile", "isotonic_fit",
@@ -37,8 +42,9 @@ __all__ = ["FORMAT", "BudgetProfile", "ProfileFormatError", "cache_dir", "config
 
 _INF = float("inf")
 
-#: version of the profile's JSON layout (2: ``t_select``; 3: ``tree_nodes``, in the key)
-FORMAT = 3
+#: version of the profile's JSON layout (2: ``t_select``; 3: ``tree_nodes``, in the key; 4:
+#: ``b_ver`` at its verify width's capacity)
+FORMAT = 4
 
 #: ``time_fn(batch, nodes) -> ms``: one round's verify forward over ``batch`` requests holding
 #: ``nodes`` draft nodes in all (plus one root each); ``nodes == 0`` is plain decoding
@@ -108,7 +114,8 @@ class BudgetProfile:
     node_grid: measured N (draft nodes over the batch, roots excluded), ascending, all > 0.
     t_dec:     ``[len(batches)]`` plain decoding's ms per round.
     t_ver:     ``[len(batches)][len(node_grid)]`` the verify forward's ms.
-    b_ver:     ``[len(batches)]`` the largest N with ``t_ver <= (1 + eps) t_dec`` (0 if none).
+    b_ver:     ``[len(batches)]`` the largest N with ``t_ver <= (1 + eps) t_dec`` (0 if none), at
+               its verify width's capacity (:func:`b_ver_from_curve`).
     t_select:  ``[len(batches)]`` ms of the goodput policy's selection over whole trees (the
                device-side choice, ranking, floors and compaction a shared verify adds).
     tree_nodes: the nodes per request (root included) of the trees it was measured for: a
@@ -198,8 +205,8 @@ class BudgetProfile:
         (no measuring: the paper leaves ``eps`` to the user, and this is how to sweep it)."""
         if not eps >= 0:
             raise ValueError(f"eps must be >= 0, got {eps}")
-        b_ver = [b_ver_from_curve(t, self.node_grid, row, eps)
-                 for t, row in zip(self.t_dec, self.t_ver)]
+        b_ver = [b_ver_from_curve(t, self.node_grid, row, eps, rows=b, tree_nodes=self.tree_nodes)
+                 for b, t, row in zip(self.batches, self.t_dec, self.t_ver)]
         return dataclasses.replace(self, eps=float(eps), b_ver=b_ver)
 
     def t_ver_curve(self, batch: int) -> dict[int, float]:
@@ -256,10 +263,20 @@ def find_profile(gpu: str, config_hash: str, dtype: torch.dtype | str,
 
 # ---- measuring ----
 def b_ver_from_curve(t_dec: float, node_grid: Sequence[int], t_ver: Sequence[float],
-                     eps: float) -> int:
-    """The largest N of the grid with ``T_ver(N) <= (1 + eps) T_dec``; 0 when none is."""
+                     eps: float, *, rows: int | None = None, tree_nodes: int | None = None) -> int:
+    """The largest N of the grid with ``T_ver(N) <= (1 + eps) T_dec``; 0 when none is.
+
+    Given the batch's ``rows`` and the trees' ``tree_nodes``, that N is raised to the capacity of
+    its verify width (:func:`~bole.speculative.budget.width_capacity`): the round spreads the
+    nodes over its rows and pads each to a width bucket, so the time measured at N is the time
+    of every count up to ``rows (W - 1)``, and the paper's "largest N within the tolerance" is
+    that capacity (a profile's grid holds powers of two, which at most batches fall short of a
+    width's capacity: 128 nodes at batch 64 pay the width 4 that holds 192)."""
     limit = (1.0 + eps) * t_dec
-    return max((int(n) for n, t in zip(node_grid, t_ver) if t <= limit), default=0)
+    n = max((int(n) for n, t in zip(node_grid, t_ver) if t <= limit), default=0)
+    if rows is None or tree_nodes is None:
+        return n
+    return width_capacity(int(rows), n, int(tree_nodes))
 
 
 def calibrate(time_fn: TimeFn, batches: Sequence[int], node_grid: Sequence[int],
@@ -288,7 +305,8 @@ def calibrate(time_fn: TimeFn, batches: Sequence[int], node_grid: Sequence[int],
         t_dec.append(times[0])
         t_ver.append(times[1:])
         t_select.append(float(select_fn(b)) if select_fn is not None else 0.0)
-        b_ver.append(b_ver_from_curve(times[0], grid, times[1:], eps))
+        b_ver.append(b_ver_from_curve(times[0], grid, times[1:], eps, rows=b,
+                                      tree_nodes=tree_nodes))
     return BudgetProfile(gpu=gpu, config_hash=config_hash, dtype=dtype_name(dtype),
                          torch_version=versions.get("torch", ""),
                          triton_version=versions.get("triton", ""), eps=float(eps),
@@ -323,9 +341,10 @@ def plot_profile(profile: BudgetProfile, path: Path | str) -> Path:
         color = f"C{i % 10}"
         ax.plot(profile.node_grid, profile.t_ver[i], "o-", color=color, ms=3, label=f"batch {b}")
         ax.axhline((1 + profile.eps) * profile.t_dec[i], color=color, ls="--", lw=0.8)
-        if profile.b_ver[i] > 0:
-            t = profile.t_ver[i][profile.node_grid.index(profile.b_ver[i])]
-            ax.plot([profile.b_ver[i]], [t], "*", color=color, ms=14, mec="k")
+        limit = (1 + profile.eps) * profile.t_dec[i]
+        within = [t for t in profile.t_ver[i] if t <= limit]
+        if profile.b_ver[i] > 0 and within:      # B_ver at the time of the point it came from
+            ax.plot([profile.b_ver[i]], [within[-1]], "*", color=color, ms=14, mec="k")
     ax.set(xscale="log", yscale="log", xlabel="draft nodes verified (whole batch)",
            ylabel="verify forward (ms)",
            title=f"{profile.model or profile.config_hash} on {profile.gpu}, {profile.dtype}: "

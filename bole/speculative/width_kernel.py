@@ -1,6 +1,6 @@
-"""Goodput's width choice in two Triton launches (the CUDA path of
-:func:`bole.speculative.budget.width_fill_choice`, opt-in with ``BOLE_WIDTH_KERNEL=1``; its torch
-code is the reference).
+"""Goodput's width choice in two Triton launches: the CUDA path of
+:func:`bole.speculative.budget.width_fill_choice`, whose torch code is the reference
+(``BOLE_WIDTH_KERNEL=0`` in the environment keeps the torch code on CUDA too).
 
     width_fill_choice_triton(rank, rows, widths [Wn], t_ver [Wn], est [N], *, max_width,
                              round_overhead_ms) -> WidthChoice

@@ -9,6 +9,7 @@ import torch
 
 from bole.engine import Engine, GenerationParams, SpecConfig
 from bole.engine.selection import BudgetPolicy, select, width_buckets
+from bole.speculative.calibration import FORMAT
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
 
@@ -291,9 +292,32 @@ def test_a_profile_of_an_older_layout_is_calibrated_again(model, tmp_path, monke
     capsys.readouterr()
     engine = Engine(model, spec, max_slots=2)
     err = capsys.readouterr().err
-    assert "format 1, this Bole reads format 3" in err and "calibrating now" in err
+    assert f"format 1, this Bole reads format {FORMAT}" in err and "calibrating now" in err
     assert len(engine.rounds.policy.profile.t_select) == 2
-    assert json.loads(path.read_text())["format"] == 3
+    assert json.loads(path.read_text())["format"] == FORMAT
+
+
+def test_calibrated_caps_each_row_at_the_width_its_budget_was_measured_at():
+    """The calibrated policy verifies at the width bucket of B_ver spread over the profile's
+    batch: its graphs stop there, its widths never pass it, and its budget fills it."""
+    T = 8                                            # verify widths 2, 4, 8
+    # t_ver 1000, 1010, 1020, ... at N = 1, 2, 4, 8, 16 against t_dec 1000: at eps 0.025 N = 4
+    # passes, which is 4, 2 and 1 a row at batches 1, 2 and 4 (widths 8, 4 and 2)
+    profile = _profile(1000.0, T=T).at_eps(0.025)
+    pol = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="calibrated"), T,
+                       profile=profile)
+    assert [pol.budget(R) for R in (1, 2, 4)] == [7, 6, 4] == profile.b_ver
+    assert [pol.row_width(R) for R in (1, 2, 4)] == [8, 4, 2]
+    assert pol.whole_trees(1) and not pol.whole_trees(2)
+    assert pol.variants(2) == [("select", 2, False), ("select", 4, False)]
+    assert pol.variants(4) == [("select", 2, False)]
+    assert pol.width(4, 4) == 2
+    assert pol.width(2, 1) == 4           # one request in bucket 2: its even share is 6, capped
+    pol.observe(2, [3, 2])
+    assert pol.width(2, 2) == 4
+    for other in ("global", "goodput"):
+        spec = SpecConfig("bole", "mtp", budget=T, budget_policy=other, shared_budget=4)
+        assert BudgetPolicy(spec, T, profile=profile).row_width(2) is None
 
 
 def _profile(t_ver_ms: float, t_dec_ms: float = 1000.0, slope: float = 0.01,
@@ -589,16 +613,19 @@ def test_budget_eps_derives_b_ver_from_the_profiles_curves(model):
     """``budget_eps`` (``--budget-eps``) sets the calibrated policy's tolerance without
     measuring again: B_ver at that eps from the same curves; greedy output unchanged."""
     spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=8, budget_policy="calibrated")
-    # t_ver 1000, 1010, 1020, 1030, 1040 at N = 1, 2, 4, 8, 16 against t_dec 1000
+    # t_ver 1000, 1010, 1020, 1030, 1040 at N = 1, 2, 4, 8, 16 against t_dec 1000; B_ver is
+    # the passing N raised to its verify width's capacity at batches 1, 2, 4 (widths 2, 4, 8);
+    # without budget_eps the profile is used as given
     profile = _profile(1000.0, T=spec.nodes_per_request)
     params = GenerationParams(max_tokens=10)
     ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar")).generate(PROMPTS, params)]
-    for eps, b_ver in ((None, 16), (0.0, 1), (0.025, 4), (1.0, 16)):
+    for eps, b_ver in ((None, [16, 16, 16]), (0.0, [1, 2, 4]), (0.025, [7, 6, 4]),
+                       (1.0, [7, 14, 28])):
         engine = Engine(model, replace(spec, budget_eps=eps), max_slots=3,
                         budget_profile=profile)
         used = engine.rounds.policy.profile
-        assert used.b_ver == [b_ver] * 3 and used.eps == (0.1 if eps is None else eps)
-        assert engine.rounds.policy.budget(2) == b_ver
+        assert used.b_ver == b_ver and used.eps == (0.1 if eps is None else eps)
+        assert engine.rounds.policy.budget(2) == b_ver[1]
         assert [r.token_ids for r in engine.generate(PROMPTS, params)] == ar
     assert profile.b_ver == [16, 16, 16]                 # the caller's profile is not changed
     for bad, match in ((replace(spec, budget_eps=-1.0), "budget_eps must be"),

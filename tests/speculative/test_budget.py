@@ -17,9 +17,9 @@ from bole.speculative.budget import (compact, dense_inputs, expected_accepted_cu
                                      goodput_budget, goodput_choice, rank_dense, rank_nodes,
                                      safe_width, select_dense, select_nodes, width_fill_choice,
                                      width_fill_could_widen, width_fill_curve, width_fill_keep,
-                                     width_priced_t_ver)
-from bole.speculative.calibration import (AcceptanceCalibrator, BudgetProfile, ProfileFormatError,
-                                          b_ver_from_curve,
+                                     width_capacity, width_priced_t_ver)
+from bole.speculative.calibration import (FORMAT, AcceptanceCalibrator, BudgetProfile,
+                                          ProfileFormatError, b_ver_from_curve,
                                           cache_dir, calibrate, config_hash, find_profile,
                                           isotonic_fit, isotonic_fit_device, plot_profile, profile_path,
                                           runtime_versions, verification_budget)
@@ -294,6 +294,64 @@ def test_select_dense_is_select_nodes_on_the_flat_layout(case, data):
         assert torch.equal(partial[active], select_dense(rho[active], sub, budget, floor))
 
 
+def dense_structure(rho, forest, active):
+    """``(forest as a packed Forest, roots, draft nodes, score, rank key)`` of a dense forest
+    whose inactive rows are padding (plain Python)."""
+    R, T = rho.shape
+    f = Forest(rho.reshape(-1).tolist(), forest.parent_global().tolist(),
+               [r if forest.valid[r, i] and active[r] else -1 for r in range(R) for i in range(T)])
+    roots, draft, score, depth = structure(f)
+    return f, roots, draft, score, lambda i: (-score[i], depth[i], i)
+
+
+def brute_capped_select(rho, forest, floor, active, budget, width):
+    """The roots, the floors, then draft nodes of the whole batch in the documented rank order,
+    skipping those whose row already holds ``width - 1`` draft nodes, until the budget (floors
+    counted) is spent (plain Python)."""
+    R, T = rho.shape
+    f, roots, draft, _, key = dense_structure(rho, forest, active)
+    floors = set()
+    for r in roots:
+        floors |= set(sorted((c for c in draft if f.parents[c] == r), key=key)[:floor])
+    held = {r // T: sum(1 for c in floors if c // T == r // T) for r in roots}
+    kept, left = set(roots) | floors, budget - len(floors)
+    for i in sorted((i for i in draft if i not in floors), key=key):
+        if left <= 0:
+            break
+        if held[i // T] < width - 1:
+            kept.add(i)
+            held[i // T] += 1
+            left -= 1
+    return kept | {r * T for r in range(R) if forest.valid[r, 0] and not active[r]}
+
+
+@given(case=dense_forests(), data=st.data())
+@settings(max_examples=300)
+def test_row_capped_selection_matches_brute_force(case, data):
+    """select_dense with a row width: the batch's budget taken in rank order among the nodes each
+    row can hold at that width (floors kept whatever the width); ancestor-closed, within the
+    budget, and equal to each row's fill when the budget covers every row's room."""
+    rho, forest, _ = case
+    R, T = rho.shape
+    floor = data.draw(st.integers(0, 2))
+    budget = data.draw(st.integers(0, R * T))
+    width = data.draw(st.integers(1, max(T, 1)))
+    active = torch.tensor(data.draw(st.lists(st.booleans(), min_size=R, max_size=R)))
+    keep = select_dense(rho, forest, budget, floor, active=active, row_width=width)
+    want = brute_capped_select(rho, forest, floor, active.tolist(), budget, width)
+    got = kept_set(keep.reshape(-1))
+    assert got == want, (sorted(got), sorted(want))
+    parents = forest.parent_global().tolist()
+    assert all(parents[i] < 0 or parents[i] in got for i in got)          # ancestor-closed
+    rank = rank_dense(rho, forest, floor, active)
+    if budget >= R * T:                                 # the budget never binds: each row's fill
+        filled = width_fill_keep(rank, R, torch.tensor(width))
+        filled[:, 0] |= forest.valid[:, 0] & ~active
+        assert torch.equal(keep, filled)
+    assert torch.equal(select_dense(rho, forest, budget, floor, active=active, row_width=T),
+                       select_dense(rho, forest, budget, floor, active=active))
+
+
 @given(case=dense_forests(), data=st.data())
 @settings(max_examples=150)
 def test_compact_moves_kept_nodes_to_the_front(case, data):
@@ -393,10 +451,7 @@ def brute_width_fill(rho, forest, floor, active, width):
     """Each active row's root, floors and best ``width - 1 - floors`` other draft nodes, by the
     documented rank order within the row (plain Python); the inactive rows' roots."""
     R, T = rho.shape
-    f = Forest(rho.reshape(-1).tolist(), forest.parent_global().tolist(),
-               [r if forest.valid[r, i] and active[r] else -1 for r in range(R) for i in range(T)])
-    roots, draft, score, depth = structure(f)
-    key = lambda i: (-score[i], depth[i], i)  # noqa: E731
+    f, roots, draft, score, key = dense_structure(rho, forest, active)
     kept = set()
     for r in roots:
         row = [i for i in draft if i // T == r // T]
@@ -462,10 +517,7 @@ def test_could_widen_matches_brute_force(case, data):
     assert torch.equal(choice.keep, width_fill_keep(rank, R, min(int(width), max_width)))
     assert torch.equal(choice.kept, width_fill_keep(rank, R, width).sum(1) * torch.tensor(active))
     # plain Python
-    f = Forest(rho.reshape(-1).tolist(), forest.parent_global().tolist(),
-               [r if forest.valid[r, i] and active[r] else -1 for r in range(R) for i in range(T)])
-    roots, draft, score, depth = structure(f)
-    key = lambda i: (-score[i], depth[i], i)  # noqa: E731
+    f, roots, draft, score, key = dense_structure(rho, forest, active)
     est = {i: min(max(score[i], 0.0), 1.0) for i in draft}
     extra = [0.0] * len(widths)
     for r in roots:
@@ -583,9 +635,15 @@ def synthetic_time_fn(calls=None):
     return time_fn
 
 
-def expected_b_ver(batch, grid, eps):
-    # 1.01 + 0.01 * (N - knee) <= 1 + eps  <=>  N <= knee + 100 * eps - 1
-    return max((n for n in grid if n <= 256 // batch + round(100 * eps) - 1), default=0)
+def expected_b_ver(batch, grid, eps, T=32):
+    # 1.01 + 0.01 * (N - knee) <= 1 + eps  <=>  N <= knee + 100 * eps - 1; then the most nodes
+    # the verify width of that N's even spread over the batch holds
+    n = max((n for n in grid if n <= 256 // batch + round(100 * eps) - 1), default=0)
+    if n == 0:
+        return 0
+    per_row = -(-n // batch)
+    width = next((w for w in (2, 4, 8, 16, 32) if w >= per_row + 1), T)
+    return batch * (width - 1)
 
 
 GRID = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384]
@@ -603,7 +661,8 @@ def test_calibrate_on_a_synthetic_curve():
     profile = calibrate(synthetic_time_fn(calls), [4, 1, 16], GRID, 0.1, tree_nodes=32,
                         progress=lambda done, total: ticks.append((done, total)))
     assert profile.batches == [1, 4, 16]
-    assert profile.b_ver == [expected_b_ver(b, GRID, 0.1) for b in (1, 4, 16)] == [256, 64, 16]
+    # grid points 256, 64 and 16 pass: widths 32 (one row), 32 (16 a row) and 2 (one a row)
+    assert profile.b_ver == [expected_b_ver(b, GRID, 0.1) for b in (1, 4, 16)] == [31, 124, 16]
     assert calls[0] == (1, 0) and calls[1:len(GRID) + 1] == [(1, n) for n in GRID]
     assert len(calls) == 3 * (len(GRID) + 1) and ticks[-1] == (len(calls), len(calls))
     assert profile.t_dec == [1.02, 1.08, 1.32]
@@ -617,16 +676,34 @@ def test_b_ver_takes_the_largest_passing_node_count():
     assert b_ver_from_curve(1.0, [1, 2], [1.2, 1.3], 0.1) == 0
 
 
+@pytest.mark.parametrize("rows,passing,want", [
+    (64, 128, 192),    # 2 a row + the root: width 4, which holds 3 draft nodes a row
+    (64, 64, 64),      # 1 a row: width 2 holds exactly that
+    (8, 56, 56),       # 7 a row: width 8, full
+    (8, 32, 56),       # 4 a row: width 8
+    (8, 65, 120),      # 9 a row: width 16
+    (1, 1984, 31),     # a grid point past the batch's nodes: the whole tree
+    (3, 7, 9),         # 3 a row: width 4 (a batch that is no power of two)
+])
+def test_b_ver_is_raised_to_its_verify_widths_capacity(rows, passing, want):
+    grid = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 1984, passing})
+    t_ver = [1.0 if n <= passing else 2.0 for n in grid]
+    assert b_ver_from_curve(1.0, grid, t_ver, 0.1) == passing
+    assert b_ver_from_curve(1.0, grid, t_ver, 0.1, rows=rows, tree_nodes=32) == want
+    assert width_capacity(rows, passing, 32) == want
+    assert b_ver_from_curve(1.0, grid, [2.0] * len(grid), 0.1, rows=rows, tree_nodes=32) == 0
+
+
 def test_at_eps_derives_b_ver_again_from_the_same_curves():
     profile = calibrate(synthetic_time_fn(), [1, 4, 16], GRID, 0.1, tree_nodes=32)
     for eps in (0.0, 0.1, 0.5, 3.0):
         at = profile.at_eps(eps)
         assert at.eps == eps and at.t_ver == profile.t_ver and at.t_dec == profile.t_dec
-        assert at.b_ver == [b_ver_from_curve(t, GRID, row, eps)
-                            for t, row in zip(profile.t_dec, profile.t_ver)]
+        assert at.b_ver == [b_ver_from_curve(t, GRID, row, eps, rows=b, tree_nodes=32)
+                            for b, t, row in zip(profile.batches, profile.t_dec, profile.t_ver)]
     assert profile.at_eps(0.1).b_ver == profile.b_ver and profile.eps == 0.1
     wide = profile.at_eps(100.0)
-    assert wide.b_ver == [max(GRID)] * 3
+    assert wide.b_ver == [31, 4 * 31, 16 * 31]            # every drafted node of each batch
     assert all(a <= b for a, b in zip(profile.at_eps(0.0).b_ver, profile.at_eps(0.5).b_ver))
     with pytest.raises(ValueError, match="eps"):
         profile.at_eps(-0.1)
@@ -635,7 +712,7 @@ def test_at_eps_derives_b_ver_again_from_the_same_curves():
 def test_verification_budget_uses_the_bucket_at_or_above():
     profile = calibrate(synthetic_time_fn(), [1, 4, 16], GRID, 0.1, tree_nodes=32)
     rows = {b: verification_budget(profile, b) for b in (1, 2, 3, 4, 5, 16, 17, 100)}
-    assert rows == {1: 256, 2: 64, 3: 64, 4: 64, 5: 16, 16: 16, 17: 16, 100: 16}
+    assert rows == {1: 31, 2: 124, 3: 124, 4: 124, 5: 16, 16: 16, 17: 16, 100: 16}
     assert profile.t_dec_at(3) == 1.08 and list(profile.t_ver_curve(3)) == GRID
     with pytest.raises(ValueError, match="batch"):
         verification_budget(profile, 0)
@@ -655,7 +732,7 @@ def test_profile_round_trip(tmp_path, monkeypatch):
     assert find_profile(**{**key, "tree_nodes": 16}) is None     # trees of another size
     assert profile_path(**key) == path
     raw = json.loads(path.read_text())
-    assert raw["format"] == 3 and raw["b_ver"] == profile.b_ver and raw["tree_nodes"] == 32
+    assert raw["format"] == FORMAT and raw["b_ver"] == profile.b_ver and raw["tree_nodes"] == 32
     assert raw["t_select"] == [0.01 * b for b in profile.batches]
 
 
@@ -690,7 +767,7 @@ def test_a_mismatched_profile_names_every_difference(tmp_path):
 
 def test_malformed_profiles_are_refused(tmp_path):
     raw = make_profile().to_dict()
-    with pytest.raises(ProfileFormatError, match="format 2, this Bole reads format 3"):
+    with pytest.raises(ProfileFormatError, match=f"format 2, this Bole reads format {FORMAT}"):
         BudgetProfile.from_dict({**raw, "format": 2})
     with pytest.raises(ValueError, match="lacks tree_nodes"):
         BudgetProfile.from_dict({k: v for k, v in raw.items() if k != "tree_nodes"})

@@ -10,7 +10,8 @@ For each model and batch, bole runs with:
                  timing noise)
     calibrated   B_ver(batch) from this device's calibration profile (made first if missing), at
                  the profile's eps and at each of --eps-sweep (B_ver derived again from the same
-                 curves; the paper leaves eps to the user and reports no sweep of it)
+                 curves; the paper leaves eps to the user and reports no sweep of it), each
+                 request holding at most what B_ver's verify width holds
     goodput      the budget with the most expected tokens per ms each round, plain decoding
                  when drafting does not pay
 Models: the bundled model with its MTP head (real acceptance) and random-weight presets with the
@@ -19,7 +20,10 @@ replay drafter (acceptance from --profile). Records {model, batch, policy, budge
 the round's split (draft, verify, accept and commit, host: the GPU idle between them),
 plain_round_share (goodput's rounds without drafting), draft_nodes_per_round (draft nodes the
 batch verified, shared budgets)} go to
-bench/results/budget-<date>-<model>.json with a plot. ``--repeats N`` runs each configuration N
+bench/results/budget-<date>-<model>.json with a plot. ``--policies`` runs some of them (ar always
+runs). ``--eps-table FILE...`` prints, from finished runs (an oracle with ``--sweep-widths``, and
+calibrated runs where there are some), the tolerances at which the calibrated rule's choice at
+each batch (a width's capacity) comes within 5% of the oracle. ``--repeats N`` runs each configuration N
 times and keeps the run of median tokens/s (the bundled model's rounds of about 1 ms differ by
 several percent between runs of the same work). Each run's goodput starts its acceptance
 estimates from the prior, as a fresh process would (``--shared-acceptance`` carries them over
@@ -51,6 +55,9 @@ from bole.engine import SpecConfig  # noqa: E402
 from bole.engine.calibrate import load_or_calibrate  # noqa: E402
 from bole.engine.selection import width_buckets  # noqa: E402
 from bole.speculative.calibration import forget_acceptance, verification_budget  # noqa: E402
+
+#: what --policies can run (the oracle with its sweep)
+POLICIES = ("fixed", "global", "oracle", "calibrated", "goodput")
 
 
 def fitted(res: dict, what: str) -> dict:
@@ -91,15 +98,25 @@ def main(argv=None) -> int:
                     help="let goodput's acceptance estimates carry over from one run to the next "
                          "(as engines of one model share them in a process); by default each "
                          "run starts from the prior, whatever ran before it")
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                    help="the policies to run (ar always runs: the baseline and, for the replay "
+                         "drafter, the continuation every policy is forced along); the oracle "
+                         "runs the sweep")
+    ap.add_argument("--eps-table", nargs="+", metavar="FILE",
+                    help="print the calibrated rule's choices and their sweep rates against the "
+                         "oracle from finished runs (with --sweep-widths), and exit")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tag", default="", help="appended to the file names")
     args = ap.parse_args(argv)
+    if args.eps_table:
+        print(eps_table([Path(p) for p in args.eps_table]))
+        return 0
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    if not args.sweep and not args.sweep_widths:
+    if "oracle" in args.policies and not args.sweep and not args.sweep_widths:
         ap.error("the oracle needs capacities to try: give --sweep N [N ...] or --sweep-widths")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: pass --device cpu for a smoke run", file=sys.stderr)
@@ -145,22 +162,26 @@ def main(argv=None) -> int:
                            tokens_per_s_runs=[r["decode_tokens_per_s"] for r in runs])
                 print(json.dumps(rec), flush=True)
                 return rec
-            records.append(one("fixed", base, batch * (base.nodes_per_request - 1)))
-            records.append(one("global", replace(base, budget_policy="global",
-                                                 shared_budget=args.global_budget),
-                               args.global_budget))
-            capacities = set(args.sweep)
-            if args.sweep_widths:
-                capacities |= {batch * (w - 1) for w in width_buckets(base.nodes_per_request)}
-            sweep = [one("sweep", replace(base, budget_policy="global", shared_budget=n), n)
-                     for n in sorted(capacities)]
-            records += sweep
-            best = max(sweep, key=lambda r: r["tokens_per_s"])
-            oracle = one("oracle", replace(base, budget_policy="global",
-                                           shared_budget=best["budget"]), best["budget"])
-            records.append(dict(oracle, sweep_best_tokens_per_s=best["tokens_per_s"]))
+            if "fixed" in args.policies:
+                records.append(one("fixed", base, batch * (base.nodes_per_request - 1)))
+            if "global" in args.policies:
+                records.append(one("global", replace(base, budget_policy="global",
+                                                     shared_budget=args.global_budget),
+                                   args.global_budget))
+            if "oracle" in args.policies:
+                capacities = set(args.sweep)
+                if args.sweep_widths:
+                    capacities |= {batch * (w - 1) for w in width_buckets(base.nodes_per_request)}
+                sweep = [one("sweep", replace(base, budget_policy="global", shared_budget=n), n)
+                         for n in sorted(capacities)]
+                records += sweep
+                best = max(sweep, key=lambda r: r["tokens_per_s"])
+                oracle = one("oracle", replace(base, budget_policy="global",
+                                               shared_budget=best["budget"]), best["budget"])
+                records.append(dict(oracle, sweep_best_tokens_per_s=best["tokens_per_s"]))
             ran: dict[tuple, dict] = {}
-            for eps in dict.fromkeys([profile.eps, *args.eps_sweep]):
+            tolerances = [profile.eps, *args.eps_sweep] if "calibrated" in args.policies else []
+            for eps in dict.fromkeys(tolerances):
                 at = profile.at_eps(eps)
                 # the budgets of every bucket a shrinking batch passes through
                 budgets = tuple(verification_budget(at, n) for n in range(1, batch + 1))
@@ -172,7 +193,8 @@ def main(argv=None) -> int:
                     rec = ran[budgets] = dict(one(policy, replace(base, budget_policy="calibrated"),
                                                   budgets[-1], budget_profile=at), eps=eps)
                 records.append(rec)
-            records.append(one("goodput", replace(base, budget_policy="goodput"), -1))
+            if "goodput" in args.policies:
+                records.append(one("goodput", replace(base, budget_policy="goodput"), -1))
             # rewritten after every batch: a run cut short keeps its finished batches
             meta = dict(date=date, model=name, drafter=drafter, acceptance=acceptance,
                         draft_vocab=args.draft_vocab,
@@ -186,6 +208,81 @@ def main(argv=None) -> int:
     return 0
 
 
+def rule_choices(meta: dict, batch: int) -> list[tuple[float, int]]:
+    """The calibrated rule's choices at ``batch`` from a result file's profile figures: ``(eps
+    from which it holds, B_ver)`` in ascending eps, B_ver at its verify width's capacity (the
+    profile's rule: :func:`bole.speculative.calibration.b_ver_from_curve`)."""
+    from bole.speculative.budget import width_capacity
+    t_dec = meta["t_dec_ms"][str(batch)]
+    out: list[tuple[float, int]] = []
+    for n, t in sorted(zip(meta["node_grid"], meta["t_ver_ms"][str(batch)]), key=lambda p: p[1]):
+        eps = max(t / t_dec - 1.0, 0.0)
+        # the rule takes the largest N within the tolerance: from this eps on, at least this N
+        best = max([n] + [m for m, u in zip(meta["node_grid"], meta["t_ver_ms"][str(batch)])
+                          if u <= t])
+        cap = width_capacity(batch, best, meta["tree_nodes"])
+        if not out or cap != out[-1][1]:
+            out.append((eps, cap))
+    return out
+
+
+def eps_table(paths: list[Path], within: float = 0.95) -> str:
+    """Markdown: per batch of finished runs, each tolerance range of the calibrated rule, the
+    capacity it picks there and that capacity's rate against the oracle; then the tolerances at
+    which every batch comes within ``within`` of its oracle (none, where no eps does).
+
+    The oracle and the rule's choices (the profile's figures in the meta) come from the first
+    file holding the batch's oracle (a run with ``--sweep-widths``). A capacity's rate is the
+    calibrated policy's own run at that budget where a file holds one ("calibrated"; the last
+    file's, where several do), else the oracle's sweep at that capacity ("sweep": the global
+    policy, without the calibrated policy's per-row cap, which a capacity that lands unevenly
+    needs). Rates from different runs are compared as multiples of their own run's ar."""
+    found: dict[int, tuple[dict, dict]] = {}        # batch -> (meta, oracle record)
+    rates: dict[tuple[int, int, str], float] = {}   # (batch, budget, source) -> multiple of ar
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for r in data["records"]:
+            multiple = r["tokens_per_s"] / r.get("ar_tokens_per_s", 1.0)
+            if r["policy"] == "oracle" and r["batch"] not in found:
+                found[r["batch"]] = (data["meta"], r)
+            elif r["policy"] == "sweep":
+                rates.setdefault((r["batch"], r["budget"], "sweep"), multiple)
+            elif r["policy"].startswith("calibrated"):
+                rates[(r["batch"], r["budget"], "calibrated")] = multiple
+    batches = sorted({b for b, _, _ in rates} | set(found))
+    missing = [b for b in batches if b not in found]
+    if missing:
+        raise SystemExit(f"batch {missing[0]} has no oracle in {', '.join(map(str, paths))}; "
+                         "--eps-table needs a run of the oracle with --sweep-widths")
+    rows, ranges = [], []
+    for batch in batches:
+        meta, oracle = found[batch]
+        base = oracle["tokens_per_s"] / oracle.get("ar_tokens_per_s", 1.0)
+        choices = rule_choices(meta, batch)
+        good = []
+        for i, (lo, cap) in enumerate(choices):
+            hi = choices[i + 1][0] if i + 1 < len(choices) else float("inf")
+            source = next((s for s in ("calibrated", "sweep") if (batch, cap, s) in rates), None)
+            share = rates[(batch, cap, source)] / base if source else 0.0
+            rows.append(f"| {batch} | {lo:.3f}-{hi:.3f} | {cap} | "
+                        + (f"{share:.3f} | {source} |" if source else "not run | |"))
+            if share >= within and good and good[-1][1] == lo:       # adjacent: one range
+                good[-1] = (good[-1][0], hi)
+            elif share >= within:
+                good.append((lo, hi))
+        ranges.append((batch, good))
+    lines = ["| batch | eps | B_ver | rate / oracle | from |", "|---|---|---|---|---|", *rows, ""]
+    common = [(0.0, float("inf"))]
+    for batch, good in ranges:
+        common = [(max(a, c), min(b, d)) for a, b in common for c, d in good
+                  if max(a, c) < min(b, d)]
+        lines.append(f"batch {batch}: within {within:g} of the oracle at eps "
+                     + (", ".join(f"{a:.3f}-{b:.3f}" for a, b in good) or "none"))
+    lines.append(f"every batch within {within:g}: eps "
+                 + (", ".join(f"{a:.3f}-{b:.3f}" for a, b in common) or "none"))
+    return "\n".join(lines)
+
+
 def plot(path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
@@ -193,10 +290,11 @@ def plot(path: Path) -> Path:
     data = json.loads(path.read_text())
     recs = [r for r in data["records"] if r["policy"] != "sweep"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for policy in ("fixed", "global", "oracle", "calibrated", "goodput"):
+    for policy in POLICIES:
         pts = sorted((r["batch"], r["tokens_per_s"] / r["ar_tokens_per_s"]) for r in recs
                      if r["policy"] == policy)
-        ax.plot(*zip(*pts), marker="o", label=policy)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=policy)
     for eps in sorted({r["eps"] for r in recs if r["policy"] == "calibrated-eps"}):
         pts = sorted((r["batch"], r["tokens_per_s"] / r["ar_tokens_per_s"]) for r in recs
                      if r["policy"] == "calibrated-eps" and r["eps"] == eps)

@@ -71,8 +71,13 @@
 #             ignores rows near their token limit came after those runs (~4.5 min)
 #   budget-9b-wk  the GPU tests of goodput's width choice in Triton (tests/speculative/
 #             test_width_kernel.py, test_round_cuda.py -k captured_at_start), then the 9B preset
-#             at batch 16 8 2 with BOLE_WIDTH_KERNEL=1 (goodput's choice in two launches; the
-#             other policies do not use it), to compare with budget-9b-l (not yet run)
+#             at batch 16 8 2 1 with BOLE_WIDTH_KERNEL=1 (goodput's choice in two launches, now the
+#             default; the other policies do not use it) (~8 min)
+#   budget-9b-wk2  the same preset and kernel at batch 4 32 64 (~7 min)
+#   budget-9b-cal  the 9B preset, the calibrated policy alone (B_ver at its width's capacity,
+#             each request capped at that width) at eps 0.1 0.15 0.42, batch 8 16 4 32 64 2 1
+#             (compare with the oracles of budget-9b-wk and -wk2; batches 8 16 4 32 ran in 5.5 min)
+#   budget-9b-cal-rest  the same at batch 64 2 1, the batches budget-9b-cal's time left (~4 min)
 #   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
 #             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
 #             run three times (the median kept; cut where 10 minutes end)
@@ -93,7 +98,7 @@ parts="tests linear linear-rows round e2e-9b-a e2e-9b-b e2e-9b-c e2e-27b confirm
 profile-waves e2e-9b-d e2e-9b-e e2e-9b-f e2e-9b-f16 e2e-9b-ts e2e-27b-small e2e-27b-large
 e2e-27b-b64 e2e-27b-b1-8 e2e-9b-ts-a e2e-9b-ts-b e2e-9b-ts-c e2e-ts-bundled e2e-bundled-best
 e2e-bundled budget-bundled-r3 budget-9b-g budget-9b-i budget-9b-j budget-9b-k budget-9b-l
-budget-9b-wk budget-9b-h budget-9b-short budget-9b-eps budget-bundled budget-9b budget-both
+budget-9b-wk budget-9b-wk2 budget-9b-cal budget-9b-cal-rest budget-9b-h budget-9b-short budget-9b-eps budget-bundled budget-9b budget-both
 budget-9b-rest serve serve-process tp tp-e2e"
 parts=${parts//$'\n'/ }
 [ $# -gt 0 ] || { echo "usage: bash bench/h200_runs.sh PART... (one of: $parts)" >&2; exit 2; }
@@ -273,7 +278,17 @@ case "$part" in
       > "$out/test-wk.txt" 2>&1
     tail -2 "$out/test-wk.txt"
     BOLE_WIDTH_KERNEL=1 timeout $(lim 430) python3 bench/budget.py --models qwen3.5-9b \
-      --batches 16 8 2 --sweep --sweep-widths --draft-vocab 32768 --out "$out" --tag=-wk ;;
+      --batches 16 8 2 1 --sweep --sweep-widths --draft-vocab 32768 --out "$out" --tag=-wk ;;
+  budget-9b-wk2)
+    BOLE_WIDTH_KERNEL=1 timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b \
+      --batches 4 32 64 --sweep --sweep-widths --draft-vocab 32768 --out "$out" --tag=-wk2 ;;
+  budget-9b-cal)
+    timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 8 16 4 32 64 2 1 \
+      --policies calibrated --eps-sweep 0.15 0.42 --draft-vocab 32768 --out "$out" --tag=-cal ;;
+  budget-9b-cal-rest)
+    timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 64 2 1 \
+      --policies calibrated --eps-sweep 0.15 0.42 --draft-vocab 32768 --out "$out" \
+      --tag=-cal-rest ;;
   budget-9b-k)
     timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 64 1 4 --sweep \
       --sweep-widths --draft-vocab 32768 --out "$out" --tag=-k ;;

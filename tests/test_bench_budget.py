@@ -27,10 +27,11 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
         mine = {r["policy"]: r for r in recs if r["batch"] == batch and r["policy"] != "sweep"}
         assert set(mine) == {"fixed", "global", "oracle", "calibrated", "calibrated-eps",
                              "goodput"}
-        # eps 0.1 is the profile's own: run once; an unbounded eps keeps the grid's largest N
+        # eps 0.1 is the profile's own: run once; an unbounded eps keeps every drafted node
+        # (8-node trees)
         cal = [r for r in recs if r["batch"] == batch and r["policy"].startswith("calibrated")]
         assert [r["eps"] for r in cal] == [0.1, 1e9]
-        assert cal[1]["budget"] == max(data["meta"]["node_grid"])
+        assert cal[1]["budget"] == batch * 7
         sweep = [r for r in recs if r["batch"] == batch and r["policy"] == "sweep"]
         # --sweep's capacities and those that fill each verify width (2, 4 and 8 slots a row)
         assert [r["budget"] for r in sweep] == sorted({2, 8} | {batch * (w - 1)
@@ -55,3 +56,54 @@ def test_a_policy_that_does_not_fit_ends_the_run_with_a_message(monkeypatch):
         budget.fitted(dict(fits=False, error="CUDA out of memory. Tried to allocate 960.00 MiB."),
                       "goodput at batch 64")
     assert budget.fitted(dict(fits=True, x=1), "ar")["x"] == 1
+
+
+def _result_file(tmp_path, t_ver_b1, name="budget-x.json"):
+    """A finished run's figures at batches 1 and 2 of 8-node trees (widths 2, 4, 8): the profile's
+    curves in the meta, the sweep over each width's capacity and the oracle."""
+    grid = [1, 2, 4, 8, 14]
+    meta = dict(tree_nodes=8, node_grid=grid, t_dec_ms={"1": 1.0, "2": 1.0},
+                t_ver_ms={"1": t_ver_b1, "2": [1.0, 1.0, 1.1, 1.5, 2.0]})
+    rates = {1: {1: 50.0, 3: 90.0, 7: 100.0}, 2: {2: 60.0, 6: 100.0, 14: 80.0}}
+    recs = [dict(batch=b, policy="sweep", budget=n, tokens_per_s=r)
+            for b, at in rates.items() for n, r in at.items()]
+    recs += [dict(batch=b, policy="oracle", budget=0, tokens_per_s=100.0) for b in rates]
+    path = tmp_path / name
+    path.write_text(json.dumps(dict(meta=meta, records=recs)))
+    return path
+
+
+def test_eps_table_finds_the_tolerances_where_every_batch_is_near_its_oracle(tmp_path,
+                                                                            monkeypatch):
+    """The calibrated rule's choice at each tolerance (the largest grid point within it, at its
+    width's capacity) and its sweep rate; the tolerances good for every batch intersect."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    bench = load_script("bench/budget.py", "budget_bench")
+    # batch 1: N = 1, 2, 4 cost 1.0, 1.05, 1.2 (capacities 1, 3, 7); batch 2: N = 1, 2, 4, 8
+    # cost 1.0, 1.0, 1.1, 1.5 (capacities 2, 2, 6, 14)
+    path = _result_file(tmp_path, [1.0, 1.05, 1.2, 1.2, 1.2])
+    assert bench.rule_choices(json.loads(path.read_text())["meta"], 1) == \
+        [(0.0, 1), (pytest.approx(0.05), 3), (pytest.approx(0.2), 7)]
+    assert bench.rule_choices(json.loads(path.read_text())["meta"], 2) == \
+        [(0.0, 2), (pytest.approx(0.1), 6), (pytest.approx(0.5), 14)]
+    text = bench.eps_table([path])
+    assert "| 2 | 0.100-0.500 | 6 | 1.000 | sweep |" in text
+    assert "batch 1: within 0.95 of the oracle at eps 0.200-inf" in text
+    assert "batch 2: within 0.95 of the oracle at eps 0.100-0.500" in text
+    assert text.endswith("every batch within 0.95: eps 0.200-0.500")
+    # batch 1's whole tree only from eps 0.6 on: no tolerance serves both
+    late = _result_file(tmp_path, [1.0, 1.05, 1.6, 1.6, 1.6], "budget-late.json")
+    assert bench.eps_table([late]).endswith("every batch within 0.95: eps none")
+    assert bench.main(["--eps-table", str(late)]) == 0
+    # a calibrated run at a capacity (another run: its rate against its own ar) replaces the sweep's
+    cal = tmp_path / "budget-cal.json"
+    cal.write_text(json.dumps(dict(meta={}, records=[
+        dict(batch=2, policy="calibrated", budget=14, tokens_per_s=50.0, ar_tokens_per_s=0.5)])))
+    text = bench.eps_table([path, cal])
+    assert "| 2 | 0.500-inf | 14 | 1.000 | calibrated |" in text
+    assert text.endswith("every batch within 0.95: eps 0.200-inf")
+    raw = json.loads(late.read_text())
+    raw["records"] = [r for r in raw["records"] if r["policy"] != "oracle"]
+    late.write_text(json.dumps(raw))
+    with pytest.raises(SystemExit, match="batch 1 has no oracle"):
+        bench.eps_table([late])

@@ -200,11 +200,28 @@ def input_bytes(x) -> int:
 
 # ----------------------------------------------------------------------------- results files
 
+def source_commit() -> str:
+    """The commit the run's code is at: ``git describe --always --dirty --exclude=*`` of this
+    checkout (the short hash, "-dirty" with uncommitted changes), or ``$BOLE_COMMIT`` where there
+    is no git (the device machine gets a copy of the working tree without .git;
+    ``bench/h200_runs.sh`` sets it from ``.whl/COMMIT``), else "unknown"."""
+    import subprocess
+    try:
+        done = subprocess.run(["git", "describe", "--always", "--dirty", "--exclude=*"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        done = None
+    if done is not None and done.returncode == 0 and done.stdout.strip():
+        return done.stdout.strip()
+    return os.environ.get("BOLE_COMMIT", "").strip() or "unknown"
+
+
 def run_meta(**extra) -> dict:
-    """Device, versions and date of this GPU run: the head of every results JSON."""
+    """Device, versions, commit and date of this GPU run: the head of every results JSON."""
     import triton
     return dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, date=_dt.date.today().isoformat(), **extra)
+                triton=triton.__version__, commit=source_commit(),
+                date=_dt.date.today().isoformat(), **extra)
 
 
 def results_path(out: str | None, name: str) -> Path:

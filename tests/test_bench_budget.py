@@ -46,6 +46,7 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
             assert len(r["tokens_per_s_runs"]) == 3
             assert r["tokens_per_s"] == sorted(r["tokens_per_s_runs"])[1]
     assert data["meta"]["b_ver"] and list((tmp_path / "cache").glob("budget-*.json"))
+    assert data["meta"]["commit"] not in ("", None)
     assert list(tmp_path.glob("budget-*-tiny-t.png"))
 
 

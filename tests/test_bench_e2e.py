@@ -44,6 +44,7 @@ def test_e2e_smoke_run(tmp_path):
         # chain's best of two depths is run again for its figure; bole tried one shape
         assert ("sweep_best_decode_tokens_per_s" in r) == (r["mode"] == "chain")
     assert "replayed" in meta["acceptance_note"]
+    assert meta["commit"] not in ("", None)             # the code the figures came from
     assert list(tmp_path.glob("e2e-*.png"))
 
 

@@ -62,3 +62,21 @@ def test_verify_and_commit_inputs_on_a_tiny_shape():
         c.accepted)
     for layer in range(shape.num_gdn_layers):
         assert kb.rel_err(c.pool[layer], want) < 1e-5
+
+
+def test_source_commit_names_the_checkout_or_the_device_copys_stamp(monkeypatch):
+    """Results name their commit: git's where the checkout has it, else $BOLE_COMMIT (a copy
+    without .git), else "unknown"."""
+    import subprocess
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=kb.ROOT,
+                          capture_output=True, text=True).stdout.strip()
+    if head:                                         # a git checkout (CI's clean clone is one)
+        assert kb.source_commit().startswith(head[:7])
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+    monkeypatch.setattr(subprocess, "run", no_git)
+    monkeypatch.setenv("BOLE_COMMIT", "abc1234-dirty")
+    assert kb.source_commit() == "abc1234-dirty"
+    monkeypatch.delenv("BOLE_COMMIT")
+    assert kb.source_commit() == "unknown"

@@ -211,19 +211,17 @@ def main(argv=None) -> int:
 
 def rule_choices(meta: dict, batch: int) -> list[tuple[float, int]]:
     """The calibrated rule's choices at ``batch`` from a result file's profile figures: ``(eps
-    from which it holds, B_ver)`` in ascending eps, B_ver at its verify width's capacity (the
-    profile's rule: :func:`bole.speculative.calibration.b_ver_from_curve`)."""
-    from bole.speculative.budget import width_capacity
-    t_dec = meta["t_dec_ms"][str(batch)]
+    from which it holds, B_ver)`` in ascending eps, as the profile derives B_ver
+    (:func:`bole.speculative.calibration.b_ver_from_curve`)."""
+    from bole.speculative.calibration import b_ver_from_curve
+    t_dec, t_ver = meta["t_dec_ms"][str(batch)], meta["t_ver_ms"][str(batch)]
     out: list[tuple[float, int]] = []
-    for n, t in sorted(zip(meta["node_grid"], meta["t_ver_ms"][str(batch)]), key=lambda p: p[1]):
-        eps = max(t / t_dec - 1.0, 0.0)
-        # the rule takes the largest N within the tolerance: from this eps on, at least this N
-        best = max([n] + [m for m, u in zip(meta["node_grid"], meta["t_ver_ms"][str(batch)])
-                          if u <= t])
-        cap = width_capacity(batch, best, meta["tree_nodes"])
-        if not out or cap != out[-1][1]:
-            out.append((eps, cap))
+    for eps in sorted({max(t / t_dec - 1.0, 0.0) for t in t_ver}):
+        # the tolerance at which this point passes (a hair above, for the rounding of 1 + eps)
+        n = b_ver_from_curve(t_dec, meta["node_grid"], t_ver, eps + 1e-12, rows=batch,
+                             tree_nodes=meta["tree_nodes"])
+        if not out or n != out[-1][1]:
+            out.append((eps, n))
     return out
 
 

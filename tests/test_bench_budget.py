@@ -64,7 +64,7 @@ def _result_file(tmp_path, t_ver_b1, name="budget-x.json"):
     curves in the meta, the sweep over each width's capacity and the oracle."""
     grid = [1, 2, 4, 8, 14]
     meta = dict(tree_nodes=8, node_grid=grid, t_dec_ms={"1": 1.0, "2": 1.0},
-                t_ver_ms={"1": t_ver_b1, "2": [1.0, 1.0, 1.1, 1.5, 2.0]})
+                t_ver_ms={"1": t_ver_b1, "2": [1.0, 1.0, 1.1, 1.5, 1.5]})
     rates = {1: {1: 50.0, 3: 90.0, 7: 100.0}, 2: {2: 60.0, 6: 100.0, 14: 80.0}}
     recs = [dict(batch=b, policy="sweep", budget=n, tokens_per_s=r)
             for b, at in rates.items() for n, r in at.items()]
@@ -81,7 +81,7 @@ def test_eps_table_finds_the_tolerances_where_every_batch_is_near_its_oracle(tmp
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     bench = load_script("bench/budget.py", "budget_bench")
     # batch 1: N = 1, 2, 4 cost 1.0, 1.05, 1.2 (capacities 1, 3, 7); batch 2: N = 1, 2, 4, 8
-    # cost 1.0, 1.0, 1.1, 1.5 (capacities 2, 2, 6, 14)
+    # cost 1.0, 1.0, 1.1, 1.5, 1.5 (capacities 2, 2, 6, 14, 14)
     path = _result_file(tmp_path, [1.0, 1.05, 1.2, 1.2, 1.2])
     assert bench.rule_choices(json.loads(path.read_text())["meta"], 1) == \
         [(0.0, 1), (pytest.approx(0.05), 3), (pytest.approx(0.2), 7)]

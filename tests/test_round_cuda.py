@@ -67,12 +67,13 @@ def test_a_round_synchronises_once(bundled, mode, drafter, prelaunch):
 
 
 @pytest.mark.parametrize("policy,shared,width_kernel", [("global", 20, "0"), ("fixed", 0, "0"),
-                                                       ("goodput", 0, "0"), ("goodput", 0, "1")])
+                                                       ("goodput", 0, "0"), ("goodput", 0, "1"),
+                                                       ("calibrated", 0, "1")])
 def test_every_width_is_captured_at_start_up(bundled, policy, shared, width_kernel, monkeypatch):
     """A shared budget changes the verify width and the kind of round (select, whole, plain)
     from round to round: each one's graphs exist before the first round, so no round captures
     (and output still equals the eager one; goodput also with its width choice in Triton)."""
-    from bole.speculative.calibration import BudgetProfile
+    from bole.speculative.calibration import BudgetProfile   # B_ver 16 at batch 4: width 8
     monkeypatch.setenv("BOLE_WIDTH_KERNEL", width_kernel)
     model, prompts = bundled
     spec = SpecConfig("bole", "mtp", depth=6, topk=3, budget=16, budget_policy=policy,
@@ -86,7 +87,7 @@ def test_every_width_is_captured_at_start_up(bundled, policy, shared, width_kern
     outputs = []
     for graphs in (False, True):
         engine = Engine(model, spec, max_slots=4, max_len=512, cuda_graphs=graphs,
-                        budget_profile=profile if policy == "goodput" else None)
+                        budget_profile=profile if policy in ("goodput", "calibrated") else None)
         before = set(engine.rounds.graphs.graphs)
         res = engine.generate(prompts, GenerationParams(max_tokens=40), seed=3)
         outputs.append([r.token_ids for r in res])

@@ -271,12 +271,16 @@ def b_ver_from_curve(t_dec: float, node_grid: Sequence[int], t_ver: Sequence[flo
     nodes over its rows and pads each to a width bucket, so the time measured at N is the time
     of every count up to ``rows (W - 1)``, and the paper's "largest N within the tolerance" is
     that capacity (a profile's grid holds powers of two, which at most batches fall short of a
-    width's capacity: 128 nodes at batch 64 pay the width 4 that holds 192)."""
+    width's capacity: 128 nodes at batch 64 pay the width 4 that holds 192). Where another grid
+    point of the same width measured above the tolerance (timing noise at the edge), N stays
+    as it is."""
     limit = (1.0 + eps) * t_dec
     n = max((int(n) for n, t in zip(node_grid, t_ver) if t <= limit), default=0)
-    if rows is None or tree_nodes is None:
+    if rows is None or tree_nodes is None or n == 0:
         return n
-    return width_capacity(int(rows), n, int(tree_nodes))
+    cap = width_capacity(int(rows), n, int(tree_nodes))
+    same_width_failed = any(n < m <= cap and t > limit for m, t in zip(node_grid, t_ver))
+    return n if same_width_failed else cap
 
 
 def calibrate(time_fn: TimeFn, batches: Sequence[int], node_grid: Sequence[int],

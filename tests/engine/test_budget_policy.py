@@ -315,9 +315,37 @@ def test_calibrated_caps_each_row_at_the_width_its_budget_was_measured_at():
     assert pol.width(2, 1) == 4           # one request in bucket 2: its even share is 6, capped
     pol.observe(2, [3, 2])
     assert pol.width(2, 2) == 4
+    # a bucket the profile did not measure takes its measured batch's width: 4 nodes over the 4
+    # rows measured (width 2), not over the 3 of the bucket
+    assert pol.row_width(3) == 2
+    # and a width always holds the root and its floors
+    floors = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="calibrated",
+                                     root_floor=3), T, profile=profile)
+    assert floors.row_width(4) == 4
     for other in ("global", "goodput"):
         spec = SpecConfig("bole", "mtp", budget=T, budget_policy=other, shared_budget=4)
         assert BudgetPolicy(spec, T, profile=profile).row_width(2) is None
+
+
+def test_calibrated_rounds_keep_each_request_within_its_width(model, monkeypatch):
+    """The round passes the calibrated policy's width to its selection: every select round's
+    rows keep at most that many nodes, and greedy output equals plain decoding's."""
+    spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=8, budget_policy="calibrated")
+    profile = _profile(1000.0, T=spec.nodes_per_request).at_eps(0.025)   # batch 4: width 2
+    params = GenerationParams(max_tokens=12)
+    ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar")).generate(PROMPTS, params)]
+    engine = Engine(model, spec, max_slots=3, budget_profile=profile)
+    policy, seen = engine.rounds.policy, []
+    real = policy.observe
+
+    def observe(R, kept, kind="select", could_widen=None):
+        seen.append((R, kind, list(kept)))
+        return real(R, kept, kind, could_widen)
+    monkeypatch.setattr(policy, "observe", observe)
+    assert [r.token_ids for r in engine.generate(PROMPTS, params)] == ar
+    selected = [(R, kept) for R, kind, kept in seen if kind == "select" and kept]
+    assert selected
+    assert all(max(kept) <= policy.row_width(R) for R, kept in selected), selected
 
 
 def _profile(t_ver_ms: float, t_dec_ms: float = 1000.0, slope: float = 0.01,
@@ -614,12 +642,13 @@ def test_budget_eps_derives_b_ver_from_the_profiles_curves(model):
     measuring again: B_ver at that eps from the same curves; greedy output unchanged."""
     spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=8, budget_policy="calibrated")
     # t_ver 1000, 1010, 1020, 1030, 1040 at N = 1, 2, 4, 8, 16 against t_dec 1000; B_ver is
-    # the passing N raised to its verify width's capacity at batches 1, 2, 4 (widths 2, 4, 8);
-    # without budget_eps the profile is used as given
+    # the passing N raised to its verify width's capacity at batches 1, 2, 4 (widths 8, 4, 2 at
+    # eps 0.025; at eps 0 N = 2 and 4 of width 2 failed, so B_ver stays 1); without budget_eps
+    # the profile is used as given
     profile = _profile(1000.0, T=spec.nodes_per_request)
     params = GenerationParams(max_tokens=10)
     ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar")).generate(PROMPTS, params)]
-    for eps, b_ver in ((None, [16, 16, 16]), (0.0, [1, 2, 4]), (0.025, [7, 6, 4]),
+    for eps, b_ver in ((None, [16, 16, 16]), (0.0, [1, 1, 1]), (0.025, [7, 6, 4]),
                        (1.0, [7, 14, 28])):
         engine = Engine(model, replace(spec, budget_eps=eps), max_slots=3,
                         budget_profile=profile)

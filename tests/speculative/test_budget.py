@@ -637,13 +637,14 @@ def synthetic_time_fn(calls=None):
 
 def expected_b_ver(batch, grid, eps, T=32):
     # 1.01 + 0.01 * (N - knee) <= 1 + eps  <=>  N <= knee + 100 * eps - 1; then the most nodes
-    # the verify width of that N's even spread over the batch holds
+    # the verify width of that N's even spread over the batch holds, unless a grid point up to
+    # that count failed
     n = max((n for n in grid if n <= 256 // batch + round(100 * eps) - 1), default=0)
     if n == 0:
         return 0
     per_row = -(-n // batch)
-    width = next((w for w in (2, 4, 8, 16, 32) if w >= per_row + 1), T)
-    return batch * (width - 1)
+    cap = batch * (next((w for w in (2, 4, 8, 16, 32) if w >= per_row + 1), T) - 1)
+    return n if any(n < m <= cap for m in grid) else cap
 
 
 GRID = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384]
@@ -661,8 +662,9 @@ def test_calibrate_on_a_synthetic_curve():
     profile = calibrate(synthetic_time_fn(calls), [4, 1, 16], GRID, 0.1, tree_nodes=32,
                         progress=lambda done, total: ticks.append((done, total)))
     assert profile.batches == [1, 4, 16]
-    # grid points 256, 64 and 16 pass: widths 32 (one row), 32 (16 a row) and 2 (one a row)
-    assert profile.b_ver == [expected_b_ver(b, GRID, 0.1) for b in (1, 4, 16)] == [31, 124, 16]
+    # grid points 256, 64 and 16 pass: widths 32 (one row: its 31 nodes), 32 (16 a row, but
+    # 96 of the same width failed: 64 stays) and 2 (one a row)
+    assert profile.b_ver == [expected_b_ver(b, GRID, 0.1) for b in (1, 4, 16)] == [31, 64, 16]
     assert calls[0] == (1, 0) and calls[1:len(GRID) + 1] == [(1, n) for n in GRID]
     assert len(calls) == 3 * (len(GRID) + 1) and ticks[-1] == (len(calls), len(calls))
     assert profile.t_dec == [1.02, 1.08, 1.32]
@@ -684,14 +686,26 @@ def test_b_ver_takes_the_largest_passing_node_count():
     (8, 65, 120),      # 9 a row: width 16
     (1, 1984, 31),     # a grid point past the batch's nodes: the whole tree
     (3, 7, 9),         # 3 a row: width 4 (a batch that is no power of two)
+    (4, 5, 12),        # 2 a row, rounded up: width 4
 ])
 def test_b_ver_is_raised_to_its_verify_widths_capacity(rows, passing, want):
-    grid = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 1984, passing})
+    # no grid point between the passing one and its width's capacity (one there that failed
+    # would keep B_ver at the passing point: the next test)
+    grid = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 1984)
+                   if n <= passing or n > want} | {passing})
     t_ver = [1.0 if n <= passing else 2.0 for n in grid]
     assert b_ver_from_curve(1.0, grid, t_ver, 0.1) == passing
     assert b_ver_from_curve(1.0, grid, t_ver, 0.1, rows=rows, tree_nodes=32) == want
     assert width_capacity(rows, passing, 32) == want
     assert b_ver_from_curve(1.0, grid, [2.0] * len(grid), 0.1, rows=rows, tree_nodes=32) == 0
+
+
+def test_b_ver_is_not_raised_past_a_point_of_its_width_that_failed():
+    # batch 8: 32 and 48 nodes both need width 8 (4 and 6 a row); 48 measured above the
+    # tolerance (noise at the edge), so B_ver stays at 32 rather than width 8's 56
+    grid, t_ver = [8, 16, 32, 48, 64], [1.0, 1.0, 1.05, 1.11, 1.3]
+    assert b_ver_from_curve(1.0, grid, t_ver, 0.1, rows=8, tree_nodes=32) == 32
+    assert b_ver_from_curve(1.0, grid, t_ver, 0.12, rows=8, tree_nodes=32) == 56
 
 
 def test_at_eps_derives_b_ver_again_from_the_same_curves():
@@ -712,7 +726,7 @@ def test_at_eps_derives_b_ver_again_from_the_same_curves():
 def test_verification_budget_uses_the_bucket_at_or_above():
     profile = calibrate(synthetic_time_fn(), [1, 4, 16], GRID, 0.1, tree_nodes=32)
     rows = {b: verification_budget(profile, b) for b in (1, 2, 3, 4, 5, 16, 17, 100)}
-    assert rows == {1: 31, 2: 124, 3: 124, 4: 124, 5: 16, 16: 16, 17: 16, 100: 16}
+    assert rows == {1: 31, 2: 64, 3: 64, 4: 64, 5: 16, 16: 16, 17: 16, 100: 16}
     assert profile.t_dec_at(3) == 1.08 and list(profile.t_ver_curve(3)) == GRID
     with pytest.raises(ValueError, match="batch"):
         verification_budget(profile, 0)

@@ -53,7 +53,7 @@ from kernels import save_png, source_commit  # noqa: E402
 
 from bole.engine import SpecConfig  # noqa: E402
 from bole.engine.calibrate import load_or_calibrate  # noqa: E402
-from bole.engine.selection import width_buckets  # noqa: E402
+from bole.speculative.budget import width_buckets  # noqa: E402
 from bole.speculative.calibration import forget_acceptance, verification_budget  # noqa: E402
 
 #: what --policies can run (the oracle with its sweep)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -200,11 +201,13 @@ def input_bytes(x) -> int:
 
 # ----------------------------------------------------------------------------- results files
 
+@functools.lru_cache(maxsize=None)
 def source_commit() -> str:
     """The commit the run's code is at: ``git describe --always --dirty --exclude=*`` of this
     checkout (the short hash, "-dirty" with uncommitted changes), or ``$BOLE_COMMIT`` where there
     is no git (the device machine gets a copy of the working tree without .git;
-    ``bench/h200_runs.sh`` sets it from ``.whl/COMMIT``), else "unknown"."""
+    ``bench/h200_runs.sh`` sets it from ``.whl/COMMIT``), else "unknown". Read once a process:
+    the commit the run started at."""
     import subprocess
     try:
         done = subprocess.run(["git", "describe", "--always", "--dirty", "--exclude=*"],

@@ -458,6 +458,7 @@ def _calibrate(args) -> int:
     import torch
 
     from bole.engine.calibrate import calibrate_model
+    from bole.speculative.budget import spread_width
 
     for b in args.batches:
         _positive(batches=b)
@@ -473,7 +474,8 @@ def _calibrate(args) -> int:
                               reps=args.reps)
     print(f"{'batch':>6} {'T_dec ms':>9} {'B_ver':>6} {'width':>6}")
     for b, t, n in zip(profile.batches, profile.t_dec, profile.b_ver):
-        print(f"{b:>6} {t:>9.3f} {n:>6} {(n // b + 1 if n else '-'):>6}")
+        width = spread_width(b, n, profile.tree_nodes) if n else "-"
+        print(f"{b:>6} {t:>9.3f} {n:>6} {width:>6}")
     print(f"wrote {profile.path()}")
     return 0
 

@@ -70,6 +70,7 @@ def test_source_commit_names_the_checkout_or_the_device_copys_stamp(monkeypatch)
     import subprocess
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=kb.ROOT,
                           capture_output=True, text=True).stdout.strip()
+    kb.source_commit.cache_clear()
     if head:                                         # a git checkout (CI's clean clone is one)
         assert kb.source_commit().startswith(head[:7])
 
@@ -77,6 +78,9 @@ def test_source_commit_names_the_checkout_or_the_device_copys_stamp(monkeypatch)
         raise FileNotFoundError("git")
     monkeypatch.setattr(subprocess, "run", no_git)
     monkeypatch.setenv("BOLE_COMMIT", "abc1234-dirty")
+    kb.source_commit.cache_clear()
     assert kb.source_commit() == "abc1234-dirty"
     monkeypatch.delenv("BOLE_COMMIT")
+    kb.source_commit.cache_clear()
     assert kb.source_commit() == "unknown"
+    kb.source_commit.cache_clear()

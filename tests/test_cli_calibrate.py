@@ -7,6 +7,7 @@ import torch
 
 from bole.cli import _load_model, main
 from bole.engine import Engine, SpecConfig
+from bole.speculative.budget import spread_width
 from bole.speculative.calibration import BudgetProfile
 
 TREE = ["--depth", "3", "--topk", "2", "--budget", "8"]
@@ -28,9 +29,11 @@ def test_calibrate_writes_the_profile_of_its_tree_and_engines_find_it(tmp_path, 
     rows = [line.split() for line in out.out.splitlines()[1:3]]
     assert [int(r[0]) for r in rows] == [1, 2]
     assert [int(r[2]) for r in rows] == profile.b_ver
-    # B_ver fills its verify width (8-node trees: widths 2, 4, 8), or is 0
-    assert all(r[3] == "-" if int(r[2]) == 0 else int(r[3]) in (2, 4, 8)
-               and int(r[2]) == b * (int(r[3]) - 1) for b, r in zip((1, 2), rows))
+    # each B_ver's verify width (8-node trees: widths 2, 4, 8), which it fills unless a grid
+    # point of that width measured above the tolerance (CPU timings are noisy), or "-" for 0
+    for b, r in zip((1, 2), rows):
+        n = int(r[2])
+        assert r[3] == "-" if n == 0 else int(r[3]) == spread_width(b, n, 8) in (2, 4, 8)
     # an engine with the same tree and policy loads it without measuring again
     model, _, _ = _load_model(argparse.Namespace(preset=None, model=None), "cpu", torch.float32)
     spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=8, budget_policy="goodput")

@@ -2,7 +2,7 @@
 
 ``T_dec(b)`` is a decode forward of ``b`` requests; ``T_ver(b, N)`` a verify forward of ``b``
 requests holding ``N`` draft nodes in all, as the round runs it: the nodes spread evenly, each
-row padded to the verify width bucket (:func:`bole.engine.selection.width_buckets`). Every
+row padded to the verify width bucket (:func:`bole.speculative.budget.spread_width`). Every
 request has ``context`` committed tokens. On a GPU each forward is captured in a CUDA graph and
 timed over replays with device events (the median), as the round replays it; on the CPU it runs
 eagerly under a wall clock. ``B_ver(b)`` is then the largest ``N`` whose forward costs at most
@@ -23,7 +23,8 @@ import torch
 
 from bole.engine.round import buckets_upto
 from bole.engine.runner import ModelRunner
-from bole.engine.selection import Goodput, select, width_buckets
+from bole.engine.selection import Goodput, select
+from bole.speculative.budget import spread_width, width_buckets
 from bole.forest import DenseForest
 from bole.speculative.calibration import (AcceptanceCalibrator, BudgetProfile,
                                           ProfileFormatError, calibrate, config_hash,
@@ -68,7 +69,6 @@ def forward_time_fn(model, spec, max_batch: int, *, context: int = 1024, reps: i
                     seed: int = 0):
     """``time_fn(b, N)`` timing this model's decode (N = 0) and verify forwards."""
     T = spec.nodes_per_request
-    widths = width_buckets(T)
     gdn = "triton" if model.device.type == "cuda" else "torch"
     runner = ModelRunner(model, model.new_cache(max_batch, context + T + 2), gdn)
     gen = torch.Generator().manual_seed(seed)
@@ -86,7 +86,7 @@ def forward_time_fn(model, spec, max_batch: int, *, context: int = 1024, reps: i
             dense = DenseForest.chain(b, 1, dev)
         else:
             per_row = -(-n // b)
-            W = next((w for w in widths if w >= per_row + 1), T)
+            W = spread_width(b, n, T)
             trees = [DraftTree.random(min(W, per_row + 1), min(spec.depth, per_row), rng)
                      for _ in range(b)]
             dense = DenseForest.from_packed(PackedForest.pack(trees), W, device=dev)

@@ -76,8 +76,9 @@ import torch
 
 from bole.forest import DenseForest
 from bole.speculative.calibration import AcceptanceCalibrator
-from bole.speculative.budget import (compact, rank_dense, select_dense, width_buckets,
-                                     width_fill_choice, width_priced_t_ver)
+from bole.speculative.budget import (compact, rank_dense, select_dense, spread_width,
+                                     width_bucket, width_buckets, width_fill_choice,
+                                     width_priced_t_ver)
 
 POLICIES = ("fixed", "global", "calibrated", "goodput")
 #: rounds of plain decoding after the goodput policy finds drafting does not pay; doubled
@@ -236,8 +237,8 @@ class BudgetPolicy:
         if self.policy != "calibrated":
             return None
         rows = self.profile.batches[self.profile.row(R)]
-        share = -(-self.budget(R) // rows)
-        return self._bucket(1 + max(self.spec.root_floor, share))
+        return max(spread_width(rows, self.budget(R), self.T),
+                   self._bucket(1 + self.spec.root_floor))
 
     def whole_trees(self, R: int) -> bool:
         """Whether rounds of bucket ``R`` verify whole trees, without the selection: every
@@ -409,7 +410,7 @@ class BudgetPolicy:
 
     def _bucket(self, need: int) -> int:
         """The narrowest verify width that holds ``need`` nodes a row (the tree's, at most)."""
-        return next((w for w in self.widths if w >= need), self.T)
+        return width_bucket(need, self.T)
 
     def observe(self, R: int, kept: list[int], kind: str = "select",
                 could_widen: bool | None = None) -> None:

@@ -52,7 +52,8 @@ __all__ = ["Ranking", "rank_nodes", "select_nodes", "dense_inputs", "rank_dense"
            "Compacted", "compact", "safe_width", "expected_accepted_curve", "goodput_rates",
            "goodput_choice", "goodput_best", "goodput_budget", "RowFill", "WidthChoice",
            "width_fill_curve", "width_fill_keep", "width_fill_could_widen", "width_fill_choice",
-           "width_priced_t_ver", "width_buckets", "width_bucket", "width_capacity", "cap_rows"]
+           "width_priced_t_ver", "width_buckets", "width_bucket", "spread_width",
+           "width_capacity", "cap_rows"]
 
 #: a budget of draft nodes: a host int, or a 0-d tensor on the forest's device
 Budget = Union[int, Tensor]
@@ -190,16 +191,32 @@ def width_bucket(need: int, T: int) -> int:
     return next((w for w in width_buckets(T) if w >= need), T)
 
 
+def spread_width(rows: int, nodes: int, T: int) -> int:
+    """The verify width that ``nodes`` draft nodes spread evenly over ``rows`` rows need: each
+    row a root plus ``ceil(nodes / rows)``, in a bucket of :func:`width_buckets`."""
+    return width_bucket(1 + -(-nodes // rows), T)
+
+
 def width_capacity(rows: int, nodes: int, T: int) -> int:
     """The most draft nodes a verify of ``rows`` rows takes at the width that ``nodes`` draft
-    nodes spread evenly over them need (each row a root plus ``ceil(nodes / rows)``): ``rows
-    (W - 1)``. A dense verify pads every row to its width, so it costs the same for any count up
-    to this one."""
+    nodes spread evenly over them need (:func:`spread_width`): ``rows (W - 1)``. A dense verify
+    pads every row to its width, so it costs the same for any count up to this one."""
     if rows < 1 or nodes < 0:
         raise ValueError(f"rows must be >= 1 and nodes >= 0, got {rows} and {nodes}")
     if nodes == 0:
         return 0
-    return rows * (width_bucket(1 + -(-nodes // rows), T) - 1)
+    return rows * (spread_width(rows, nodes, T) - 1)
+
+
+def _by_row(rank: Ranking, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A dense ranking regrouped by row: ``(by_row [N], eligible [R, T], position [R, T])``,
+    ``by_row`` the rank positions in row order (a stable sort of the rank order by row: row r's
+    nodes fill slots ``[r T, (r + 1) T)``), ``eligible`` the eligible flags in that order and
+    ``position`` each eligible node's 1-based place among its row's (0 for the others)."""
+    T = rank.root.shape[0] // rows
+    by_row = torch.sort(rank.order // T, stable=True).indices
+    eligible = rank.eligible.gather(0, by_row).view(rows, T)
+    return by_row, eligible, torch.where(eligible, torch.cumsum(eligible, 1), 0)
 
 
 def cap_rows(rank: Ranking, rows: int, width: int) -> Ranking:
@@ -209,9 +226,7 @@ def cap_rows(rank: Ranking, rows: int, width: int) -> Ranking:
     budget taken in rank order among what every row can hold. ``rank`` ranks a ``rows x T``
     dense layout (:func:`rank_dense`). No synchronisation."""
     T = rank.root.shape[0] // rows
-    by_row = torch.sort(rank.order // T, stable=True).indices          # rank positions by row
-    eligible = rank.eligible.gather(0, by_row).view(rows, T)
-    position = torch.cumsum(eligible, 1)
+    by_row, eligible, position = _by_row(rank, rows)
     room = (width - 1 - rank.floor.view(rows, T).sum(1)).clamp(min=0)
     fits = (eligible & (position <= room[:, None])).reshape(-1)
     capped = torch.zeros_like(rank.eligible).scatter(0, by_row, fits)
@@ -436,9 +451,7 @@ class RowFill:
         :func:`rank_dense` gives), with estimates mapped by ``acceptance`` when given."""
         est = _estimates(rank, acceptance)
         T = rank.root.shape[0] // rows
-        by_row = torch.sort(rank.order // T, stable=True).indices
-        eligible = rank.eligible.gather(0, by_row).view(rows, T)
-        position = torch.where(eligible, torch.cumsum(eligible, 1), 0)
+        by_row, eligible, position = _by_row(rank, rows)
         in_rank = torch.where(rank.eligible, est.gather(0, rank.order), 0.0)
         grouped = in_rank.gather(0, by_row).view(rows, T)
         sums = torch.zeros(rows, T + 1, dtype=torch.float64, device=est.device)

@@ -119,7 +119,7 @@ class BudgetProfile:
     t_select:  ``[len(batches)]`` ms of the goodput policy's selection over whole trees (the
                device-side choice, ranking, floors and compaction a shared verify adds).
     tree_nodes: the nodes per request (root included) of the trees it was measured for: a
-               round pads each row to a verify width of :func:`~bole.engine.selection.
+               round pads each row to a verify width of :func:`~bole.speculative.budget.
                width_buckets` of it (powers of two, and the tree's size as the widest), and the
                selection ranks whole trees of it, so a profile serves only trees of this size.
     """

@@ -4,10 +4,14 @@ For each model and batch, bole runs with:
     fixed        every request verifies its whole tree (--budget slots; SGLang-Tree style)
     global       a fixed capacity of --global-budget draft nodes for the whole batch (TETRIS)
     oracle       the best global capacity of a sweep (--sweep, and with --sweep-widths every
-                 capacity that fills a verify width: batch x (W - 1) for each width W), found by
-                 running each, then run once more for its figure (the best of several runs of
-                 equal work is the luckiest of them: reporting it would hand the oracle its
-                 timing noise)
+                 capacity that fills a verify width: batch x (W - 1) for each width W), chosen on
+                 other prompts than the ones every policy is measured on (the selection set:
+                 other random prompts, or the other half of a model's own prompts), then run on
+                 the evaluation prompts like every other policy. Its sweep's best is the
+                 luckiest of several runs: with the replay drafter's draws a function of the
+                 prompts, running it again on the same prompts repeats its luck in acceptance,
+                 not only in timing. ``--oracle-on same`` sweeps the evaluation prompts and runs
+                 the best again there (the runs before 2026-12-02's -ho files)
     calibrated   B_ver(batch) from this device's calibration profile (made first if missing), at
                  the profile's eps and at each of --eps-sweep (B_ver derived again from the same
                  curves; the paper leaves eps to the user and reports no sweep of it), each
@@ -15,8 +19,11 @@ For each model and batch, bole runs with:
     goodput      the budget with the most expected tokens per ms each round, plain decoding
                  when drafting does not pay
 Models: the bundled model with its MTP head (real acceptance) and random-weight presets with the
-replay drafter (acceptance from --profile). Records {model, batch, policy, budget, tokens_per_s
-(decode: tokens after each request's first over the rounds' time), mean_accepted_tokens, round_ms,
+replay drafter (acceptance from --profile). Each run serves ``--waves`` x batch requests on batch
+slots (continuous batching: a finished request's slot takes the next one). Records {model, batch,
+policy, budget, prompt_set, tokens_per_s (decode: tokens after each request's first over the
+rounds' time), full_batch_tokens_per_s (the same over the rounds that ran every slot: the batch
+the record names, without the last wave's ragged end), mean_accepted_tokens, round_ms,
 the round's split (draft, verify, accept and commit, host: the GPU idle between them),
 plain_round_share (goodput's rounds without drafting), draft_nodes_per_round (draft nodes the
 batch verified, shared budgets)} go to
@@ -28,6 +35,8 @@ times and keeps the run of median tokens/s (the bundled model's rounds of about 
 several percent between runs of the same work). Each run's goodput starts its acceptance
 estimates from the prior, as a fresh process would (``--shared-acceptance`` carries them over
 from the runs before it, as engines of one model share them in a process).
+
+``--table FILE...`` prints each batch's policies against the oracle from finished runs.
 
     python bench/budget.py --models bundled qwen3.5-9b             # on a GPU
     python bench/budget.py --models tiny --batches 1 2 --device cpu --max-tokens 12 --sweep 2 8
@@ -56,6 +65,8 @@ from bole.engine.calibrate import load_or_calibrate  # noqa: E402
 from bole.speculative.budget import width_buckets  # noqa: E402
 from bole.speculative.calibration import forget_acceptance, verification_budget  # noqa: E402
 
+#: the selection prompts' seed past the evaluation prompts' (random prompts)
+SELECTION_SEED = 7919
 #: what --policies can run (the oracle with its sweep)
 POLICIES = ("fixed", "global", "oracle", "calibrated", "goodput")
 
@@ -105,6 +116,16 @@ def main(argv=None) -> int:
     ap.add_argument("--eps-table", nargs="+", metavar="FILE",
                     help="print the calibrated rule's choices and their sweep rates against the "
                          "oracle from finished runs (with --sweep-widths), and exit")
+    ap.add_argument("--oracle-on", choices=("held-out", "same"), default="held-out",
+                    help="the prompts the oracle's sweep runs on: held-out ones (its capacity "
+                         "then measured on the evaluation prompts), or the evaluation prompts "
+                         "themselves (its best run again there)")
+    ap.add_argument("--waves", type=int, default=1,
+                    help="requests a run serves, in multiples of the batch (continuous batching "
+                         "on batch slots)")
+    ap.add_argument("--table", nargs="+", metavar="FILE",
+                    help="print each batch's policies against the oracle from finished runs, "
+                         "and exit")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
@@ -114,8 +135,12 @@ def main(argv=None) -> int:
     if args.eps_table:
         print(eps_table([Path(p) for p in args.eps_table]))
         return 0
-    if args.repeats < 1:
-        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.table:
+        print(policy_table([r for p in args.table
+                            for r in json.loads(Path(p).read_text())["records"]]))
+        return 0
+    if args.repeats < 1 or args.waves < 1:
+        ap.error(f"--repeats and --waves must be >= 1, got {args.repeats} and {args.waves}")
     if "oracle" in args.policies and not args.sweep and not args.sweep_widths:
         ap.error("the oracle needs capacities to try: give --sweep N [N ...] or --sweep-widths")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -134,25 +159,41 @@ def main(argv=None) -> int:
         profile = load_or_calibrate(model, base, max(args.batches))
         records = []
         for batch in args.batches:
-            prompts = prompts_for(model, given, batch, args.context, seed=batch)
-            ar = fitted(run(model, SpecConfig("ar"), prompts, args.max_tokens, None,
-                            args.device), f"ar at batch {batch}")
-            cont = ar.pop("outputs") if drafter == "replay" else None
+            evaluation, selection = prompt_sets(model, given, batch * args.waves, args.context,
+                                                seed=batch)
+            if args.oracle_on == "same":
+                selection = evaluation
+
+            def baseline(prompts, what):
+                ar = fitted(run(model, SpecConfig("ar"), prompts, args.max_tokens, None,
+                                args.device, slots=batch), f"ar at batch {batch} ({what})")
+                return ar, (ar.pop("outputs") if drafter == "replay" else None)
+            ar, cont = baseline(evaluation, "evaluation prompts")
+            sets = {"evaluation": (evaluation, ar, cont)}
+            if "oracle" in args.policies and selection is not evaluation:
+                sets["selection"] = (selection, *baseline(selection, "selection prompts"))
 
             def one(policy: str, spec: SpecConfig, budget: int, model=model,
-                    budget_profile=None) -> dict:
+                    budget_profile=None, prompt_set="evaluation") -> dict:
+                prompts, ar, cont = sets[prompt_set]
                 runs = []
                 for _ in range(args.repeats):
                     if not args.shared_acceptance:
                         forget_acceptance(model)
                     runs.append(fitted(run(model, spec, prompts, args.max_tokens, cont,
-                                           args.device, budget_profile=budget_profile),
+                                           args.device, slots=batch,
+                                           budget_profile=budget_profile),
                                        f"{policy} at batch {batch}"))
                 res = sorted(runs, key=lambda r: r["decode_tokens_per_s"])[len(runs) // 2]
                 rec = dict(model=name, batch=batch, policy=policy, budget=budget,
+                           prompt_set=prompt_set, requests=len(prompts),
                            tokens_per_s=res["decode_tokens_per_s"],
+                           full_batch_tokens_per_s=res["full_batch_tokens_per_s"],
+                           full_batch_rounds=res["full_batch_rounds"],
+                           batch_rounds=res["batch_rounds"],
                            mean_accepted_tokens=res["mean_accepted_tokens"],
                            round_ms=res["round_ms"], ar_tokens_per_s=ar["decode_tokens_per_s"],
+                           ar_full_batch_tokens_per_s=ar["full_batch_tokens_per_s"],
                            draft_ms=res["draft_ms"], verify_ms=res["verify_ms"],
                            accept_commit_ms=res["accept_commit_ms"], host_ms=res["host_ms"],
                            plain_round_share=res["plain_round_share"],
@@ -172,13 +213,16 @@ def main(argv=None) -> int:
                 capacities = set(args.sweep)
                 if args.sweep_widths:
                     capacities |= {batch * (w - 1) for w in width_buckets(base.nodes_per_request)}
-                sweep = [one("sweep", replace(base, budget_policy="global", shared_budget=n), n)
+                on = "selection" if "selection" in sets else "evaluation"
+                sweep = [one("sweep", replace(base, budget_policy="global", shared_budget=n), n,
+                             prompt_set=on)
                          for n in sorted(capacities)]
                 records += sweep
                 best = max(sweep, key=lambda r: r["tokens_per_s"])
                 oracle = one("oracle", replace(base, budget_policy="global",
                                                shared_budget=best["budget"]), best["budget"])
-                records.append(dict(oracle, sweep_best_tokens_per_s=best["tokens_per_s"]))
+                records.append(dict(oracle, sweep_best_tokens_per_s=best["tokens_per_s"],
+                                    chosen_on=on))
             ran: dict[tuple, dict] = {}
             tolerances = [profile.eps, *args.eps_sweep] if "calibrated" in args.policies else []
             for eps in dict.fromkeys(tolerances):
@@ -204,9 +248,59 @@ def main(argv=None) -> int:
             path = out / f"budget-{date}-{name}{args.tag}.json"
             path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
         paths += [path, plot(path)]
+        print(policy_table(records))
         del model
     print(*paths, sep="\n")
     return 0
+
+
+def prompt_sets(model, given, count: int, context: int, seed: int) -> tuple[list, list]:
+    """``(evaluation, selection)``: ``count`` prompts each. A model's own prompts (``given``)
+    split in two, the even-numbered ones to evaluate and the odd-numbered ones to select on,
+    each cycled to ``count`` (one prompt: both sets the same); random prompts of seeds ``seed``
+    and ``seed + SELECTION_SEED``."""
+    if given is not None:
+        halves = (given[0::2], given[1::2]) if len(given) > 1 else (given, given)
+        return tuple([half[i % len(half)] for i in range(count)] for half in halves)
+    return (prompts_for(model, None, count, context, seed=seed),
+            prompts_for(model, None, count, context, seed=seed + SELECTION_SEED))
+
+
+def policy_table(records: list[dict]) -> str:
+    """Markdown: per model and batch, each policy's tokens/s over the oracle's (all rounds, and
+    the rounds that ran every slot) and over ar, the oracle's capacity and where it was chosen;
+    then per model how many batches goodput is at or above the oracle."""
+    lines = ["| model | batch | policy | budget | tokens/s | / oracle | full batch / oracle "
+             "| / ar |", "|---|---|---|---|---|---|---|---|"]
+    counts: dict[str, list[int]] = {}
+    for model in dict.fromkeys(r["model"] for r in records):
+        mine = [r for r in records if r["model"] == model]
+        for batch in sorted({r["batch"] for r in mine}):
+            at = [r for r in mine if r["batch"] == batch and r["policy"] != "sweep"]
+            oracle = next((r for r in at if r["policy"] == "oracle"), None)
+            for r in at:
+                def over(key, base=oracle):
+                    return f"{r[key] / base[key]:.3f}" if base and base.get(key) and \
+                        r.get(key) else "-"
+                name = r["policy"] + (f" (eps {r['eps']:g})" if "eps" in r else "") + \
+                    (f" (chosen on {r['chosen_on']})" if "chosen_on" in r else "")
+                lines.append(f"| {model} | {batch} | {name} | {r['budget']} | "
+                             f"{r['tokens_per_s']:.0f} | {over('tokens_per_s')} | "
+                             f"{over('full_batch_tokens_per_s')} | "
+                             f"{r['tokens_per_s'] / r['ar_tokens_per_s']:.2f} |")
+                if r["policy"] == "goodput" and oracle:
+                    c = counts.setdefault(model, [0, 0, 0, 0])
+                    c[0] += r["tokens_per_s"] >= oracle["tokens_per_s"]
+                    c[1] += 1
+                    if r.get("full_batch_tokens_per_s") and \
+                            oracle.get("full_batch_tokens_per_s"):
+                        c[2] += r["full_batch_tokens_per_s"] >= oracle["full_batch_tokens_per_s"]
+                        c[3] += 1
+    lines.append("")
+    for model, (rate, n, full, m) in counts.items():
+        lines.append(f"{model}: goodput >= the oracle at {rate} of {n} batches (all rounds)"
+                     + (f", {full} of {m} (rounds that ran every slot)" if m else ""))
+    return "\n".join(lines)
 
 
 def rule_choices(meta: dict, batch: int) -> list[tuple[float, int]]:

@@ -173,6 +173,7 @@ def _timed(model, spec: SpecConfig, prompts, max_tokens: int, continuations, dev
                full_batch_tokens_per_s=full_rate, full_batch_rounds=full_rounds,
                mean_accepted_tokens=accepted / max(1, rounds),
                tokens_per_verified_node=accepted / max(1, nodes), round_ms=split["round_ms"],
+               batch_rounds=engine.timings.rounds,
                draft_ms=split["draft_ms"], verify_ms=split["verify_ms"],
                accept_commit_ms=split["accept_commit_ms"], host_ms=split["host_ms"],
                plain_round_share=split["plain_round_share"],

@@ -1,6 +1,6 @@
 """bench/budget.py runs end to end on a tiny preset (CPU smoke run): every policy's record at
-every batch, the oracle as the best capacity of its sweep run again, the calibration profile made
-on first use."""
+every batch, the oracle as the best capacity of its sweep (on held-out prompts, or on the same
+ones) run on the evaluation prompts, the calibration profile made on first use."""
 
 import json
 from pathlib import Path
@@ -20,7 +20,7 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
                        "--max-tokens", "8", "--context", "16", "--depth", "3", "--topk", "2",
                        "--budget", "8", "--global-budget", "4", "--sweep", "2", "8",
                        "--sweep-widths", "--eps-sweep", "0.1", "1e9", "--repeats", "3",
-                       "--out", str(tmp_path), "--tag=-t"]) == 0
+                       "--waves", "2", "--out", str(tmp_path), "--tag=-t"]) == 0
     data = json.loads((next(tmp_path.glob("budget-*-tiny-t.json"))).read_text())
     recs = data["records"]
     for batch in (1, 2):
@@ -37,17 +37,50 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
         assert [r["budget"] for r in sweep] == sorted({2, 8} | {batch * (w - 1)
                                                                for w in (2, 4, 8)})
         best = max(sweep, key=lambda r: r["tokens_per_s"])
+        # chosen on the selection prompts, measured on the evaluation prompts
+        assert {r["prompt_set"] for r in sweep} == {"selection"}
         assert mine["oracle"]["budget"] == best["budget"]
         assert mine["oracle"]["sweep_best_tokens_per_s"] == best["tokens_per_s"]
-        assert mine["oracle"]["mean_accepted_tokens"] == best["mean_accepted_tokens"]
+        assert mine["oracle"]["chosen_on"] == "selection"
         assert mine["global"]["budget"] == 4
         for r in mine.values():           # the median of three runs
+            assert r["prompt_set"] == "evaluation" and r["requests"] == 2 * batch
+            assert r["full_batch_tokens_per_s"] > 0 and r["batch_rounds"] >= r["full_batch_rounds"]
             assert r["host_ms"] >= 0.0
             assert len(r["tokens_per_s_runs"]) == 3
             assert r["tokens_per_s"] == sorted(r["tokens_per_s_runs"])[1]
     assert data["meta"]["b_ver"] and list((tmp_path / "cache").glob("budget-*.json"))
     assert data["meta"]["commit"] not in ("", None)
     assert list(tmp_path.glob("budget-*-tiny-t.png"))
+    table = bench.policy_table(recs)
+    assert "| tiny | 2 | oracle (chosen on selection) |" in table
+    assert "tiny: goodput >= the oracle at" in table and "of 2 batches" in table
+    # --oracle-on same: the sweep's best run again on the prompts it was chosen on
+    assert bench.main(["--models", "tiny", "--batches", "2", "--device", "cpu", "--max-tokens",
+                       "8", "--context", "16", "--depth", "3", "--topk", "2", "--budget", "8",
+                       "--sweep", "2", "8", "--policies", "oracle", "--oracle-on", "same",
+                       "--out", str(tmp_path), "--tag=-same"]) == 0
+    same = json.loads((next(tmp_path.glob("budget-*-tiny-same.json"))).read_text())["records"]
+    sweep = [r for r in same if r["policy"] == "sweep"]
+    oracle = next(r for r in same if r["policy"] == "oracle")
+    best = max(sweep, key=lambda r: r["tokens_per_s"])
+    assert {r["prompt_set"] for r in same} == {"evaluation"} and oracle["chosen_on"] == "evaluation"
+    assert oracle["mean_accepted_tokens"] == best["mean_accepted_tokens"]
+
+
+def test_the_selection_prompts_are_held_out():
+    """Random prompts: another seed; a model's own prompts: the odd-numbered half, the
+    evaluation the even-numbered half, each cycled to the run's count."""
+    bench = load_script("bench/budget.py", "budget_bench")
+    model = type("M", (), {"config": type("C", (), {"vocab_size": 50})()})()
+    ev, sel = bench.prompt_sets(model, None, 3, 4, seed=2)
+    assert len(ev) == len(sel) == 3 and all(len(p) == 4 for p in ev + sel)
+    assert not any(a == b for a in ev for b in sel)
+    assert ev == bench.prompt_sets(model, None, 3, 4, seed=2)[0]
+    given = [[1], [2], [3], [4], [5]]
+    assert bench.prompt_sets(model, given, 4, 0, seed=1) == ([[1], [3], [5], [1]],
+                                                             [[2], [4], [2], [4]])
+    assert bench.prompt_sets(model, [[7]], 2, 0, seed=1) == ([[7], [7]], [[7], [7]])
 
 
 def test_a_policy_that_does_not_fit_ends_the_run_with_a_message(monkeypatch):

@@ -397,13 +397,21 @@ class BudgetPolicy:
         """The verify width of a round of ``kind`` (None: the kind :meth:`plan` would give, its
         stretch not counted down): 1 plain, the tree whole, else the previous select round's
         largest kept count, or an even share of the budget (at least the floor), rounded up to
-        a bucket (for the calibrated policy, at most its :meth:`row_width`)."""
+        a bucket (for the calibrated policy, at most its :meth:`row_width`). Goodput's first
+        select round in a bucket follows the nearest bucket that has chosen (by ratio of rows,
+        the larger on a tie: a batch that shrinks comes from there): its budget is the whole
+        node grid, whose even share would verify whole trees at every batch up to 32 rows.
+        Its choice fills rows up to that width and reports what it wanted, which the next
+        round's width follows."""
         kind = kind or self._kind(R)
         if kind == "plain":
             return 1
         if kind == "whole":
             return self.T
         need = self.last_kept.get(R)
+        if need is None and self.policy == "goodput" and self.last_kept:
+            near = min(self.last_kept, key=lambda n: (abs(math.log2(n / R)), -n))
+            need = self.last_kept[near]
         if need is None:
             need = 1 + max(self.spec.root_floor, -(-self.budget(batch) // max(batch, 1)))
         return min(self._bucket(need), self.row_width(R) or self.T)

@@ -664,3 +664,25 @@ def test_budget_eps_derives_b_ver_from_the_profiles_curves(model):
                         "calibrated policy's tolerance")):
         with pytest.raises(ValueError, match=match):
             bad.validate()
+
+
+def test_goodput_enters_a_bucket_at_the_width_of_the_nearest_one_that_chose():
+    """A bucket's first select round: goodput's budget (the node grid's largest point) spread
+    evenly would verify whole trees; it takes the width the nearest bucket chose (by ratio of
+    rows, the larger on a tie), and then what its own rounds keep. Other policies keep the even
+    share."""
+    T = 32
+    policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+                          profile=_profile(1.0, T=T))
+    assert policy.width(4, 4, "select") == 8          # no bucket has chosen: 1 + ceil(16 / 4)
+    policy.observe(64, [7, 5, 6], "select")
+    policy.observe(16, [12, 3], "select")
+    assert policy.width(32, 30, "select") == 8        # 16 and 64 equally near: the larger
+    assert policy.width(8, 8, "select") == 16         # 16 is the nearest
+    assert policy.width(128, 100, "select") == 8
+    policy.observe(32, [3], "select")
+    assert policy.width(32, 30, "select") == 4        # its own rounds from then on
+    glob = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="global",
+                                   shared_budget=64), T)
+    glob.observe(64, [3], "select")
+    assert glob.width(8, 8, "select") == 16           # 1 + ceil(64 / 8) = 9

@@ -203,12 +203,14 @@ def input_bytes(x) -> int:
 
 @functools.lru_cache(maxsize=None)
 def source_commit() -> str:
-    """The commit the run's code is at: ``git describe --always --dirty --exclude=*`` of this
-    checkout (the short hash, "-dirty" with uncommitted changes), or ``$BOLE_COMMIT`` where there
-    is no git (the device machine gets a copy of the working tree without .git;
-    ``bench/h200_runs.sh`` sets it from ``.whl/COMMIT``), else "unknown". Read once a process:
-    the commit the run started at."""
+    """The commit the run's code is at: ``$BOLE_COMMIT`` where it is set (``bench/h200_runs.sh``
+    sets it from ``.whl/COMMIT``: the device machine's copy of the working tree may hold a .git
+    of an older commit, whose describe would name that one), else ``git describe --always
+    --dirty --exclude=*`` of this checkout (the short hash, "-dirty" with uncommitted changes),
+    else "unknown". Read once a process: the commit the run started at."""
     import subprocess
+    if os.environ.get("BOLE_COMMIT", "").strip():
+        return os.environ["BOLE_COMMIT"].strip()
     try:
         done = subprocess.run(["git", "describe", "--always", "--dirty", "--exclude=*"],
                               cwd=ROOT, capture_output=True, text=True, timeout=10)
@@ -216,7 +218,7 @@ def source_commit() -> str:
         done = None
     if done is not None and done.returncode == 0 and done.stdout.strip():
         return done.stdout.strip()
-    return os.environ.get("BOLE_COMMIT", "").strip() or "unknown"
+    return "unknown"
 
 
 def run_meta(**extra) -> dict:

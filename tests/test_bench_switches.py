@@ -64,15 +64,19 @@ def test_verify_and_commit_inputs_on_a_tiny_shape():
         assert kb.rel_err(c.pool[layer], want) < 1e-5
 
 
-def test_source_commit_names_the_checkout_or_the_device_copys_stamp(monkeypatch):
-    """Results name their commit: git's where the checkout has it, else $BOLE_COMMIT (a copy
-    without .git), else "unknown"."""
+def test_source_commit_names_the_stamp_or_the_checkout(monkeypatch):
+    """Results name their commit: $BOLE_COMMIT where it is set (the device copy's stamp, which
+    wins over a stale .git there), else git's where the checkout has it, else "unknown"."""
     import subprocess
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=kb.ROOT,
                           capture_output=True, text=True).stdout.strip()
+    monkeypatch.delenv("BOLE_COMMIT", raising=False)
     kb.source_commit.cache_clear()
     if head:                                         # a git checkout (CI's clean clone is one)
         assert kb.source_commit().startswith(head[:7])
+        monkeypatch.setenv("BOLE_COMMIT", "abc1234")
+        kb.source_commit.cache_clear()
+        assert kb.source_commit() == "abc1234"       # the stamp, not the checkout's describe
 
     def no_git(*args, **kwargs):
         raise FileNotFoundError("git")

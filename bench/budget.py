@@ -329,9 +329,12 @@ def eps_table(paths: list[Path], within: float = 0.95) -> str:
     calibrated policy's own run at that budget where a file holds one ("calibrated"; the last
     file's, where several do), else the oracle's sweep at that capacity ("sweep": the global
     policy, without the calibrated policy's per-row cap, which a capacity that lands unevenly
-    needs). Rates from different runs are compared as multiples of their own run's ar."""
+    needs). Rates from different runs are compared as multiples of their own run's ar. Where
+    the oracle was chosen on held-out prompts, the sweep's rates are compared with the sweep's
+    best (its own prompts) and the calibrated runs' with the oracle's run."""
     found: dict[int, tuple[dict, dict]] = {}        # batch -> (meta, oracle record)
     rates: dict[tuple[int, int, str], float] = {}   # (batch, budget, source) -> multiple of ar
+    best: dict[int, float] = {}                     # batch -> the sweep's best multiple of ar
     for path in paths:
         data = json.loads(Path(path).read_text())
         for r in data["records"]:
@@ -340,6 +343,8 @@ def eps_table(paths: list[Path], within: float = 0.95) -> str:
                 found[r["batch"]] = (data["meta"], r)
             elif r["policy"] == "sweep":
                 rates.setdefault((r["batch"], r["budget"], "sweep"), multiple)
+                if r.get("prompt_set") == "selection":
+                    best[r["batch"]] = max(best.get(r["batch"], 0.0), multiple)
             elif r["policy"].startswith("calibrated"):
                 rates[(r["batch"], r["budget"], "calibrated")] = multiple
     batches = sorted({b for b, _, _ in rates} | set(found))
@@ -350,13 +355,15 @@ def eps_table(paths: list[Path], within: float = 0.95) -> str:
     rows, ranges = [], []
     for batch in batches:
         meta, oracle = found[batch]
-        base = oracle["tokens_per_s"] / oracle.get("ar_tokens_per_s", 1.0)
+        bases = {"calibrated": oracle["tokens_per_s"] / oracle.get("ar_tokens_per_s", 1.0)}
+        held_out = oracle.get("chosen_on") == "selection" and batch in best
+        bases["sweep"] = best[batch] if held_out else bases["calibrated"]
         choices = rule_choices(meta, batch)
         good = []
         for i, (lo, cap) in enumerate(choices):
             hi = choices[i + 1][0] if i + 1 < len(choices) else float("inf")
             source = next((s for s in ("calibrated", "sweep") if (batch, cap, s) in rates), None)
-            share = rates[(batch, cap, source)] / base if source else 0.0
+            share = rates[(batch, cap, source)] / bases[source] if source else 0.0
             rows.append(f"| {batch} | {lo:.3f}-{hi:.3f} | {cap} | "
                         + (f"{share:.3f} | {source} |" if source else "not run | |"))
             if share >= within and good and good[-1][1] == lo:       # adjacent: one range

@@ -136,6 +136,21 @@ def test_eps_table_finds_the_tolerances_where_every_batch_is_near_its_oracle(tmp
     text = bench.eps_table([path, cal])
     assert "| 2 | 0.500-inf | 14 | 1.000 | calibrated |" in text
     assert text.endswith("every batch within 0.95: eps 0.200-inf")
+    # an oracle chosen on held-out prompts: the sweep (its own prompts) against the sweep's
+    # best, the calibrated runs against the oracle's run on the evaluation prompts
+    held = json.loads(path.read_text())
+    for r in held["records"]:
+        if r["policy"] == "sweep":
+            r.update(prompt_set="selection", tokens_per_s=r["tokens_per_s"] / 2)
+        else:
+            r.update(chosen_on="selection")
+    held["records"].append(dict(batch=2, policy="calibrated", budget=6, tokens_per_s=95.0,
+                                prompt_set="evaluation"))
+    (tmp_path / "budget-held.json").write_text(json.dumps(held))
+    text = bench.eps_table([tmp_path / "budget-held.json"])
+    assert "| 1 | 0.200-inf | 7 | 1.000 | sweep |" in text          # 50 / 50, not 50 / 100
+    assert "| 2 | 0.100-0.500 | 6 | 0.950 | calibrated |" in text
+    assert text.endswith("every batch within 0.95: eps 0.200-0.500")
     raw = json.loads(late.read_text())
     raw["records"] = [r for r in raw["records"] if r["policy"] != "oracle"]
     late.write_text(json.dumps(raw))

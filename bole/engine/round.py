@@ -608,7 +608,8 @@ class RoundRunner:
         b.num_host.copy_(b.num_emitted, non_blocking=True)
         if self.policy.shared:
             b.kept_host.copy_(b.kept, non_blocking=True)
-        if self.policy.policy == "goodput":
+        chose = self.policy.policy == "goodput" and kind == "select"
+        if chose:                        # only a choice says whether a wider width could pay
             b.widen_host.copy_(b.widen, non_blocking=True)
         if cuda:
             done = torch.cuda.Event()
@@ -642,7 +643,7 @@ class RoundRunner:
         draft_nodes = None
         if self.policy.shared and not plain:
             kept = b.kept_host[:len(requests)].tolist()
-            widen = bool(b.widen_host) if self.policy.policy == "goodput" else None
+            widen = bool(b.widen_host) if chose else None
             # the next width follows the rows that drafted whole trees: one near its token limit
             # drafts a shallower tree, whose count says nothing of the next request's
             grown = [k for k, r in zip(kept, requests) if r.remaining > self.D]

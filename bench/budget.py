@@ -11,7 +11,7 @@ For each model and batch, bole runs with:
                  luckiest of several runs: with the replay drafter's draws a function of the
                  prompts, running it again on the same prompts repeats its luck in acceptance,
                  not only in timing. ``--oracle-on same`` sweeps the evaluation prompts and runs
-                 the best again there (the runs before 2026-12-02's -ho files)
+                 the best again there
     calibrated   B_ver(batch) from this device's calibration profile (made first if missing), at
                  the profile's eps and at each of --eps-sweep (B_ver derived again from the same
                  curves; the paper leaves eps to the user and reports no sweep of it), each

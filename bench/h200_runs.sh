@@ -120,8 +120,8 @@ if [ -d .whl ]; then      # once per machine: a warm one keeps /tmp/site between
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi
-# the commit the results name (the copy here has no .git): before the call,
-# `git describe --always --dirty --exclude="*" > .whl/COMMIT`
+# the commit the results name (the copy here may hold a .git of an older commit, so this stamp
+# wins over git describe): before the call, `git describe --always --dirty --exclude="*" > .whl/COMMIT`
 [ -f .whl/COMMIT ] && export BOLE_COMMIT=${BOLE_COMMIT:-$(cat .whl/COMMIT)}
 shapes=(--chain-depths 3 4 --tree-shapes 4,2,8 6,3,16 8,4,32 --draft-vocab 32768)
 policy=(--budget-policies goodput)

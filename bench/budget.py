@@ -17,7 +17,12 @@ For each model and batch, bole runs with:
                  curves; the paper leaves eps to the user and reports no sweep of it), each
                  request holding at most what B_ver's verify width holds
     goodput      the budget with the most expected tokens per ms each round, plain decoding
-                 when drafting does not pay
+                 when drafting does not pay; its acceptance estimates start from the prior (a
+                 fresh process)
+    goodput-warm the same, its acceptance estimates first learnt by a goodput run on the
+                 selection prompts (the oracle's sweep's prompts): a serving process whose
+                 engines of the model have run before (the estimates are per model and drafter,
+                 shared in a process)
 Models: the bundled model with its MTP head (real acceptance) and random-weight presets with the
 replay drafter (acceptance from --profile). Each run serves ``--waves`` x batch requests on batch
 slots (continuous batching: a finished request's slot takes the next one). Records {model, batch,
@@ -63,12 +68,15 @@ from kernels import save_png, source_commit  # noqa: E402
 from bole.engine import SpecConfig  # noqa: E402
 from bole.engine.calibrate import load_or_calibrate  # noqa: E402
 from bole.speculative.budget import width_buckets  # noqa: E402
-from bole.speculative.calibration import forget_acceptance, verification_budget  # noqa: E402
+from bole.speculative.calibration import (forget_acceptance, restore_acceptance,  # noqa: E402
+                                          saved_acceptance, verification_budget)
 
 #: the selection prompts' seed past the evaluation prompts' (random prompts)
 SELECTION_SEED = 7919
 #: what --policies can run (the oracle with its sweep)
-POLICIES = ("fixed", "global", "oracle", "calibrated", "goodput")
+POLICIES = ("fixed", "global", "oracle", "calibrated", "goodput", "goodput-warm")
+#: policies whose count against the oracle the table prints
+GOODPUT = ("goodput", "goodput-warm")
 
 
 def fitted(res: dict, what: str) -> dict:
@@ -170,15 +178,17 @@ def main(argv=None) -> int:
                 return ar, (ar.pop("outputs") if drafter == "replay" else None)
             ar, cont = baseline(evaluation, "evaluation prompts")
             sets = {"evaluation": (evaluation, ar, cont)}
-            if "oracle" in args.policies and selection is not evaluation:
+            if {"oracle", "goodput-warm"} & set(args.policies) and selection is not evaluation:
                 sets["selection"] = (selection, *baseline(selection, "selection prompts"))
 
             def one(policy: str, spec: SpecConfig, budget: int, model=model,
-                    budget_profile=None, prompt_set="evaluation") -> dict:
+                    budget_profile=None, prompt_set="evaluation", start=None) -> dict:
                 prompts, ar, cont = sets[prompt_set]
                 runs = []
                 for _ in range(args.repeats):
-                    if not args.shared_acceptance:
+                    if start is not None:          # goodput-warm: from what it learnt first
+                        restore_acceptance(model, start)
+                    elif not args.shared_acceptance:
                         forget_acceptance(model)
                     runs.append(fitted(run(model, spec, prompts, args.max_tokens, cont,
                                            args.device, slots=batch,
@@ -237,8 +247,17 @@ def main(argv=None) -> int:
                     rec = ran[budgets] = dict(one(policy, replace(base, budget_policy="calibrated"),
                                                   budgets[-1], budget_profile=at), eps=eps)
                 records.append(rec)
+            goodput = replace(base, budget_policy="goodput")
             if "goodput" in args.policies:
-                records.append(one("goodput", replace(base, budget_policy="goodput"), -1))
+                records.append(one("goodput", goodput, -1))
+            if "goodput-warm" in args.policies:
+                on = "selection" if "selection" in sets else "evaluation"
+                prompts, _, cont = sets[on]
+                forget_acceptance(model)
+                fitted(run(model, goodput, prompts, args.max_tokens, cont, args.device,
+                           slots=batch), f"goodput's warm-up at batch {batch}")
+                records.append(dict(one("goodput-warm", goodput, -1,
+                                        start=saved_acceptance(model)), warmed_on=on))
             # rewritten after every batch: a run cut short keeps its finished batches
             meta = dict(date=date, model=name, drafter=drafter, acceptance=acceptance,
                         draft_vocab=args.draft_vocab,
@@ -269,7 +288,7 @@ def prompt_sets(model, given, count: int, context: int, seed: int) -> tuple[list
 def policy_table(records: list[dict]) -> str:
     """Markdown: per model and batch, each policy's tokens/s over the oracle's (all rounds, and
     the rounds that ran every slot) and over ar, the oracle's capacity and where it was chosen;
-    then per model how many batches goodput is at or above the oracle."""
+    then per model how many batches goodput (and goodput-warm) is at or above the oracle."""
     lines = ["| model | batch | policy | budget | tokens/s | / oracle | full batch / oracle "
              "| / ar |", "|---|---|---|---|---|---|---|---|"]
     counts: dict[str, list[int]] = {}
@@ -288,8 +307,8 @@ def policy_table(records: list[dict]) -> str:
                              f"{r['tokens_per_s']:.0f} | {over('tokens_per_s')} | "
                              f"{over('full_batch_tokens_per_s')} | "
                              f"{r['tokens_per_s'] / r['ar_tokens_per_s']:.2f} |")
-                if r["policy"] == "goodput" and oracle:
-                    c = counts.setdefault(model, [0, 0, 0, 0])
+                if r["policy"] in GOODPUT and oracle:
+                    c = counts.setdefault((model, r["policy"]), [0, 0, 0, 0])
                     c[0] += r["tokens_per_s"] >= oracle["tokens_per_s"]
                     c[1] += 1
                     if r.get("full_batch_tokens_per_s") and \
@@ -297,8 +316,8 @@ def policy_table(records: list[dict]) -> str:
                         c[2] += r["full_batch_tokens_per_s"] >= oracle["full_batch_tokens_per_s"]
                         c[3] += 1
     lines.append("")
-    for model, (rate, n, full, m) in counts.items():
-        lines.append(f"{model}: goodput >= the oracle at {rate} of {n} batches (all rounds)"
+    for (model, policy), (rate, n, full, m) in counts.items():
+        lines.append(f"{model}: {policy} >= the oracle at {rate} of {n} batches (all rounds)"
                      + (f", {full} of {m} (rounds that ran every slot)" if m else ""))
     return "\n".join(lines)
 

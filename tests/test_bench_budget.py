@@ -1,6 +1,7 @@
 """bench/budget.py runs end to end on a tiny preset (CPU smoke run): every policy's record at
 every batch, the oracle as the best capacity of its sweep (on held-out prompts, or on the same
-ones) run on the evaluation prompts, the calibration profile made on first use."""
+ones) run on the evaluation prompts, goodput from the prior and warmed on the held-out prompts,
+the calibration profile made on first use."""
 
 import json
 from pathlib import Path
@@ -26,7 +27,13 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
     for batch in (1, 2):
         mine = {r["policy"]: r for r in recs if r["batch"] == batch and r["policy"] != "sweep"}
         assert set(mine) == {"fixed", "global", "oracle", "calibrated", "calibrated-eps",
-                             "goodput"}
+                             "goodput", "goodput-warm"}
+        # goodput-warm starts from what a goodput run on the selection prompts learnt: after
+        # its run its estimates hold more nodes than a run from the prior
+        warm, cold = mine["goodput-warm"], mine["goodput"]
+        assert warm["warmed_on"] == "selection"
+        assert sum(warm["acceptance_estimates"]["seen"]) > \
+            sum(cold["acceptance_estimates"]["seen"]) > 0
         # eps 0.1 is the profile's own: run once; an unbounded eps keeps every drafted node
         # (8-node trees)
         cal = [r for r in recs if r["batch"] == batch and r["policy"].startswith("calibrated")]
@@ -55,6 +62,7 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
     table = bench.policy_table(recs)
     assert "| tiny | 2 | oracle (chosen on selection) |" in table
     assert "tiny: goodput >= the oracle at" in table and "of 2 batches" in table
+    assert "tiny: goodput-warm >= the oracle at" in table
     # --oracle-on same: the sweep's best run again on the prompts it was chosen on
     assert bench.main(["--models", "tiny", "--batches", "2", "--device", "cpu", "--max-tokens",
                        "8", "--context", "16", "--depth", "3", "--topk", "2", "--budget", "8",

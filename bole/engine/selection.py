@@ -60,7 +60,9 @@ every drafted node without selecting:
   narrows the verify);
 - in goodput's exploring rounds;
 - in goodput's :data:`WHOLE_ROUNDS` rounds after a choice that kept every row's whole tree (then
-  it chooses again; a plain stretch or another batch bucket ends them).
+  it chooses again; a plain stretch or another batch bucket ends them). Each such choice in a
+  row doubles the next stretch, up to :data:`WHOLE_ROUNDS_MAX`; a choice that drops nodes or a
+  plain stretch starts again from WHOLE_ROUNDS.
 
 Goodput's acceptance estimates learn in select rounds and exploring rounds only: counting every
 whole round's nodes would cost each round what only the choice uses.
@@ -102,8 +104,11 @@ EXPLORE_EVERY = 8
 #: whole round's verify beyond the last choice's), a share; where whole trees cost several
 #: choices' forwards (large batches) the policy explores less often than every EXPLORE_EVERY
 EXPLORE_SHARE = 0.03
-#: goodput: whole rounds after a choice that kept every drafted node, before it chooses again
+#: goodput: whole rounds after a choice that kept every drafted node, before it chooses again;
+#: doubled after each choice in a row that keeps every node again, up to WHOLE_ROUNDS_MAX (where
+#: whole trees keep winning, the choice's own cost, a selection a stretch, fades)
 WHOLE_ROUNDS = 7
+WHOLE_ROUNDS_MAX = 56
 #: drafters that grow every request's tree to its full size (whole trees fill the verify width)
 DEVICE_DRAFTERS = ("mtp", "replay")
 
@@ -210,6 +215,7 @@ class BudgetPolicy:
         self.plain_rate: dict[int, float] = {}
         self.looking = False                     # goodput: the next drafting round is a look
         self.whole_left: dict[int, int] = {}     # goodput: whole rounds before choosing again
+        self.whole_stretch: dict[int, int] = {}  # goodput: the next whole stretch's length
         self.since_explore: dict[int, int] = {}  # goodput: drafting rounds since exploring
         self.could_widen: dict[int, bool] = {}   # goodput: what past the fill could still pay
         self._explores: dict[int, bool] = {}     # goodput: whether plan's round explores
@@ -340,6 +346,7 @@ class BudgetPolicy:
         self.looking = seen >= FIRST_ROUNDS and self.draft_rate[R] < plain_rate
         if self.looking:                     # plain for a stretch, then a look that chooses
             self.whole_left.clear()
+            self.whole_stretch.clear()
             self.ar_rounds_left = self.ar_stretch
             self.ar_stretch = min(2 * self.ar_stretch, AR_ROUNDS_MAX)
         else:
@@ -425,8 +432,9 @@ class BudgetPolicy:
         """The kept counts of a round of bucket R, of the rows that drafted whole trees (the
         caller leaves out a request within a tree's depth of its token limit: its shallower
         tree says nothing of the next round's). A select round's set the next one's width;
-        goodput's choice keeping all T nodes of every such row starts :data:`WHOLE_ROUNDS`
-        whole rounds. ``could_widen`` (goodput's select rounds): whether verifying the nodes
+        goodput's choice keeping all T nodes of every such row starts a stretch of whole
+        rounds: :data:`WHOLE_ROUNDS`, doubled after each such choice in a row, up to
+        :data:`WHOLE_ROUNDS_MAX` (a choice that drops nodes, or a plain stretch, starts over). ``could_widen`` (goodput's select rounds): whether verifying the nodes
         past the fill could change the choice, at best (:func:`~bole.speculative.budget.
         width_fill_could_widen`); while it is False the bucket does not explore. Whole rounds'
         counts say nothing of the next choice; nor does a select round with no counts (every
@@ -436,8 +444,14 @@ class BudgetPolicy:
         if could_widen is not None:
             self.could_widen[R] = could_widen
         self.last_kept[R] = max(kept)
-        if self.policy == "goodput" and min(kept) >= self.T:
-            self.whole_left[R] = WHOLE_ROUNDS
+        if self.policy != "goodput":
+            return
+        if min(kept) >= self.T:
+            stretch = self.whole_stretch.get(R, WHOLE_ROUNDS)
+            self.whole_left[R] = stretch
+            self.whole_stretch[R] = min(2 * stretch, WHOLE_ROUNDS_MAX)
+        else:
+            self.whole_stretch.pop(R, None)
 
 
 def _average(mean: float | None, x: float, weight: float = RATE_WEIGHT) -> float:

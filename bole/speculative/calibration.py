@@ -486,6 +486,23 @@ def learnt_acceptance(model, drafter: tuple, device) -> AcceptanceCalibrator:
     return per_model[key]
 
 
+def saved_acceptance(model) -> dict:
+    """A copy of what engines of ``model`` learnt (:func:`learnt_acceptance`), per drafter, for
+    :func:`restore_acceptance`."""
+    return {key: _copy(cal) for key, cal in _LEARNT.get(model, {}).items()}
+
+
+def restore_acceptance(model, saved: dict) -> None:
+    """Make ``saved`` (:func:`saved_acceptance`) what the next engines of ``model`` start from
+    (a copy: their rounds do not change ``saved``)."""
+    _LEARNT[model] = {key: _copy(cal) for key, cal in saved.items()}
+
+
+def _copy(cal: AcceptanceCalibrator) -> AcceptanceCalibrator:
+    return dataclasses.replace(cal, edges=cal.edges.clone(), count=cal.count.clone(),
+                               hits=cal.hits.clone(), table=cal.table.clone())
+
+
 def forget_acceptance(model) -> None:
     """Drop what engines of ``model`` learnt (:func:`learnt_acceptance`): the next engine
     starts from the prior, as in a fresh process (benchmarks that compare runs use it so that

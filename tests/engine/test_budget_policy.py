@@ -483,6 +483,43 @@ def test_a_choice_of_every_node_is_followed_by_whole_rounds():
     assert glob.plan(2) == "select" and not glob.learns("select", 2)
 
 
+def test_whole_stretches_double_while_the_choice_stays_whole():
+    """Each choice in a row that keeps every drafted node doubles the next whole stretch, up to
+    WHOLE_ROUNDS_MAX; a choice that drops a node, or a plain stretch, starts over."""
+    from bole.engine.selection import WHOLE_ROUNDS, WHOLE_ROUNDS_MAX
+    T = 4
+    policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+                          profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, T=T))
+
+    def stretch() -> int:
+        """Choose whole trees, then count the whole rounds until the next choice."""
+        assert policy.plan(2) == "select"
+        policy.observe(2, [T, T], "select")
+        n = 0
+        while policy.plan(2) == "whole":
+            n += 1
+            policy.observe(2, [T, T], "whole")
+        return n
+
+    expected, n = [], WHOLE_ROUNDS
+    for _ in range(6):
+        expected.append(n)
+        n = min(2 * n, WHOLE_ROUNDS_MAX)
+    assert expected[-1] == WHOLE_ROUNDS_MAX > WHOLE_ROUNDS
+    policy.explore_every = lambda R: 10 ** 9          # no exploring round inside the stretches
+    assert [stretch() for _ in expected] == expected
+    policy.observe(2, [T, 3], "select")                # a choice that drops a node
+    assert not policy.whole_left.get(2) and stretch() == WHOLE_ROUNDS
+    assert stretch() == 2 * WHOLE_ROUNDS
+    policy.observe(2, [T, T], "select")
+    for _ in range(3):                                 # drafting stops paying: a plain stretch
+        policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=1e-6)
+    assert policy.plain_round() and not policy.whole_left
+    while policy.plain_round():
+        policy.after_round(2, True, draft_ms=0.0, accept_ms=0.1, rate=1e-6)
+    assert stretch() == WHOLE_ROUNDS
+
+
 def test_each_policy_names_the_rounds_it_can_run():
     """The graphs a bucket captures: fixed and whole-tree buckets one whole round, selecting
     buckets every width, goodput its plain round and a whole round with and without learning."""

@@ -876,3 +876,30 @@ def test_learnt_acceptance_is_shared_per_model_until_forgotten():
     fresh = learnt_acceptance(a, ("replay", "p"), "cpu")
     assert fresh is not first and float(fresh.count.sum()) == 0.0
     forget_acceptance(Model())        # nothing learnt: nothing to drop
+
+
+def test_saved_acceptance_restores_a_copy():
+    """restore_acceptance makes a saved state what the next engines start from, as a copy:
+    rounds after the restore change neither the saved state nor a second restore."""
+    from bole.speculative.calibration import (forget_acceptance, learnt_acceptance,
+                                              restore_acceptance, saved_acceptance)
+
+    class Model:
+        pass
+    m = Model()
+    cal = learnt_acceptance(m, ("replay", "p"), "cpu")
+    cal.observe(torch.tensor([0.5, 0.5, 0.01]), torch.tensor([True, False, True]))
+    cal.fit()
+    saved = saved_acceptance(m)
+    forget_acceptance(m)
+    assert float(learnt_acceptance(m, ("replay", "p"), "cpu").count.sum()) == 0.0
+    restore_acceptance(m, saved)
+    got = learnt_acceptance(m, ("replay", "p"), "cpu")
+    assert got is not saved[(("replay", "p"), "cpu")]
+    assert torch.equal(got.count, cal.count) and torch.equal(got.hits, cal.hits)
+    assert torch.equal(got.table, cal.table) and torch.equal(got.edges, cal.edges)
+    got.observe(torch.tensor([0.5]), torch.tensor([True]))          # a round after the restore
+    restore_acceptance(m, saved)
+    again = learnt_acceptance(m, ("replay", "p"), "cpu")
+    assert float(again.count.sum()) == 3.0 and torch.equal(again.hits, cal.hits)
+    assert saved_acceptance(Model()) == {}

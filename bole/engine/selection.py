@@ -65,7 +65,8 @@ every drafted node without selecting:
   plain stretch starts again from WHOLE_ROUNDS.
 
 Goodput's acceptance estimates learn in select rounds and exploring rounds only: counting every
-whole round's nodes would cost each round what only the choice uses.
+whole round's nodes would cost each round what only the choice uses. A bucket that verifies whole
+trees anyway never explores (it never chooses).
 """
 
 from __future__ import annotations
@@ -299,9 +300,12 @@ class BudgetPolicy:
         they teach: the last of every :meth:`explore_every` drafting rounds of the bucket, while
         the last choice says that what lies past its fill could still change it. A look (the
         drafting round after a plain stretch) never does: it measures the rounds the policy
-        would run."""
+        would run. Nor does a round of a bucket that verifies whole trees anyway
+        (:meth:`whole_trees`): it never chooses, so its rounds would pay for learning that no
+        choice of theirs uses."""
         return (self.policy == "goodput" and not self.looking and self.could_widen.get(R, True)
-                and self.since_explore.get(R, 0) >= self.explore_every(R) - 1)
+                and self.since_explore.get(R, 0) >= self.explore_every(R) - 1
+                and not self.whole_trees(R))
 
     def explore_every(self, R: int) -> int:
         """Drafting rounds of bucket ``R`` per exploring round: :data:`EXPLORE_EVERY`, or more

@@ -390,6 +390,13 @@ def test_whole_trees_where_the_selection_cannot_pay():
                         profile=_profile(1.0, slope=0.0, T=T))
     assert all(flat.whole_trees(R) for R in (1, 2, 4)) and flat.width(4, 4) == T
     assert flat.plan(4) == "whole" and not flat.learns("whole", 4)
+    # a bucket that never chooses never explores: its rounds never pay for learning
+    from bole.engine.selection import EXPLORE_EVERY
+    for _ in range(3 * EXPLORE_EVERY):
+        kind = flat.plan(4)
+        assert kind == "whole" and not flat.learns(kind, 4) and not flat.exploring(4)
+        flat.after_round(4, False, draft_ms=0.1, accept_ms=0.1, rate=10.0)
+    assert flat.since_explore[4] == 3 * EXPLORE_EVERY
 
 
 def test_goodput_explores_whole_trees_and_weighs_its_selection():

@@ -88,7 +88,8 @@
 #   budget-9b-w  the 9B preset at batches $BATCHES (default 64 32), every policy with
 #             goodput-warm, the oracle chosen on held-out prompts (--sweep-widths), two waves a
 #             run, file tag -w$TAG (batch 64 ~5.5 min, 32 16 8 ~7 min, 4 2 1 ~2 min)
-#   budget-bundled-w-r3  the bundled model at batch 64 32 16 8 4 2 1 as in budget-9b-w, each
+#   budget-bundled-w-r3  the bundled model at batch 64 32 16 8 4 2 1 as in budget-9b-w (tag
+#             -w-r3$TAG), each
 #             configuration run three times (the median kept; ~7 min)
 #   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
 #             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
@@ -324,7 +325,7 @@ case "$part" in
       --sweep --sweep-widths --waves 2 --draft-vocab 32768 --out "$out" --tag=-w${TAG:-} ;;
   budget-bundled-w-r3)
     timeout $(lim 585) python3 bench/budget.py --models bundled --batches 64 32 16 8 4 2 1 \
-      --sweep --sweep-widths --waves 2 --repeats 3 --out "$out" --tag=-w-r3 ;;
+      --sweep --sweep-widths --waves 2 --repeats 3 --out "$out" --tag=-w-r3${TAG:-} ;;
   budget-9b-k)
     timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 64 1 4 --sweep \
       --sweep-widths --draft-vocab 32768 --out "$out" --tag=-k ;;

@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from e2e import load, profile_meta, prompts_for, run  # noqa: E402
-from kernels import save_png, source_commit  # noqa: E402
+from kernels import save_png, source_commit, versions  # noqa: E402
 
 from bole.engine import SpecConfig  # noqa: E402
 from bole.engine.calibrate import load_or_calibrate  # noqa: E402
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
             meta = dict(date=date, model=name, drafter=drafter, acceptance=acceptance,
                         draft_vocab=args.draft_vocab,
                         device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                        torch=torch.__version__, commit=source_commit(),
+                        **versions(), commit=source_commit(),
                         **profile_meta(profile))
             path = out / f"budget-{date}-{name}{args.tag}.json"
             path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))

@@ -60,7 +60,7 @@ from bole.engine.calibrate import load_or_calibrate  # noqa: E402
 from bole.models.config import HybridConfig  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
-from kernels import save_png, source_commit  # noqa: E402
+from kernels import save_png, source_commit, versions  # noqa: E402
 
 
 def load(name: str, device: str, dtype: torch.dtype, tp=None):
@@ -503,7 +503,7 @@ def write(args, records: list[dict], confirmations: list[dict],
     finished batches); ``confirmations``: the max-batch runs (:func:`confirm`); ``profiles``:
     per model, the calibration the budget policies ran on (:func:`profile_meta`)."""
     meta = dict(date=_dt.date.today().isoformat(), device=(torch.cuda.get_device_name()
-                if args.device == "cuda" else "cpu"), torch=torch.__version__,
+                if args.device == "cuda" else "cpu"), **versions(),
                 commit=source_commit(), tp=args.tp,
                 context=args.context, max_context=args.max_context, max_tokens=args.max_tokens,
                 min_run_tokens=args.min_run_tokens,

@@ -221,6 +221,18 @@ def source_commit() -> str:
     return "unknown"
 
 
+def versions() -> dict:
+    """torch's, Triton's and fla's versions (None where one is not installed)."""
+    from importlib import metadata
+    out = dict(torch=torch.__version__)
+    for key, dist in (("triton", "triton"), ("fla", "flash-linear-attention")):
+        try:
+            out[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[key] = None
+    return out
+
+
 def run_meta(**extra) -> dict:
     """Device, versions, commit and date of this GPU run: the head of every results JSON."""
     import triton

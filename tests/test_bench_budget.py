@@ -17,6 +17,11 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
     monkeypatch.setenv("BOLE_CACHE", str(tmp_path / "cache"))
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     bench = load_script("bench/budget.py", "budget_bench")
+    saved, restored = [], []            # goodput-warm: what its warm-up learnt, each repeat's start
+    save, restore = bench.saved_acceptance, bench.restore_acceptance
+    monkeypatch.setattr(bench, "saved_acceptance", lambda m: saved.append(save(m)) or saved[-1])
+    monkeypatch.setattr(bench, "restore_acceptance",
+                        lambda m, s: restored.append(s) or restore(m, s))
     assert bench.main(["--models", "tiny", "--batches", "1", "2", "--device", "cpu",
                        "--max-tokens", "8", "--context", "16", "--depth", "3", "--topk", "2",
                        "--budget", "8", "--global-budget", "4", "--sweep", "2", "8",
@@ -28,12 +33,11 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
         mine = {r["policy"]: r for r in recs if r["batch"] == batch and r["policy"] != "sweep"}
         assert set(mine) == {"fixed", "global", "oracle", "calibrated", "calibrated-eps",
                              "goodput", "goodput-warm"}
-        # goodput-warm starts from what a goodput run on the selection prompts learnt: after
-        # its run its estimates hold more nodes than a run from the prior
+        # goodput-warm starts from what a goodput run on the selection prompts learnt
         warm, cold = mine["goodput-warm"], mine["goodput"]
         assert warm["warmed_on"] == "selection"
-        assert sum(warm["acceptance_estimates"]["seen"]) > \
-            sum(cold["acceptance_estimates"]["seen"]) > 0
+        assert sum(warm["acceptance_estimates"]["seen"]) >= \
+            sum(cold["acceptance_estimates"]["seen"])
         # eps 0.1 is the profile's own: run once; an unbounded eps keeps every drafted node
         # (8-node trees)
         cal = [r for r in recs if r["batch"] == batch and r["policy"].startswith("calibrated")]
@@ -56,7 +60,10 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
             assert r["host_ms"] >= 0.0
             assert len(r["tokens_per_s_runs"]) == 3
             assert r["tokens_per_s"] == sorted(r["tokens_per_s_runs"])[1]
+    # each batch's warm-up saved once, and each of its three runs started from that state
+    assert len(saved) == 2 and [id(s) for s in restored] == [id(saved[0])] * 3 + [id(saved[1])] * 3
     assert data["meta"]["b_ver"] and list((tmp_path / "cache").glob("budget-*.json"))
+    assert data["meta"]["torch"] and "triton" in data["meta"] and "fla" in data["meta"]
     assert data["meta"]["commit"] not in ("", None)
     assert list(tmp_path.glob("budget-*-tiny-t.png"))
     table = bench.policy_table(recs)

@@ -88,7 +88,7 @@
 #   budget-9b-w  the 9B preset at batches $BATCHES (default 64 32), every policy with
 #             goodput-warm, the oracle chosen on held-out prompts (--sweep-widths), two waves a
 #             run, file tag -w$TAG (batch 64 ~5.5 min, 32 16 8 ~7 min, 4 2 1 ~2 min)
-#   budget-9b-w-eps  the 9B preset at batch 64 32 16 8 4 2 1, the calibrated policy alone at eps
+#   budget-9b-w-eps  the 9B preset at batches $BATCHES (default 64 32 16 8 4 2 1), the calibrated policy alone at eps
 #             0.1 and 0.42 (its rates against budget-9b-w's oracle: bench/budget.py --eps-table;
 #             ~4.5 min with the calibration of a fresh machine)
 #   budget-bundled-w-r3  the bundled model at batch 64 32 16 8 4 2 1 as in budget-9b-w (tag
@@ -327,8 +327,8 @@ case "$part" in
     timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches ${BATCHES:-64 32} \
       --sweep --sweep-widths --waves 2 --draft-vocab 32768 --out "$out" --tag=-w${TAG:-} ;;
   budget-9b-w-eps)
-    timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches 64 32 16 8 4 2 1 \
-      --policies calibrated --eps-sweep 0.42 --waves 2 --draft-vocab 32768 --out "$out" \
+    timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b \
+      --batches ${BATCHES:-64 32 16 8 4 2 1} --policies calibrated --eps-sweep 0.42 --waves 2 --draft-vocab 32768 --out "$out" \
       --tag=-w-eps ;;
   budget-bundled-w-r3)
     timeout $(lim 585) python3 bench/budget.py --models bundled --batches 64 32 16 8 4 2 1 \

@@ -16,9 +16,10 @@ from bole.tree import DraftTree, PackedForest
 from tests.kernel_utils import DEV
 
 
-def _case(seed: int):
+def _case(seed: int, T: int | None = None):
     rng = np.random.default_rng(seed)
-    R, T, D = int(rng.integers(1, 6)), int(rng.integers(2, 33)), int(rng.integers(1, 9))
+    R, D = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    T = int(rng.integers(2, 33)) if T is None else T
     trees = [DraftTree.random(int(rng.integers(1, T + 1)), D, rng) for _ in range(R)]
     dense = DenseForest.from_packed(PackedForest.pack(trees), T, device=DEV)
     if seed % 3:
@@ -27,7 +28,7 @@ def _case(seed: int):
     else:
         rho = torch.rand(R, T, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     active = torch.tensor(rng.random(R) < 0.8) if seed % 4 == 1 else None
-    widths = sorted({w for w in (1, 2, 4, 8, 16, 32) if w < T} | {T})
+    widths = sorted({w for w in (1, 2, 4, 8, 16, 32, 64) if w < T} | {T})
     slope = float(rng.choice([0.0, 0.05, 0.5, 3.0]))
     t_ver = torch.tensor([1.0 + slope * i for i in range(len(widths))], dtype=torch.float64)
     return (dense, rho.to(DEV), None if active is None else active.to(DEV),
@@ -43,7 +44,17 @@ def _rates(rank, rows, widths, t_ver, acceptance, overhead):
 @pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("root_floor", [0, 1, 3])
 def test_the_kernel_chooses_as_the_torch_code(seed, root_floor):
-    dense, rho, active, widths, t_ver, rng = _case(seed)
+    _chooses_as_the_torch_code(seed, root_floor, None)
+
+
+@pytest.mark.parametrize("seed,T", [(20, 64), (21, 128), (22, 100)])
+def test_the_kernel_chooses_as_the_torch_code_on_large_trees(seed, T):
+    """Trees of 64 to 128 node slots: row blocks of 128 and widths up to the tree."""
+    _chooses_as_the_torch_code(seed, 1, T)
+
+
+def _chooses_as_the_torch_code(seed: int, root_floor: int, T: int | None) -> None:
+    dense, rho, active, widths, t_ver, rng = _case(seed, T)
     rank = rank_dense(rho, dense, root_floor, active)
     R, T = rho.shape
     calib = AcceptanceCalibrator.log_bins(device=DEV)

@@ -20,9 +20,10 @@ For each model and batch, bole runs with:
                  when drafting does not pay; its acceptance estimates start from the prior (a
                  fresh process)
     goodput-warm the same, its acceptance estimates first learnt by a goodput run on the
-                 selection prompts (the oracle's sweep's prompts): a serving process whose
-                 engines of the model have run before (the estimates are per model and drafter,
-                 shared in a process)
+                 selection prompts (the oracle's sweep's prompts; with ``--oracle-on same``
+                 the evaluation prompts themselves, ``warmed_on`` says which): a serving process
+                 whose engines of the model have run before (the estimates are per model and
+                 drafter, shared in a process)
 Models: the bundled model with its MTP head (real acceptance) and random-weight presets with the
 replay drafter (acceptance from --profile). Each run serves ``--waves`` x batch requests on batch
 slots (continuous batching: a finished request's slot takes the next one). Records {model, batch,
@@ -35,8 +36,8 @@ batch verified, shared budgets)} go to
 bench/results/budget-<date>-<model>.json with a plot. ``--policies`` runs some of them (ar always
 runs). ``--eps-table FILE...`` prints, from finished runs (an oracle with ``--sweep-widths``, and
 calibrated runs where there are some), the tolerances at which the calibrated rule's choice at
-each batch (a width's capacity) comes within 5% of the oracle. ``--repeats N`` runs each configuration N
-times and keeps the run of median tokens/s (the bundled model's rounds of about 1 ms differ by
+each batch (a width's capacity) comes within 5% of the oracle. ``--repeats N`` runs each
+configuration N times and keeps the run of median tokens/s (the bundled model's rounds of about 1 ms differ by
 several percent between runs of the same work). Each run's goodput starts its acceptance
 estimates from the prior, as a fresh process would (``--shared-acceptance`` carries them over
 from the runs before it, as engines of one model share them in a process).

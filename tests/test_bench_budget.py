@@ -33,11 +33,9 @@ def test_budget_smoke_run(tmp_path, monkeypatch):
         mine = {r["policy"]: r for r in recs if r["batch"] == batch and r["policy"] != "sweep"}
         assert set(mine) == {"fixed", "global", "oracle", "calibrated", "calibrated-eps",
                              "goodput", "goodput-warm"}
-        # goodput-warm starts from what a goodput run on the selection prompts learnt
-        warm, cold = mine["goodput-warm"], mine["goodput"]
-        assert warm["warmed_on"] == "selection"
-        assert sum(warm["acceptance_estimates"]["seen"]) >= \
-            sum(cold["acceptance_estimates"]["seen"])
+        # goodput-warm starts from what a goodput run on the selection prompts learnt (each
+        # start is checked below; what it learnt, by test_saved_acceptance_restores_a_copy)
+        assert mine["goodput-warm"]["warmed_on"] == "selection"
         # eps 0.1 is the profile's own: run once; an unbounded eps keeps every drafted node
         # (8-node trees)
         cal = [r for r in recs if r["batch"] == batch and r["policy"].startswith("calibrated")]

@@ -400,8 +400,10 @@ class BudgetPolicy:
         cap = self.row_width(R) or self.T
         out = [] if self.whole_trees(R) else [("select", W, goodput) for W in self.widths
                                               if W <= cap]
-        if goodput:
-            return [("plain", 1, False), ("whole", self.T, False), ("whole", self.T, True)] + out
+        if goodput:       # a bucket of whole trees never explores: no learning whole round
+            whole = [("whole", self.T, False)] + ([] if self.whole_trees(R) else
+                                                  [("whole", self.T, True)])
+            return [("plain", 1, False)] + whole + out
         return out or [("whole", self.T, False)]
 
     def width(self, R: int, batch: int, kind: str | None = None) -> int:
@@ -437,9 +439,11 @@ class BudgetPolicy:
         caller leaves out a request within a tree's depth of its token limit: its shallower
         tree says nothing of the next round's). A select round's set the next one's width;
         goodput's choice keeping all T nodes of every such row starts a stretch of whole
-        rounds: :data:`WHOLE_ROUNDS`, doubled after each such choice in a row, up to
-        :data:`WHOLE_ROUNDS_MAX` (a choice that drops nodes, or a plain stretch, starts over). ``could_widen`` (goodput's select rounds): whether verifying the nodes
-        past the fill could change the choice, at best (:func:`~bole.speculative.budget.
+        rounds: :data:`WHOLE_ROUNDS`, doubled after each such choice in a row of the bucket, up
+        to :data:`WHOLE_ROUNDS_MAX` (a choice that drops nodes, or a plain stretch, starts
+        over; a bucket left for another keeps its length for its return). ``could_widen``
+        (goodput's select rounds): whether verifying the nodes past the fill could change the
+        choice, at best (:func:`~bole.speculative.budget.
         width_fill_could_widen`); while it is False the bucket does not explore. Whole rounds'
         counts say nothing of the next choice; nor does a select round with no counts (every
         row drafted a tree cut short by its token limit): the last ones stay."""

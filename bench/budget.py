@@ -413,8 +413,9 @@ def plot(path: Path) -> Path:
     for policy in POLICIES:
         pts = sorted((r["batch"], r["tokens_per_s"] / r["ar_tokens_per_s"]) for r in recs
                      if r["policy"] == policy)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=policy)
+        if pts:       # goodput-warm often lies on goodput: dashed, so both show
+            ax.plot(*zip(*pts), marker="o", label=policy,
+                    ls="--" if policy == "goodput-warm" else "-")
     for eps in sorted({r["eps"] for r in recs if r["policy"] == "calibrated-eps"}):
         pts = sorted((r["batch"], r["tokens_per_s"] / r["ar_tokens_per_s"]) for r in recs
                      if r["policy"] == "calibrated-eps" and r["eps"] == eps)
@@ -424,8 +425,10 @@ def plot(path: Path) -> Path:
     ax.set_xlabel("batch")
     ax.set_ylabel("tokens/s over ar")
     m = data["meta"]
+    versions = ", ".join(f"{k} {m[k]}" for k in ("torch", "triton", "fla") if m.get(k))
     ax.set_title(f"{m['model']} ({m['drafter']}{', ' + m['acceptance'] if m['acceptance'] else ''})"
-                 f" on {m['device']}, {m['date']}", fontsize=8)
+                 f" on {m['device']}, {m['date']}" + (f"\n{versions}" if versions else ""),
+                 fontsize=8)
     ax.legend(fontsize=8)
     return save_png(fig, path)
 

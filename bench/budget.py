@@ -37,10 +37,10 @@ bench/results/budget-<date>-<model>.json with a plot. ``--policies`` runs some o
 runs). ``--eps-table FILE...`` prints, from finished runs (an oracle with ``--sweep-widths``, and
 calibrated runs where there are some), the tolerances at which the calibrated rule's choice at
 each batch (a width's capacity) comes within 5% of the oracle. ``--repeats N`` runs each
-configuration N times and keeps the run of median tokens/s (the bundled model's rounds of about 1 ms differ by
-several percent between runs of the same work). Each run's goodput starts its acceptance
-estimates from the prior, as a fresh process would (``--shared-acceptance`` carries them over
-from the runs before it, as engines of one model share them in a process).
+configuration N times and keeps the run of median tokens/s (the bundled model's rounds of about
+1 ms differ by several percent between runs of the same work). Each run's goodput starts its
+acceptance estimates from the prior, as a fresh process would (``--shared-acceptance`` carries
+them over from the runs before it, as engines of one model share them in a process).
 
 ``--table FILE...`` prints each batch's policies against the oracle from finished runs.
 
@@ -292,7 +292,7 @@ def policy_table(records: list[dict]) -> str:
     then per model how many batches goodput (and goodput-warm) is at or above the oracle."""
     lines = ["| model | batch | policy | budget | tokens/s | / oracle | full batch / oracle "
              "| / ar |", "|---|---|---|---|---|---|---|---|"]
-    counts: dict[str, list[int]] = {}
+    counts: dict[tuple[str, str], list[int]] = {}     # (model, policy) -> counts
     for model in dict.fromkeys(r["model"] for r in records):
         mine = [r for r in records if r["model"] == model]
         for batch in sorted({r["batch"] for r in mine}):

@@ -88,12 +88,11 @@
 #   budget-9b-w  the 9B preset at batches $BATCHES (default 64 32), every policy with
 #             goodput-warm, the oracle chosen on held-out prompts (--sweep-widths), two waves a
 #             run, file tag -w$TAG (batch 64 ~5.5 min, 32 16 8 ~7 min, 4 2 1 ~2 min)
-#   budget-9b-w-eps  the 9B preset at batches $BATCHES (default 64 32 16 8 4 2 1), the calibrated policy alone at eps
-#             0.1 and 0.42 (its rates against budget-9b-w's oracle: bench/budget.py --eps-table;
-#             ~4.5 min with the calibration of a fresh machine)
+#   budget-9b-w-eps  the 9B preset at batches $BATCHES (default 64 32 16 8 4 2 1), the
+#             calibrated policy alone at eps 0.1 and 0.42 (its rates against budget-9b-w's
+#             oracle: bench/budget.py --eps-table; ~4.5 min with a fresh machine's calibration)
 #   budget-bundled-w-r3  the bundled model at batch 64 32 16 8 4 2 1 as in budget-9b-w (tag
-#             -w-r3$TAG), each
-#             configuration run three times (the median kept; ~7 min)
+#             -w-r3$TAG), each configuration run three times (the median kept; ~4 min)
 #   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
 #             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
 #             run three times (the median kept; cut where 10 minutes end)

@@ -222,15 +222,16 @@ def source_commit() -> str:
 
 
 def versions() -> dict:
-    """torch's, Triton's and fla's versions (None where one is not installed)."""
+    """torch's and Triton's versions (:func:`bole.speculative.calibration.runtime_versions`)
+    and fla's (None where it is not installed)."""
     from importlib import metadata
-    out = dict(torch=torch.__version__)
-    for key, dist in (("triton", "triton"), ("fla", "flash-linear-attention")):
-        try:
-            out[key] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[key] = None
-    return out
+
+    from bole.speculative.calibration import runtime_versions
+    try:
+        fla = metadata.version("flash-linear-attention")
+    except metadata.PackageNotFoundError:
+        fla = None
+    return dict(runtime_versions(), fla=fla)
 
 
 def run_meta(**extra) -> dict:

@@ -398,12 +398,11 @@ class BudgetPolicy:
         """Every ``(kind, width, learns)`` a round of bucket ``R`` can run (a graph each)."""
         goodput = self.policy == "goodput"
         cap = self.row_width(R) or self.T
-        out = [] if self.whole_trees(R) else [("select", W, goodput) for W in self.widths
-                                              if W <= cap]
+        whole = self.whole_trees(R)
+        out = [] if whole else [("select", W, goodput) for W in self.widths if W <= cap]
         if goodput:       # a bucket of whole trees never explores: no learning whole round
-            whole = [("whole", self.T, False)] + ([] if self.whole_trees(R) else
-                                                  [("whole", self.T, True)])
-            return [("plain", 1, False)] + whole + out
+            learning = [] if whole else [("whole", self.T, True)]
+            return [("plain", 1, False), ("whole", self.T, False)] + learning + out
         return out or [("whole", self.T, False)]
 
     def width(self, R: int, batch: int, kind: str | None = None) -> int:

@@ -32,7 +32,8 @@ rounds' time), full_batch_tokens_per_s (the same over the rounds that ran every 
 the record names, without the last wave's ragged end), mean_accepted_tokens, round_ms,
 the round's split (draft, verify, accept and commit, host: the GPU idle between them),
 plain_round_share (goodput's rounds without drafting), draft_nodes_per_round (draft nodes the
-batch verified, shared budgets)} go to
+batch verified, shared budgets), rounds_by_draft_depth ([depth, rounds] of the device drafter's
+rounds: goodput grows whole rounds to its chosen depth)} go to
 bench/results/budget-<date>-<model>.json with a plot. ``--policies`` runs some of them (ar always
 runs). ``--eps-table FILE...`` prints, from finished runs (an oracle with ``--sweep-widths``, and
 calibrated runs where there are some), the tolerances at which the calibrated rule's choice at
@@ -210,6 +211,7 @@ def main(argv=None) -> int:
                            plain_round_share=res["plain_round_share"],
                            draft_nodes_per_round=res["draft_nodes_per_round"],
                            rounds_by_draft_nodes=res["rounds_by_draft_nodes"],
+                           rounds_by_draft_depth=res["rounds_by_draft_depth"],
                            acceptance_estimates=res["acceptance_estimates"],
                            tokens_per_s_runs=[r["decode_tokens_per_s"] for r in runs])
                 print(json.dumps(rec), flush=True)

@@ -181,6 +181,8 @@ def _timed(model, spec: SpecConfig, prompts, max_tokens: int, continuations, dev
                eager_fallbacks=engine.rounds.graphs.stats["eager_fallbacks"],
                rounds_by_draft_nodes=sorted([kind, n, count] for (kind, n), count
                                             in engine.timings.by_nodes.items()),
+               rounds_by_draft_depth=sorted([d, count] for d, count
+                                            in engine.timings.by_depth.items()),
                acceptance_estimates=acceptance_estimates(engine),
                peak_mem_gib=(torch.cuda.max_memory_allocated() / 2 ** 30
                              if device == "cuda" else None),

@@ -85,6 +85,8 @@ class RoundTimings:
     by_batch: dict = field(default_factory=dict)
     #: shared budgets: rounds per count of verified draft nodes (kind "select" or "whole")
     by_nodes: dict = field(default_factory=dict)
+    #: drafting rounds of the device drafters per draft depth
+    by_depth: dict = field(default_factory=dict)
 
     def add(self, t: dict) -> None:
         self.rounds += 1
@@ -96,6 +98,8 @@ class RoundTimings:
             key = (t.get("kind", "select"), t["draft_nodes"])
             self.by_nodes[key] = self.by_nodes.get(key, 0) + 1
             self.budget_rounds += 1
+        if t.get("depth") is not None:
+            self.by_depth[t["depth"]] = self.by_depth.get(t["depth"], 0) + 1
         if "requests" in t:
             row = self.by_batch.setdefault(t["requests"], [0, 0, 0.0])
             row[0] += 1
@@ -273,11 +277,12 @@ class RoundRunner:
                                            self.cache.max_len, scratch=self.scratch)
         self.buffers: dict[int, RoundBuffers] = {}
         self.prefill_buffers: dict[tuple[int, int], PrefillBuffers] = {}
-        self.growth: dict[int, TreeGrowth] = {}
+        self.growth: dict[tuple[int, int], TreeGrowth] = {}      # (R, draft depth)
         #: the next round's draft, queued at the end of the last one (see :meth:`run`): its
         #: buffers, the marks around it, and the host clock (s) when the GPU started it and
         #: when that call returned
         self._pending: RoundBuffers | None = None
+        self._pending_depth = self.D                # the depth it grew
         self._queued: tuple = ()
         self.runner.reserve_snapshots(max_slots * self.T)   # tree-serial, chain: one store
         self.graphs = GraphRunner(self.device, cuda_graphs and self.model.graph_safe)
@@ -296,8 +301,6 @@ class RoundRunner:
         if R not in self.buffers:
             self.buffers[R] = RoundBuffers(R, self.T, self.D, self.K, self.device,
                                            self.cache.dummy_slot)
-            if self.mtp is not None:
-                self.growth[R] = TreeGrowth(R, self.topk, self.D, self.T, self.device)
             if self.policy.policy == "goodput":
                 self.buffers[R].goodput = self.policy.goodput_inputs(R, self.device)
         return self.buffers[R]
@@ -335,8 +338,9 @@ class RoundRunner:
         b.remaining.zero_()
         b.sampling.flags = flags
         b.budget.fill_(self.policy.budget(R))
-        if self.mtp is not None and not self.graphs.has(("draft", R)):
-            self.graphs.capture(("draft", R), lambda: self._draft(b))
+        for depth in self.policy.draft_depths() if self.mtp is not None else ():
+            if not self.graphs.has(("draft", R, depth)):
+                self.graphs.capture(("draft", R, depth), lambda: self._draft(b, depth))
         vkey, akey = _round_keys(R, W, kind, b.sampling.flags, learn)
         if not self.graphs.has(vkey):
             self.graphs.capture(vkey, lambda: self._verify(b, W, kind))
@@ -399,11 +403,16 @@ class RoundRunner:
         return logits[:len(slots)]
 
     # ---- the phases (device code only) ----
-    def _draft(self, b: RoundBuffers) -> None:
+    def _draft(self, b: RoundBuffers, depth: int) -> None:
+        """Grow every row's tree ``depth`` levels (a row within ``depth`` tokens of its limit:
+        fewer) into the round's buffers."""
         ctx = self.cache.lengths[b.slots.long()]
-        limit = torch.where(b.active, (b.remaining - 1).clamp(0, self.D), 0)
+        limit = torch.where(b.active, (b.remaining - 1).clamp(0, depth), 0)
         step = self.mtp.step_fn(b.slots, ctx, self.topk)
-        trees = self.growth[b.R].grow(b.roots, limit, step)
+        key = (b.R, depth)
+        if key not in self.growth:
+            self.growth[key] = TreeGrowth(b.R, self.topk, depth, self.T, self.device)
+        trees = self.growth[key].grow(b.roots, limit, step)
         b.tree_tokens.copy_(trees.tokens)
         b.tree_parents.copy_(trees.parents)
         b.tree_valid.copy_(trees.valid)
@@ -562,6 +571,7 @@ class RoundRunner:
         flags = StaticSampling.flags_for([r.params.sampling for r in requests])
         kind = self.policy.plan(R)
         plain = kind == "plain"
+        depth = self.policy.round_depth(R)
         W = self.policy.width(R, len(requests), kind)
         learn = self.policy.learns(kind, R)
         vkey, akey = _round_keys(R, W, kind, flags, learn)
@@ -571,7 +581,11 @@ class RoundRunner:
                      R, W, flags)
             self._capture(R, flags, kind, W, learn)
         rewrote = self._write_rows(b, requests)
-        queued, drafted = self._queued, self._pending is b and not rewrote
+        queued = self._queued
+        drafted = self._pending is b and not rewrote and \
+            self.policy.takes_draft(R, self._pending_depth)
+        if drafted:
+            depth = self._pending_depth
         self._pending, self._queued = None, ()
         if not b.sampling.all_greedy:
             self._draw_uniforms(b, requests)
@@ -591,7 +605,7 @@ class RoundRunner:
         if plain:
             pass                                   # goodput decided drafting does not pay
         elif self.mtp is not None and not drafted:
-            self.graphs.run(("draft", R), lambda: self._draft(b))
+            self.graphs.run(("draft", R, depth), lambda: self._draft(b, depth))
         elif self.mtp is None and not self.ar:
             self._host_trees(b, requests)
         mark(marks)
@@ -616,10 +630,11 @@ class RoundRunner:
             done.record()
         next_marks: list = []
         if prelaunch and self._may_prelaunch(requests, plain):
+            next_depth = self.policy.next_depth(R)
             mark(next_marks)
-            self.graphs.run(("draft", R), lambda: self._draft(b))
+            self.graphs.run(("draft", R, next_depth), lambda: self._draft(b, next_depth))
             mark(next_marks)
-            self._pending = b
+            self._pending, self._pending_depth = b, next_depth
         if cuda:
             done.synchronize()                   # the round's one synchronisation
             elapsed = lambda a, z: a.elapsed_time(z)  # noqa: E731
@@ -666,15 +681,17 @@ class RoundRunner:
             # could be accepted (one near its token limit drafts a shallower tree: its tokens
             # say nothing of what drafting delivers, while a plain round's say everything)
             full = [c for c, r in zip(counts, requests) if plain or r.remaining > self.D]
+            measured = bool(full) and not captures and not (queued and (plain or not drafted))
             self.policy.after_round(R, plain, ms[0], ms[2],
                                     sum(full) / (max(len(full), 1) * max(total, 1e-6)),
-                                    host_ms=host,
-                                    measured=bool(full) and not captures
-                                    and not (queued and (plain or not drafted)))
+                                    host_ms=host, measured=measured)
+            if kind == "whole":
+                self.policy.after_whole(R, depth, [c - 1 for c in full], ms[0],
+                                        total - ms[0], measured)
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
                       host=host, total=total, syncs=1, plain=plain,
                       draft_nodes=draft_nodes, kind=kind, requests=len(requests),
-                      tokens=sum(counts))
+                      tokens=sum(counts), depth=None if plain or self.mtp is None else depth)
         return new, timing
 
     def _may_prelaunch(self, requests, plain: bool) -> bool:

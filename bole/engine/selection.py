@@ -77,6 +77,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bole.engine.draft_depth import DraftDepth, average, fill_depths
 from bole.forest import DenseForest
 from bole.speculative.calibration import AcceptanceCalibrator
 from bole.speculative.budget import (compact, rank_dense, select_dense, spread_width,
@@ -221,6 +222,18 @@ class BudgetPolicy:
         self.could_widen: dict[int, bool] = {}   # goodput: what past the fill could still pay
         self._explores: dict[int, bool] = {}     # goodput: whether plan's round explores
         self._first: dict[tuple[bool, int], list[float]] = {}   # (plain, R): first rates
+        #: goodput with a device drafter: the draft depth of whole rounds (draft_depth.py)
+        self.depth = self._depth_choice(spec, T)
+        self.deepest = spec.depth if spec.mode != "ar" else 0
+        self._round_depth: dict[int, int] = {}   # R: the depth of plan's round
+        self._free_depth: set[int] = set()        # R: plan's round may take any depth
+
+    def _depth_choice(self, spec, T: int) -> DraftDepth | None:
+        if (self.policy != "goodput" or spec.drafter not in DEVICE_DRAFTERS
+                or spec.mode == "ar"):
+            return None
+        depths = fill_depths(1 if spec.mode == "chain" else spec.topk, spec.depth, T)
+        return DraftDepth(depths) if len(depths) > 1 else None
 
     @property
     def shared(self) -> bool:
@@ -295,7 +308,7 @@ class BudgetPolicy:
         select_ms = 0.0 if self.whole_trees(R) else self.profile.t_select_at(R)
         return self.overhead_ms + select_ms
 
-    def exploring(self, R: int) -> bool:
+    def exploring(self, R: int, since: int | None = None) -> bool:
         """Whether this round of bucket ``R`` (goodput, drafting) verifies whole trees for what
         they teach: the last of every :meth:`explore_every` drafting rounds of the bucket, while
         the last choice says that what lies past its fill could still change it. A look (the
@@ -303,9 +316,9 @@ class BudgetPolicy:
         would run. Nor does a round of a bucket that verifies whole trees anyway
         (:meth:`whole_trees`): it never chooses, so its rounds would pay for learning that no
         choice of theirs uses."""
+        since = self.since_explore.get(R, 0) if since is None else since
         return (self.policy == "goodput" and not self.looking and self.could_widen.get(R, True)
-                and self.since_explore.get(R, 0) >= self.explore_every(R) - 1
-                and not self.whole_trees(R))
+                and since >= self.explore_every(R) - 1 and not self.whole_trees(R))
 
     def explore_every(self, R: int) -> int:
         """Drafting rounds of bucket ``R`` per exploring round: :data:`EXPLORE_EVERY`, or more
@@ -378,13 +391,59 @@ class BudgetPolicy:
         self._explores[R] = kind == "whole" and self.exploring(R)
         if kind == "whole" and self.whole_left.get(R, 0) > 0:
             self.whole_left[R] -= 1
+        depth = self._depth_of(R, kind, self._explores[R])
+        if self.depth is not None and kind == "whole":
+            self.depth.planned(R, depth)
+        self._round_depth[R] = depth
+        if self.depth is not None and kind == "whole" and not self._explores[R]:
+            self._free_depth.add(R)
+        else:
+            self._free_depth.discard(R)
         return kind
 
-    def _kind(self, R: int) -> str:
-        """The kind :meth:`plan` gives bucket ``R`` now, without counting anything down."""
+    def _depth_of(self, R: int, kind: str, explores: bool) -> int:
+        """The draft depth of a round of ``kind``: goodput's choice for a whole round that does
+        not explore, else the deepest (a select round chooses from every level, an exploring
+        round teaches the estimates of every level)."""
+        if self.depth is None or kind != "whole" or explores:
+            return self.deepest
+        return self.depth.depth(R)
+
+    def draft_depths(self) -> tuple[int, ...]:
+        """The depths a device drafter may grow (a draft graph each)."""
+        return self.depth.depths if self.depth is not None else (self.deepest,)
+
+    def round_depth(self, R: int) -> int:
+        """The draft depth of the round :meth:`plan` gave bucket ``R`` last."""
+        return self._round_depth.get(R, self.deepest)
+
+    def next_depth(self, R: int) -> int:
+        """The draft depth of bucket ``R``'s next round if this drafting round changes nothing
+        (what a draft queued before the round's synchronisation grows)."""
+        since = 0 if self._explores.get(R, False) else self.since_explore.get(R, 0) + 1
+        kind = self._kind(R, since)
+        return self._depth_of(R, kind, kind == "whole" and self.exploring(R, since))
+
+    def takes_draft(self, R: int, depth: int) -> bool:
+        """Whether plan's round of bucket ``R`` may verify a draft queued at ``depth``: one of its
+        own depth, or any for a whole round that does not explore (every tree is verified
+        exactly; a select round chooses from, and an exploring round learns, every level)."""
+        return depth == self.round_depth(R) or R in self._free_depth
+
+    def after_whole(self, R: int, depth: int, accepted: list[int], draft_ms: float,
+                    rest_ms: float, measured: bool) -> None:
+        """Goodput's depth choice after a whole round of bucket ``R`` grown ``depth`` levels: the
+        draft tokens its full-tree rows accepted, its draft time and the rest of its wall time
+        (ms)."""
+        if self.depth is not None:
+            self.depth.observe(R, depth, accepted, draft_ms, rest_ms, measured)
+
+    def _kind(self, R: int, since: int | None = None) -> str:
+        """The kind :meth:`plan` gives bucket ``R`` now, without counting anything down
+        (``since``: the drafting rounds since it explored, if not the count now)."""
         if self.plain_round():
             return "plain"
-        if self.whole_left.get(R, 0) > 0 or self.whole_trees(R) or self.exploring(R):
+        if self.whole_left.get(R, 0) > 0 or self.whole_trees(R) or self.exploring(R, since):
             return "whole"
         return "select"
 
@@ -462,6 +521,4 @@ class BudgetPolicy:
 
 
 def _average(mean: float | None, x: float, weight: float = RATE_WEIGHT) -> float:
-    """An exponential moving average (``weight`` on the newest), started at its first value
-    (``mean`` None or 0: nothing averaged yet)."""
-    return (1.0 - weight) * mean + weight * x if mean else x
+    return average(mean, x, weight)

@@ -26,7 +26,7 @@ def drive(model, spec, prelaunch: bool, sampled: bool):
     engine = Engine(model, spec, max_slots=4, max_len=160)
     drafts = []
     real = engine.rounds._draft
-    engine.rounds._draft = lambda b: (drafts.append(b.R), real(b))[1]
+    engine.rounds._draft = lambda b, d: (drafts.append(b.R), real(b, d))[1]
     params = GenerationParams(max_tokens=24, sampling=SamplingParams(
         temperature=0.9, top_k=20) if sampled else SamplingParams(temperature=0))
     reqs = [engine.new_request(i, p, params, seed=i) for i, p in enumerate(PROMPTS)]
@@ -66,7 +66,7 @@ def test_a_queued_draft_is_reused_only_for_the_same_rows(model):
     engine = Engine(model, spec, max_slots=2, max_len=160)
     calls = []
     real = engine.rounds._draft
-    engine.rounds._draft = lambda b: (calls.append(1), real(b))[1]
+    engine.rounds._draft = lambda b, d: (calls.append(1), real(b, d))[1]
     r0, r1 = (engine.new_request(i, p, GenerationParams(max_tokens=30), seed=i)
               for i, p in enumerate(PROMPTS[:2]))
     engine.admit(r0)

@@ -1,0 +1,154 @@
+"""Goodput's draft depth: how many levels the device drafter grows for a whole round.
+
+A whole round verifies every node the drafter grew. Its verify costs the same at every depth
+whose tree still fills the request's node slots (the growth keeps the budget's best nodes of the
+levels it grew), while the draft costs about one drafter step per level. So a level pays only
+when the tokens it adds per round are worth more than the time it takes. Where the draft is a
+large share of the round (a small target, whose forward costs little against the head's steps)
+or deep levels are rarely accepted, fewer levels deliver more tokens per ms.
+
+The estimates, on the host from what the rounds accept:
+
+- each level's survival ``s_k``: of the rows that accepted ``k - 1`` draft tokens in a whole round
+  grown at least ``k`` levels deep, the share that accepted a ``k``-th (a Laplace prior: one
+  accepted, one not);
+- the expected tokens of a round grown ``d`` levels: ``1 + sum_{k <= d} prod_{j <= k} s_j``
+  (the bonus token, then each level reached);
+- its time: the rest of the bucket's whole rounds (wall time less the draft, averaged) plus the
+  draft at ``d``: measured where rounds of that depth ran, else read off the line through the
+  measured depths (from a single measured depth, proportional to the depth).
+
+The chosen depth of a bucket maximises expected tokens per ms. Levels below it are observed in
+every round; the levels past it only in probe rounds: one whole round in :data:`PROBE_EVERY`
+of a bucket at a depth below the deepest grows one level more, so that a level that starts to
+pay (the workload changed) is seen. A deeper tree is never worse to verify, so a round may take a
+draft deeper than its bucket's choice (one queued before the choice changed).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+#: whole rounds of a bucket per probe round (one level deeper than the choice)
+PROBE_EVERY = 8
+#: rows observed before the first choice below the deepest level
+MIN_ROWS = 16
+#: weight of the newest round in the time averages
+TIME_WEIGHT = 0.1
+#: the survival counts are halved when the first level's count passes this (so that they follow
+#: a workload that changes)
+MAX_COUNT = 8192.0
+
+
+class DraftDepth:
+    """The draft depth of each batch bucket's whole rounds.
+
+    ``depths``: the depths the drafter may grow (ascending, the deepest last): those whose tree
+    fills the request's node slots."""
+
+    def __init__(self, depths: tuple[int, ...]):
+        if not depths or list(depths) != sorted(set(depths)) or depths[0] < 1:
+            raise ValueError(f"draft depths must be distinct ascending depths >= 1, got {depths}")
+        self.depths = tuple(depths)
+        self.deepest = depths[-1]
+        D = self.deepest
+        self.reach = [0.0] * (D + 1)          # [k]: rows that accepted k - 1, grown >= k levels
+        self.passed = [0.0] * (D + 1)         # [k]: of those, rows that accepted a k-th
+        self.draft_ms: dict[tuple[int, int], float] = {}    # (R, depth): averaged draft time
+        self.rest_ms: dict[int, float] = {}   # R: a whole round's wall time less its draft
+        self.chosen: dict[int, int] = {}      # R: the depth of its whole rounds
+        self.since_probe: dict[int, int] = {}
+
+    # ---- the choice ----
+    def survival(self, k: int) -> float:
+        """Level ``k``'s estimated survival (Laplace: (accepted + 1) / (reached + 2))."""
+        return (self.passed[k] + 1.0) / (self.reach[k] + 2.0)
+
+    def expected_tokens(self, depth: int) -> float:
+        """Expected tokens a row emits in a whole round grown ``depth`` levels."""
+        out, p = 1.0, 1.0
+        for k in range(1, depth + 1):
+            p *= self.survival(k)
+            out += p
+        return out
+
+    def draft_time(self, R: int, depth: int) -> float | None:
+        """Bucket ``R``'s draft time at ``depth`` (ms): measured, else from the measured depths
+        (the least-squares line through two or more, proportional from one); None before any."""
+        seen = {d: ms for (r, d), ms in self.draft_ms.items() if r == R}
+        if depth in seen:
+            return seen[depth]
+        if not seen:
+            return None
+        if len(seen) == 1:
+            (d0, ms0), = seen.items()
+            return ms0 * depth / d0
+        n = len(seen)
+        mx = sum(seen) / n
+        my = sum(seen.values()) / n
+        sxx = sum((d - mx) ** 2 for d in seen)
+        slope = sum((d - mx) * (ms - my) for d, ms in seen.items()) / sxx
+        return max(0.0, my + slope * (depth - mx))
+
+    def best(self, R: int) -> int:
+        """The depth with the most expected tokens per ms for bucket ``R`` (the deepest until
+        its times and :data:`MIN_ROWS` rows are known)."""
+        rest = self.rest_ms.get(R)
+        if rest is None or self.reach[1] < MIN_ROWS or self.draft_time(R, self.deepest) is None:
+            return self.deepest
+        rates = {d: self.expected_tokens(d) / max(rest + self.draft_time(R, d), 1e-9)
+                 for d in self.depths}
+        return max(self.depths, key=lambda d: (rates[d], d))
+
+    # ---- the rounds ----
+    def depth(self, R: int) -> int:
+        """The depth of bucket ``R``'s next whole round (its choice, or one level more in a
+        probe round); reads, counts nothing."""
+        d = self.chosen.get(R, self.deepest)
+        if d < self.deepest and self.since_probe.get(R, 0) >= PROBE_EVERY - 1:
+            return self.depths[self.depths.index(d) + 1]
+        return d
+
+    def planned(self, R: int, depth: int) -> None:
+        """A whole round of bucket ``R`` grows ``depth`` levels: count it towards the probe."""
+        if depth > self.chosen.get(R, self.deepest):
+            self.since_probe[R] = 0
+        else:
+            self.since_probe[R] = self.since_probe.get(R, 0) + 1
+
+    def observe(self, R: int, depth: int, accepted: list[int], draft_ms: float,
+                rest_ms: float, measured: bool = True) -> None:
+        """A whole round of bucket ``R`` grown ``depth`` levels: the draft tokens each row whose
+        tree was not cut short accepted, its draft time and the rest of its wall time (ms; not
+        averaged when ``measured`` is False); then bucket ``R`` chooses again."""
+        if accepted:
+            hist = Counter(min(max(int(a), 0), depth) for a in accepted)
+            at_least = [0] * (depth + 2)         # at_least[j]: rows that accepted >= j
+            for j in range(depth, -1, -1):
+                at_least[j] = at_least[j + 1] + hist.get(j, 0)
+            for k in range(1, depth + 1):
+                self.reach[k] += at_least[k - 1]
+                self.passed[k] += at_least[k]
+            if self.reach[1] > MAX_COUNT:
+                self.reach = [x / 2 for x in self.reach]
+                self.passed = [x / 2 for x in self.passed]
+        if measured:
+            key = (R, depth)
+            self.draft_ms[key] = average(self.draft_ms.get(key), draft_ms, TIME_WEIGHT)
+            self.rest_ms[R] = average(self.rest_ms.get(R), rest_ms, TIME_WEIGHT)
+        self.chosen[R] = self.best(R)
+
+
+def fill_depths(topk: int, deepest: int, nodes: int) -> tuple[int, ...]:
+    """The depths up to ``deepest`` whose EAGLE-2 growth (``topk`` children of the ``topk`` best
+    frontier nodes a step) creates at least ``nodes`` nodes, the root included: a whole tree of
+    any of them fills the request's node slots."""
+    from bole.speculative.tree_growth import node_capacity
+    return tuple(d for d in range(1, deepest + 1) if node_capacity(topk, d) >= nodes) or \
+        (deepest,)
+
+
+def average(mean: float | None, x: float, weight: float) -> float:
+    """An exponential moving average (``weight`` on the newest), started at its first value
+    (``mean`` None or 0: nothing averaged yet)."""
+    return (1.0 - weight) * mean + weight * x if mean else x

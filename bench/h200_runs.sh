@@ -92,7 +92,11 @@
 #             calibrated policy alone at eps 0.1 and 0.42 (its rates against budget-9b-w's
 #             oracle: bench/budget.py --eps-table; ~4.5 min with a fresh machine's calibration)
 #   budget-bundled-w-r3  the bundled model at batch 64 32 16 8 4 2 1 as in budget-9b-w (tag
-#             -w-r3$TAG), each configuration run three times (the median kept; ~4 min)
+#             -w-r3$TAG), each configuration run three times (the median kept; ~4 min, ~7 with
+#             goodput's draft graph per depth captured for each run)
+#   budget-bundled-w-eps  the bundled model at batches $BATCHES (default 64 32 16 8 4 2 1), the
+#             calibrated policy alone at eps 0.1 and 0.7, three runs each (its rates against
+#             budget-bundled-w-r3's oracle: bench/budget.py --eps-table)
 #   budget-bundled-r3  bench/attention_splits.py (tree attention's context splits, a probe), then
 #             bench/budget.py, the bundled model at batch 8 64 1 16 2 4 32, each configuration
 #             run three times (the median kept; cut where 10 minutes end)
@@ -114,7 +118,7 @@ profile-waves e2e-9b-d e2e-9b-e e2e-9b-f e2e-9b-f16 e2e-9b-ts e2e-27b-small e2e-
 e2e-27b-b64 e2e-27b-b1-8 e2e-9b-ts-a e2e-9b-ts-b e2e-9b-ts-c e2e-ts-bundled e2e-bundled-best
 e2e-bundled budget-bundled-r3 budget-9b-g budget-9b-i budget-9b-j budget-9b-k budget-9b-l
 budget-9b-wk budget-9b-wk2 budget-9b-cal budget-9b-cal-rest budget-9b-ho-a budget-9b-ho-b
-budget-ho-c budget-bundled-ho-r3 budget-9b-w budget-9b-w-eps budget-bundled-w-r3 budget-9b-h budget-9b-short budget-9b-eps budget-bundled budget-9b budget-both
+budget-ho-c budget-bundled-ho-r3 budget-9b-w budget-9b-w-eps budget-bundled-w-r3 budget-bundled-w-eps budget-9b-h budget-9b-short budget-9b-eps budget-bundled budget-9b budget-both
 budget-9b-rest serve serve-process tp tp-e2e"
 parts=${parts//$'\n'/ }
 [ $# -gt 0 ] || { echo "usage: bash bench/h200_runs.sh PART... (one of: $parts)" >&2; exit 2; }
@@ -329,6 +333,10 @@ case "$part" in
     timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b \
       --batches ${BATCHES:-64 32 16 8 4 2 1} --policies calibrated --eps-sweep 0.42 --waves 2 --draft-vocab 32768 --out "$out" \
       --tag=-w-eps ;;
+  budget-bundled-w-eps)
+    timeout $(lim 585) python3 bench/budget.py --models bundled \
+      --batches ${BATCHES:-64 32 16 8 4 2 1} --policies calibrated --eps-sweep 0.7 --waves 2 \
+      --repeats 3 --out "$out" --tag=-w-eps ;;
   budget-bundled-w-r3)
     timeout $(lim 585) python3 bench/budget.py --models bundled --batches 64 32 16 8 4 2 1 \
       --sweep --sweep-widths --waves 2 --repeats 3 --out "$out" --tag=-w-r3${TAG:-} ;;

@@ -27,8 +27,6 @@ draft deeper than its bucket's choice (one queued before the choice changed).
 
 from __future__ import annotations
 
-from collections import Counter
-
 #: whole rounds of a bucket per probe round (one level deeper than the choice)
 PROBE_EVERY = 8
 #: rows observed before the first choice below the deepest level
@@ -54,7 +52,7 @@ class DraftDepth:
         D = self.deepest
         self.reach = [0.0] * (D + 1)          # [k]: rows that accepted k - 1, grown >= k levels
         self.passed = [0.0] * (D + 1)         # [k]: of those, rows that accepted a k-th
-        self.draft_ms: dict[tuple[int, int], float] = {}    # (R, depth): averaged draft time
+        self.draft_ms: dict[int, dict[int, float]] = {}     # R: {depth: averaged draft time}
         self.rest_ms: dict[int, float] = {}   # R: a whole round's wall time less its draft
         self.chosen: dict[int, int] = {}      # R: the depth of its whole rounds
         self.since_probe: dict[int, int] = {}
@@ -66,39 +64,51 @@ class DraftDepth:
 
     def expected_tokens(self, depth: int) -> float:
         """Expected tokens a row emits in a whole round grown ``depth`` levels."""
-        out, p = 1.0, 1.0
-        for k in range(1, depth + 1):
+        return self._expected()[depth]
+
+    def _expected(self) -> list[float]:
+        """Expected tokens of a whole round at every depth ``[0..deepest]``."""
+        out, p = [1.0], 1.0
+        for k in range(1, self.deepest + 1):
             p *= self.survival(k)
-            out += p
+            out.append(out[-1] + p)
         return out
 
     def draft_time(self, R: int, depth: int) -> float | None:
         """Bucket ``R``'s draft time at ``depth`` (ms): measured, else from the measured depths
         (the least-squares line through two or more, proportional from one); None before any."""
-        seen = {d: ms for (r, d), ms in self.draft_ms.items() if r == R}
-        if depth in seen:
-            return seen[depth]
+        times = self.draft_times(R)
+        return None if times is None else times[depth]
+
+    def draft_times(self, R: int) -> dict[int, float] | None:
+        """:meth:`draft_time` at every depth of :attr:`depths`."""
+        seen = self.draft_ms.get(R)
         if not seen:
             return None
         if len(seen) == 1:
             (d0, ms0), = seen.items()
-            return ms0 * depth / d0
-        n = len(seen)
-        mx = sum(seen) / n
-        my = sum(seen.values()) / n
-        sxx = sum((d - mx) ** 2 for d in seen)
-        slope = sum((d - mx) * (ms - my) for d, ms in seen.items()) / sxx
-        return max(0.0, my + slope * (depth - mx))
+            line = lambda d: ms0 * d / d0              # noqa: E731
+        else:
+            n = len(seen)
+            mx, my = sum(seen) / n, sum(seen.values()) / n
+            slope = sum((d - mx) * (ms - my) for d, ms in seen.items()) / \
+                sum((d - mx) ** 2 for d in seen)
+            line = lambda d: max(0.0, my + slope * (d - mx))     # noqa: E731
+        return {d: seen[d] if d in seen else line(d) for d in self.depths}
 
     def best(self, R: int) -> int:
         """The depth with the most expected tokens per ms for bucket ``R`` (the deepest until
         its times and :data:`MIN_ROWS` rows are known)."""
-        rest = self.rest_ms.get(R)
-        if rest is None or self.reach[1] < MIN_ROWS or self.draft_time(R, self.deepest) is None:
+        rest, times = self.rest_ms.get(R), self.draft_times(R)
+        if rest is None or times is None or self.reach[1] < MIN_ROWS:
             return self.deepest
-        rates = {d: self.expected_tokens(d) / max(rest + self.draft_time(R, d), 1e-9)
-                 for d in self.depths}
-        return max(self.depths, key=lambda d: (rates[d], d))
+        tokens = self._expected()
+        best, best_rate = self.deepest, -1.0
+        for d in reversed(self.depths):               # ties: the deeper
+            rate = tokens[d] / max(rest + times[d], 1e-9)
+            if rate > best_rate:
+                best, best_rate = d, rate
+        return best
 
     # ---- the rounds ----
     def depth(self, R: int) -> int:
@@ -122,10 +132,11 @@ class DraftDepth:
         tree was not cut short accepted, its draft time and the rest of its wall time (ms; not
         averaged when ``measured`` is False); then bucket ``R`` chooses again."""
         if accepted:
-            hist = Counter(min(max(int(a), 0), depth) for a in accepted)
             at_least = [0] * (depth + 2)         # at_least[j]: rows that accepted >= j
-            for j in range(depth, -1, -1):
-                at_least[j] = at_least[j + 1] + hist.get(j, 0)
+            for a in accepted:
+                at_least[min(max(a, 0), depth)] += 1
+            for j in range(depth - 1, -1, -1):
+                at_least[j] += at_least[j + 1]
             for k in range(1, depth + 1):
                 self.reach[k] += at_least[k - 1]
                 self.passed[k] += at_least[k]
@@ -133,8 +144,8 @@ class DraftDepth:
                 self.reach = [x / 2 for x in self.reach]
                 self.passed = [x / 2 for x in self.passed]
         if measured:
-            key = (R, depth)
-            self.draft_ms[key] = average(self.draft_ms.get(key), draft_ms, TIME_WEIGHT)
+            times = self.draft_ms.setdefault(R, {})
+            times[depth] = average(times.get(depth), draft_ms, TIME_WEIGHT)
             self.rest_ms[R] = average(self.rest_ms.get(R), rest_ms, TIME_WEIGHT)
         self.chosen[R] = self.best(R)
 

@@ -67,6 +67,10 @@ every drafted node without selecting:
 Goodput's acceptance estimates learn in select rounds and exploring rounds only: counting every
 whole round's nodes would cost each round what only the choice uses. A bucket that verifies whole
 trees anyway never explores (it never chooses).
+
+With a device drafter goodput also picks how many levels a whole round that does not explore
+grows (:class:`~bole.engine.draft_depth.DraftDepth`, from the rows' accepted lengths and the
+measured draft time per depth); select and exploring rounds grow every level.
 """
 
 from __future__ import annotations

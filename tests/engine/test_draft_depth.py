@@ -2,7 +2,6 @@
 brute force, the probe rounds, the round's plan, and greedy output unchanged when whole rounds
 grow fewer levels (also with drafts queued before the choice changed)."""
 
-import itertools
 import random
 
 import pytest

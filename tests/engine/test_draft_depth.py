@@ -5,23 +5,12 @@ grow fewer levels (also with drafts queued before the choice changed)."""
 import random
 
 import pytest
-import torch
 
 from bole.engine import Engine, GenerationParams, SpecConfig
 from bole.engine.draft_depth import MIN_ROWS, PROBE_EVERY, DraftDepth, fill_depths
 from bole.engine.selection import BudgetPolicy
-from bole.models.presets import preset_config
-from bole.models.qwen3_hybrid import HybridModel
 from tests.engine.test_budget_policy import PROMPTS, _goodput_case, _profile
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = HybridModel.random(preset_config("tiny"), dtype=torch.float32, seed=3, mtp=True,
-                           gdn_backend="torch")
-    tensors = dict(m.w)
-    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 50
-    return HybridModel(m.config, tensors, gdn_backend="torch")
+from tests.engine.test_budget_policy import model  # noqa: F401  (the fixture)
 
 
 def test_fill_depths_are_the_depths_whose_growth_fills_the_tree():

@@ -235,11 +235,10 @@ def versions() -> dict:
 
 
 def run_meta(**extra) -> dict:
-    """Device, versions, commit and date of this GPU run: the head of every results JSON."""
-    import triton
-    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, commit=source_commit(),
-                date=_dt.date.today().isoformat(), **extra)
+    """Device, versions (:func:`versions`), commit and date of this GPU run: the head of every
+    results JSON (``extra`` added, overriding)."""
+    return {"device": torch.cuda.get_device_name(), **versions(), "commit": source_commit(),
+            "date": _dt.date.today().isoformat(), **extra}
 
 
 def results_path(out: str | None, name: str) -> Path:

@@ -14,15 +14,18 @@ The estimates, on the host from what the rounds accept:
   accepted, one not);
 - the expected tokens of a round grown ``d`` levels: ``1 + sum_{k <= d} prod_{j <= k} s_j``
   (the bonus token, then each level reached);
-- its time: the rest of the bucket's whole rounds (wall time less the draft, averaged) plus the
-  draft at ``d``: measured where rounds of that depth ran, else read off the line through the
-  measured depths (from a single measured depth, proportional to the depth).
+- its time: the rest of the bucket's whole rounds (wall time less the draft's share of it,
+  averaged) plus the draft at ``d`` less what of it hides behind the host (a draft queued before
+  a round's synchronisation runs partly while the host reads the round's tokens: a shorter draft
+  saves only its visible part). The draft at ``d`` is measured where rounds of that depth ran,
+  else read off the line through the measured depths (proportional from a single one).
 
 The chosen depth of a bucket maximises expected tokens per ms. Levels below it are observed in
 every round; the levels past it only in probe rounds: one whole round in :data:`PROBE_EVERY`
 of a bucket at a depth below the deepest grows one level more, so that a level that starts to
-pay (the workload changed) is seen. A deeper tree is never worse to verify, so a round may take a
-draft deeper than its bucket's choice (one queued before the choice changed).
+pay (the workload changed) is seen. A tree of any depth is verified exactly, so a whole round may
+take a draft of another depth than its bucket's choice (one queued before the choice changed);
+the probe counts the depth the round ran.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class DraftDepth:
         self.passed = [0.0] * (D + 1)         # [k]: of those, rows that accepted a k-th
         self.draft_ms: dict[int, dict[int, float]] = {}     # R: {depth: averaged draft time}
         self.rest_ms: dict[int, float] = {}   # R: a whole round's wall time less its draft
+        self.hidden_ms: dict[int, float] = {}  # R: draft time hidden behind the host
         self.chosen: dict[int, int] = {}      # R: the depth of its whole rounds
         self.since_probe: dict[int, int] = {}
 
@@ -102,10 +106,11 @@ class DraftDepth:
         rest, times = self.rest_ms.get(R), self.draft_times(R)
         if rest is None or times is None or self.reach[1] < MIN_ROWS:
             return self.deepest
+        hidden = self.hidden_ms.get(R, 0.0)
         tokens = self._expected()
         best, best_rate = self.deepest, -1.0
         for d in reversed(self.depths):               # ties: the deeper
-            rate = tokens[d] / max(rest + times[d], 1e-9)
+            rate = tokens[d] / max(rest + max(0.0, times[d] - hidden), 1e-9)
             if rate > best_rate:
                 best, best_rate = d, rate
         return best
@@ -127,9 +132,10 @@ class DraftDepth:
             self.since_probe[R] = self.since_probe.get(R, 0) + 1
 
     def observe(self, R: int, depth: int, accepted: list[int], draft_ms: float,
-                rest_ms: float, measured: bool = True) -> None:
+                rest_ms: float, measured: bool = True, hidden_ms: float = 0.0) -> None:
         """A whole round of bucket ``R`` grown ``depth`` levels: the draft tokens each row whose
-        tree was not cut short accepted, its draft time and the rest of its wall time (ms; not
+        tree was not cut short accepted, its draft time, the rest of its wall time and the part
+        of the draft that ran hidden behind the host, outside any round's wall time (ms; not
         averaged when ``measured`` is False); then bucket ``R`` chooses again."""
         if accepted:
             at_least = [0] * (depth + 2)         # at_least[j]: rows that accepted >= j
@@ -147,6 +153,8 @@ class DraftDepth:
             times = self.draft_ms.setdefault(R, {})
             times[depth] = average(times.get(depth), draft_ms, TIME_WEIGHT)
             self.rest_ms[R] = average(self.rest_ms.get(R), rest_ms, TIME_WEIGHT)
+            self.hidden_ms[R] = (1.0 - TIME_WEIGHT) * self.hidden_ms[R] + TIME_WEIGHT * hidden_ms \
+                if R in self.hidden_ms else hidden_ms
         self.chosen[R] = self.best(R)
 
 

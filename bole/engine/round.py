@@ -340,7 +340,7 @@ class RoundRunner:
         b.budget.fill_(self.policy.budget(R))
         for depth in self.policy.draft_depths() if self.mtp is not None else ():
             if not self.graphs.has(("draft", R, depth)):
-                self.graphs.capture(("draft", R, depth), lambda: self._draft(b, depth))
+                self.graphs.capture(("draft", R, depth), lambda d=depth: self._draft(b, d))
         vkey, akey = _round_keys(R, W, kind, b.sampling.flags, learn)
         if not self.graphs.has(vkey):
             self.graphs.capture(vkey, lambda: self._verify(b, W, kind))
@@ -586,6 +586,8 @@ class RoundRunner:
             self.policy.takes_draft(R, self._pending_depth)
         if drafted:
             depth = self._pending_depth
+        if not plain:
+            self.policy.drafts(R, kind, depth)
         self._pending, self._queued = None, ()
         if not b.sampling.all_greedy:
             self._draw_uniforms(b, requests)
@@ -644,7 +646,7 @@ class RoundRunner:
         # a draft queued by the last call ran (partly) between the two calls: its device time is
         # this round's draft (added to a fresh one when the rows changed under it), and the
         # part that fell between the calls joins this round's wall time
-        carry = 0.0
+        carry = hidden = 0.0
         if queued:
             q_marks, q_start, q_return = queued
             q_ms = elapsed(*q_marks)
@@ -652,6 +654,9 @@ class RoundRunner:
             # on the CPU it ran inside the last call (whose time left it out): all of it
             carry = max(0.0, min(q_start + q_ms / 1e3, t_start) - q_return) if cuda else \
                 q_ms / 1e3
+            # what ran while the last call still read its tokens is in no round's wall time
+            if drafted and cuda:
+                hidden = min(q_ms, 1e3 * max(0.0, q_return - q_start))
         t_sync = time.perf_counter()
         own_draft = elapsed(*next_marks) / 1e3 if next_marks and not cuda else 0.0
         counts = b.num_host[:len(requests)].tolist()
@@ -687,7 +692,7 @@ class RoundRunner:
                                     host_ms=host, measured=measured)
             if kind == "whole":
                 self.policy.after_whole(R, depth, [c - 1 for c in full], ms[0],
-                                        total - ms[0], measured)
+                                        total - (ms[0] - hidden), measured, hidden)
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
                       host=host, total=total, syncs=1, plain=plain,
                       draft_nodes=draft_nodes, kind=kind, requests=len(requests),

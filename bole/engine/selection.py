@@ -396,8 +396,6 @@ class BudgetPolicy:
         if kind == "whole" and self.whole_left.get(R, 0) > 0:
             self.whole_left[R] -= 1
         depth = self._depth_of(R, kind, self._explores[R])
-        if self.depth is not None and kind == "whole":
-            self.depth.planned(R, depth)
         self._round_depth[R] = depth
         if self.depth is not None and kind == "whole" and not self._explores[R]:
             self._free_depth.add(R)
@@ -434,13 +432,19 @@ class BudgetPolicy:
         exactly; a select round chooses from, and an exploring round learns, every level)."""
         return depth == self.round_depth(R) or R in self._free_depth
 
+    def drafts(self, R: int, kind: str, depth: int) -> None:
+        """Plan's round of bucket ``R`` verifies a tree grown ``depth`` levels (its own draft, or
+        one queued before it): a whole round's counts towards the next probe."""
+        if self.depth is not None and kind == "whole":
+            self.depth.planned(R, depth)
+
     def after_whole(self, R: int, depth: int, accepted: list[int], draft_ms: float,
-                    rest_ms: float, measured: bool) -> None:
+                    rest_ms: float, measured: bool, hidden_ms: float = 0.0) -> None:
         """Goodput's depth choice after a whole round of bucket ``R`` grown ``depth`` levels: the
-        draft tokens its full-tree rows accepted, its draft time and the rest of its wall time
-        (ms)."""
+        draft tokens its full-tree rows accepted, its draft time, the rest of its wall time and
+        the part of its draft hidden behind the host (ms)."""
         if self.depth is not None:
-            self.depth.observe(R, depth, accepted, draft_ms, rest_ms, measured)
+            self.depth.observe(R, depth, accepted, draft_ms, rest_ms, measured, hidden_ms)
 
     def _kind(self, R: int, since: int | None = None) -> str:
         """The kind :meth:`plan` gives bucket ``R`` now, without counting anything down

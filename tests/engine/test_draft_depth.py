@@ -143,6 +143,8 @@ def test_next_depth_is_what_the_next_plan_gives(seed):
             policy.depth.chosen[rng.choice((1, 2))] = rng.choice((2, 3, 4))
         R = rng.choice((1, 2))
         kind = policy.plan(R)
+        if kind != "plain":
+            policy.drafts(R, kind, policy.round_depth(R))
         predicted = policy.next_depth(R)
         policy.after_round(R, kind == "plain", 1.0, 1.0, rate=1.0, measured=False)
         assert policy.plan(R) is not None and policy.round_depth(R) == predicted
@@ -183,3 +185,100 @@ def test_whole_rounds_grow_the_chosen_depth_and_probe_one_level_more(model):
     # depth 4: the first round, and the one whose draft was queued before the first choice
     assert set(by_depth) == {2, 3, 4} and by_depth[4] == 2
     assert by_depth[3] == rounds // PROBE_EVERY and by_depth[2] == rounds - 2 - by_depth[3]
+
+
+def test_unmeasured_rounds_leave_the_times_and_halving_keeps_the_survival():
+    dd = DraftDepth((3, 4, 5, 6, 7, 8))
+    dd.observe(1, 8, [3, 8], draft_ms=0.4, rest_ms=0.6, hidden_ms=0.1)
+    dd.observe(1, 8, [2], draft_ms=9.0, rest_ms=9.0, measured=False, hidden_ms=9.0)
+    assert (dd.draft_ms[1][8], dd.rest_ms[1], dd.hidden_ms[1]) == (0.4, 0.6, 0.1)
+    assert dd.reach[1] == 3                             # the rows count either way
+    from bole.engine.draft_depth import MAX_COUNT
+    big = DraftDepth((3, 4))
+    big.observe(1, 4, [2, 4] * int(MAX_COUNT), draft_ms=1.0, rest_ms=1.0)   # 2 MAX_COUNT rows
+    assert (big.reach[1], big.reach[3], big.passed[3]) == (MAX_COUNT, MAX_COUNT, MAX_COUNT / 2)
+    assert big.survival(3) == pytest.approx(0.5, rel=1e-3)
+
+
+def test_a_draft_hidden_behind_the_host_saves_only_its_visible_part():
+    """The choice prices a depth at the rest of the round plus the draft past what hides behind
+    the host: with the whole draft hidden, fewer levels save nothing and the deepest wins."""
+    dd = DraftDepth((3, 4, 5, 6, 7, 8))
+    accepted = [0] * 100 + [8] * 5                       # deep levels rarely accepted
+    dd.observe(1, 8, accepted, draft_ms=0.8, rest_ms=1.0)
+    assert dd.best(1) < 8
+    hid = DraftDepth((3, 4, 5, 6, 7, 8))
+    hid.observe(1, 8, accepted, draft_ms=0.8, rest_ms=1.0, hidden_ms=0.8)
+    assert hid.best(1) == 8
+
+
+def test_the_round_feeds_the_choice_what_it_ran(model):
+    """Every whole round reports to the choice the depth it grew (the drafted trees reach no
+    deeper, and some reach it), the accepted draft tokens of its rows not near their limit, its
+    draft time and the rest of its wall time (the CPU hides nothing)."""
+    params = GenerationParams(max_tokens=40)
+    ar, spec = _goodput_case(model, params)
+    engine = Engine(model, spec, max_slots=2,
+                    budget_profile=_profile(1000.0, slope=0.0, T=spec.nodes_per_request))
+    rounds, policy = engine.rounds, engine.rounds.policy
+    rng = random.Random(0)
+    policy.depth.best = lambda R: rng.choice(policy.depth.depths)
+    reports, grown, steps = [], [], []
+    real_after, real_draft, real_run = policy.after_whole, rounds._draft, rounds.run
+
+    def after_whole(*args):
+        reports.append(args)
+        return real_after(*args)
+
+    def draft(b, d):
+        real_draft(b, d)
+        parents = b.tree_parents.tolist()
+        deepest = 0
+        for row, valid in zip(parents, b.tree_valid.tolist()):
+            for i, ok in enumerate(valid):
+                depth, j = 0, i
+                while ok and parents and row[j] >= 0:
+                    depth, j = depth + 1, row[j]
+                deepest = max(deepest, depth)
+        grown.append((d, deepest))
+
+    def run(requests, prelaunch=False):
+        remaining = [r.remaining for r in requests]
+        new, timing = real_run(requests, prelaunch)
+        steps.append((remaining, [len(t) for t in new], timing))
+        return new, timing
+    policy.after_whole, rounds._draft, rounds.run = after_whole, draft, run
+    res = engine.generate(PROMPTS, params, continuations=ar)
+    assert [r.token_ids for r in res] == ar
+    whole = [(rem, n, t) for rem, n, t in steps if t["kind"] == "whole"]
+    assert len(reports) == len(whole) > 10
+    for (R, depth, accepted, draft_ms, rest_ms, measured, hidden), (rem, n, t) in \
+            zip(reports, whole):
+        assert depth == t["depth"] and hidden == 0.0
+        assert accepted == [c - 1 for c, left in zip(n, rem) if left > spec.depth]
+        assert draft_ms == t["draft"] and rest_ms == pytest.approx(t["total"] - t["draft"])
+    assert all(deepest <= d for d, deepest in grown)
+    assert {d for d, deepest in grown if deepest == d} == {d for d, _ in grown}
+
+
+def test_a_select_round_drafts_again_over_a_shallower_queued_draft(model):
+    """A draft queued at the choice's depth for a round that then selects (it chooses from every
+    level) is dropped, and the round grows the deepest tree."""
+    params = GenerationParams(max_tokens=40)
+    ar, spec = _goodput_case(model, params)
+    engine = Engine(model, spec, max_slots=1,
+                    budget_profile=_profile(1000.0, slope=0.0, T=spec.nodes_per_request))
+    rounds, policy = engine.rounds, engine.rounds.policy
+    policy.depth.best = lambda R: 2
+    depths = []
+    real = rounds._draft
+    rounds._draft = lambda b, d: (depths.append(d), real(b, d))[1]
+    r = engine.new_request(0, PROMPTS[0], params)
+    r.continuation = ar[0]
+    engine.admit(r)
+    engine.step([r], prelaunch=True)        # whole at 4, queues 4 (chosen after the sync)
+    second = engine.step([r], prelaunch=True)       # takes the queued 4, queues the choice's 2
+    assert second["kind"] == "whole" and second["depth"] == 4 and depths == [4, 4, 2]
+    policy._whole[1] = False                         # the bucket selects from now on
+    third = engine.step([r], prelaunch=True)
+    assert third["kind"] == "select" and third["depth"] == 4 and depths[3] == 4

@@ -427,9 +427,9 @@ def plot(path: Path) -> Path:
     ax.set_xlabel("batch")
     ax.set_ylabel("tokens/s over ar")
     m = data["meta"]
-    versions = ", ".join(f"{k} {m[k]}" for k in ("torch", "triton", "fla") if m.get(k))
+    named = ", ".join(f"{k} {m[k]}" for k in ("torch", "triton", "fla") if m.get(k))
     ax.set_title(f"{m['model']} ({m['drafter']}{', ' + m['acceptance'] if m['acceptance'] else ''})"
-                 f" on {m['device']}, {m['date']}" + (f"\n{versions}" if versions else ""),
+                 f" on {m['device']}, {m['date']}" + (f"\n{named}" if named else ""),
                  fontsize=8)
     ax.legend(fontsize=8)
     return save_png(fig, path)

@@ -151,10 +151,9 @@ class DraftDepth:
                 self.passed = [x / 2 for x in self.passed]
         if measured:
             times = self.draft_ms.setdefault(R, {})
-            times[depth] = average(times.get(depth), draft_ms, TIME_WEIGHT)
-            self.rest_ms[R] = average(self.rest_ms.get(R), rest_ms, TIME_WEIGHT)
-            self.hidden_ms[R] = (1.0 - TIME_WEIGHT) * self.hidden_ms[R] + TIME_WEIGHT * hidden_ms \
-                if R in self.hidden_ms else hidden_ms
+            times[depth] = _average(times.get(depth), draft_ms)
+            self.rest_ms[R] = _average(self.rest_ms.get(R), rest_ms)
+            self.hidden_ms[R] = _average(self.hidden_ms.get(R), hidden_ms)
         self.chosen[R] = self.best(R)
 
 
@@ -167,7 +166,7 @@ def fill_depths(topk: int, deepest: int, nodes: int) -> tuple[int, ...]:
         (deepest,)
 
 
-def average(mean: float | None, x: float, weight: float) -> float:
-    """An exponential moving average (``weight`` on the newest), started at its first value
-    (``mean`` None or 0: nothing averaged yet)."""
-    return (1.0 - weight) * mean + weight * x if mean else x
+def _average(mean: float | None, x: float) -> float:
+    """An exponential moving average (:data:`TIME_WEIGHT` on the newest), started at its first
+    value (``mean`` None: nothing averaged yet; 0 is a value, as a hidden time often is)."""
+    return x if mean is None else (1.0 - TIME_WEIGHT) * mean + TIME_WEIGHT * x

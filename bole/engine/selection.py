@@ -81,7 +81,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bole.engine.draft_depth import DraftDepth, average, fill_depths
+from bole.engine.draft_depth import DraftDepth, fill_depths
 from bole.forest import DenseForest
 from bole.speculative.calibration import AcceptanceCalibrator
 from bole.speculative.budget import (compact, rank_dense, select_dense, spread_width,
@@ -529,4 +529,6 @@ class BudgetPolicy:
 
 
 def _average(mean: float | None, x: float, weight: float = RATE_WEIGHT) -> float:
-    return average(mean, x, weight)
+    """An exponential moving average (``weight`` on the newest), started at its first value
+    (``mean`` None or 0: nothing averaged yet)."""
+    return (1.0 - weight) * mean + weight * x if mean else x

@@ -5,7 +5,10 @@ A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or sh
 :mod:`bole.models.weights` expects for the config, converts them to the requested dtype (gate
 parameters stay fp32) and fails with one :class:`CheckpointError` that names every missing,
 mis-shaped or unexpected tensor and the file it was looked for in; a truncated or corrupt file is
-named too. The MTP head (``mtp.*``) is optional: loaded and checked when present.
+named too. The MTP head (``mtp.*``) is optional: loaded and checked when present. MoE experts are
+read in the layout the checkpoint holds (per expert, or fused ``experts.gate_up_proj`` /
+``experts.down_proj``: :mod:`bole.models.weights`); the model stacks per-expert tensors into the
+fused layout once (:class:`bole.models.qwen3_hybrid.HybridModel`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from safetensors import SafetensorError, safe_open
 from bole.distributed import TPShard
 from bole.models.config import HybridConfig
 from bole.models.sharding import shard_plan, zero_on_other_ranks
-from bole.models.weights import FP32_SUFFIXES, IGNORED_PREFIXES, mtp_specs, text_model_specs
+from bole.models.weights import (FP32_SUFFIXES, IGNORED_PREFIXES, has_fused_experts, mtp_specs,
+                                 text_model_specs)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -90,7 +94,8 @@ def _read(f, name: str, plan) -> torch.Tensor:
         return f.get_tensor(name)
     dim, ranges = plan
     sl = f.get_slice(name)
-    parts = [sl[a:b] if dim == 0 else sl[:, a:b] for a, b in ranges]
+    parts = [sl[a:b] if dim == 0 else sl[:, a:b] if dim == 1 else sl[:, :, a:b]
+             for a, b in ranges]
     return torch.cat(parts, dim=dim).contiguous()
 
 
@@ -111,11 +116,13 @@ def load_checkpoint(folder: str | Path, config: HybridConfig | None = None, *,
     config = config or HybridConfig.from_pretrained(folder)
     where = checkpoint_files(folder)
     report = LoadReport(folder=str(folder), files=sorted(set(where.values())))
-    expected = text_model_specs(config)
+    fused = has_fused_experts(where)
+    expected = text_model_specs(config, fused_experts=fused)
     present_mtp = [n for n in where if n.startswith("mtp.")]
     if load_mtp and present_mtp:
         layers = {int(n.split(".")[2]) for n in present_mtp if n.startswith("mtp.layers.")}
-        expected.update(mtp_specs(config, num_layers=len(layers)))
+        expected.update(mtp_specs(config, num_layers=len(layers),
+                                  fused_experts=has_fused_experts(present_mtp)))
         report.has_mtp = True
     for name in sorted(where):
         if name in expected:

@@ -28,6 +28,14 @@ def _hybrid(shape: str) -> dict:
                 num_hidden_layers=s.num_gdn_layers * n // (n - 1), **_ATTENTION)
 
 
+def _gdn(num_hidden_layers: int, key_heads: int, value_heads: int) -> dict:
+    """The GDN part of a preset not in ``GDN_SHAPES`` (head dims 128, conv 4)."""
+    return dict(linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                full_attention_interval=FULL_ATTENTION_INTERVAL,
+                num_hidden_layers=num_hidden_layers, **_ATTENTION)
+
+
 PRESETS: dict[str, dict] = {
     "qwen3.5-4b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=2560,
                        num_attention_heads=16, num_key_value_heads=4, intermediate_size=9216,
@@ -38,11 +46,36 @@ PRESETS: dict[str, dict] = {
     "qwen3.5-27b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120,
                         num_attention_heads=24, num_key_value_heads=4, intermediate_size=17408,
                         **_hybrid("qwen3.5-27b")),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct, config.json on the Hugging Face Hub (model_type
+    # qwen3_next): hidden 2048, 48 layers (full attention every 4th), attention 16 / 2 KV heads
+    # of 256, GDN 16 key / 32 value heads of 128, 512 experts, top 10, expert FFN 512, a gated
+    # shared expert of 512, dense intermediate_size 5120 (unused: no mlp_only_layers),
+    # vocabulary 151,936
     "qwen3-next-80b-a3b": dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048,
                                num_attention_heads=16, num_key_value_heads=2,
                                intermediate_size=5120, num_experts=512, num_experts_per_tok=10,
                                moe_intermediate_size=512, shared_expert_intermediate_size=512,
                                **_hybrid("qwen3-next-80b-a3b")),
+    # Qwen/Qwen3.5-35B-A3B, text_config of its config.json on the Hugging Face Hub (model_type
+    # qwen3_5_moe; the same numbers are transformers 5's Qwen3_5MoeTextConfig defaults, documented
+    # against that checkpoint, and THUDM/slime scripts/models/qwen3.5-35B-A3B.sh): hidden 2048,
+    # 40 layers (full attention every 4th), attention 16 / 2 KV heads of 256, GDN 16 key / 32
+    # value heads of 128, 256 experts, top 8, expert FFN 512, a gated shared expert of 512,
+    # vocabulary 248,320, untied lm_head
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048,
+                            num_attention_heads=16, num_key_value_heads=2, num_experts=256,
+                            num_experts_per_tok=8, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512,
+                            **_gdn(num_hidden_layers=40, key_heads=16, value_heads=32)),
+    # Qwen/Qwen3.5-122B-A10B, text_config of its config.json on the Hugging Face Hub (model_type
+    # qwen3_5_moe): hidden 3072, 48 layers (full attention every 4th), attention 32 / 2 KV heads
+    # of 256, GDN 16 key / 64 value heads of 128 (bole.config.GDN_SHAPES), 256 experts, top 8,
+    # expert FFN 1024, a gated shared expert of 1024, vocabulary 248,320, untied lm_head
+    "qwen3.5-122b-a10b": dict(model_type="qwen3_5_moe_text", vocab_size=248320,
+                              hidden_size=3072, num_attention_heads=32, num_key_value_heads=2,
+                              num_experts=256, num_experts_per_tok=8,
+                              moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+                              **_hybrid("qwen3.5-122b-a10b")),
     # for tests and smoke runs of the benchmarks
     "tiny": dict(model_type="qwen3_5_text", vocab_size=128, hidden_size=64, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
@@ -50,6 +83,14 @@ PRESETS: dict[str, dict] = {
                  linear_value_head_dim=16, linear_conv_kernel_dim=4,
                  full_attention_interval=FULL_ATTENTION_INTERVAL,
                  **{**_ATTENTION, "head_dim": 16}),
+    # the tiny model with a mixture of experts (Qwen3.5-MoE layout), for tests and smoke runs
+    "tiny-moe": dict(model_type="qwen3_5_moe_text", vocab_size=128, hidden_size=64,
+                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                     shared_expert_intermediate_size=48, linear_num_key_heads=2,
+                     linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                     linear_conv_kernel_dim=4, full_attention_interval=FULL_ATTENTION_INTERVAL,
+                     **{**_ATTENTION, "head_dim": 16}),
 }
 
 

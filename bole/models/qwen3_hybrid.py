@@ -16,12 +16,16 @@ on the first ``head_dim * partial_rotary_factor`` dims, GDN conv + SiLU over [q 
 ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``, q/k l2-normalised, gated RMSNorm of
 the GDN output with silu(z). Projections that read the same input run as one matrix product
 (their checkpoint tensors become views of the fused weight); norms, gates and the conv are single
-kernels on the GPU (:mod:`bole.ops.fused`).
+kernels on the GPU (:mod:`bole.ops.fused`). MoE experts are stacked at load time into
+``experts.gate_up_proj [E, 2F, H]`` / ``experts.down_proj [E, H, F]``, the layout the fused
+kernels read (:mod:`bole.ops.moe`); the router, the shared expert's gate and its gate/up
+projections read the same input and run as one product.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import defaultdict
 
@@ -36,7 +40,8 @@ from bole.models.batch import GDN_BACKENDS, ForwardBatch, ForwardOutput
 from bole.models.config import HybridConfig
 from bole.models.loader import load_checkpoint
 from bole.models.sharding import check_divisible, shard_tensors
-from bole.models.weights import FP32_SUFFIXES, mtp_specs, text_model_specs
+from bole.models.weights import (FP32_SUFFIXES, FUSED_DOWN, FUSED_GATE_UP, mtp_specs,
+                                 text_model_specs)
 from bole.ops import fused, rope
 from bole.ops.attention import prefill_attention, tree_attention
 from bole.ops.gdn.closed_form import TreeFactors
@@ -44,9 +49,13 @@ from bole.ops.gdn.common import gates_from_raw
 from bole.ops.gdn.decode import gdn_decode_inplace
 from bole.ops.gdn.dense import tree_gdn_closed_form_dense, tree_gdn_serial_dense
 from bole.ops.linear import linear
+from bole.ops.moe import fused_moe, route
 from bole.ops.triton_utils import check_kernel_device
 
-__all__ = ["HybridModel", "SectionTimer", "GDN_BACKENDS"]
+__all__ = ["HybridModel", "SectionTimer", "GDN_BACKENDS", "MOE_BACKENDS"]
+
+#: "triton": the fused grouped-GEMM kernels (CUDA graph safe); "torch": the loop over experts
+MOE_BACKENDS = ("triton", "torch")
 
 
 class SectionTimer:
@@ -75,12 +84,23 @@ class SectionTimer:
         self.totals.clear()
 
 
+FLA_REQUIREMENT = "fla-core==0.6.0"
+_fla_missing_said = False
+
+
 def _fla_chunk():
-    """fla's chunked GDN kernel, or None when fla is not installed (prefill then runs the tree
-    path over the chunk)."""
+    """fla's chunked GDN kernel, or None when fla is missing or fails to import (prefill then runs
+    the closed form over each chunk, many times slower on long prompts: said once a process)."""
+    global _fla_missing_said
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except Exception:               # fla absent, or failing to import on this machine
+    except Exception as e:           # fla absent, or failing to import on this machine
+        if not _fla_missing_said:
+            _fla_missing_said = True
+            logging.getLogger("bole").warning(
+                "fla is not importable (%s: %s): prefill on this GPU runs Bole's closed form over "
+                "chunks, about 10x slower on long prompts. Install it with: pip install '%s'",
+                type(e).__name__, e, FLA_REQUIREMENT)
         return None
     return chunk_gated_delta_rule
 
@@ -98,8 +118,10 @@ _FUSED_GROUPS = {
     "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                 "self_attn.v_proj.bias"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "mlp.shared_expert.gate_up_proj.weight": ("mlp.shared_expert.gate_proj.weight",
-                                              "mlp.shared_expert.up_proj.weight"),
+    # router logits, the shared expert's gate, then its gate / up projections
+    "mlp.moe_in_proj.weight": ("mlp.gate.weight", "mlp.shared_expert_gate.weight",
+                               "mlp.shared_expert.gate_proj.weight",
+                               "mlp.shared_expert.up_proj.weight"),
 }
 
 
@@ -107,9 +129,11 @@ class HybridModel:
     """A hybrid text model held as tensors by checkpoint name (plus fused projections)."""
 
     def __init__(self, config: HybridConfig, tensors: dict[str, torch.Tensor],
-                 gdn_backend: str = "auto", tp: TensorParallel | None = None):
+                 gdn_backend: str = "auto", tp: TensorParallel | None = None,
+                 moe_backend: str = "auto"):
         """``tensors`` by checkpoint name (this rank's slices under tensor parallelism, ``tp``:
-        :mod:`bole.models.sharding`)."""
+        :mod:`bole.models.sharding`), MoE experts per expert or fused. ``moe_backend``: one of
+        :data:`MOE_BACKENDS`, or "auto" (the kernels on CUDA, the torch loop elsewhere)."""
         self.config = config
         #: the checkpoint folder (None for random weights): files beside the weights, such as
         #: the draft vocabulary's token counts, are looked up there
@@ -142,39 +166,48 @@ class HybridModel:
         #: the default backend of Bole's closed form on this device ("triton" on a GPU); an engine
         #: passes its own backend with every forward, so engines sharing a model never interfere
         self.gdn_backend = gdn_backend
+        if moe_backend == "auto":
+            moe_backend = "triton" if self.device.type == "cuda" else "torch"
+        if moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend must be one of {MOE_BACKENDS} or 'auto', got "
+                             f"{moe_backend!r}")
+        if moe_backend == "triton" and config.num_experts:
+            check_kernel_device(self.device, "moe_backend='triton'")
+        self.moe_backend = moe_backend
         self.timer: SectionTimer | None = None
         #: chunked chain kernel for prefill: fla's chunk_gated_delta_rule on the GPU when installed
         self.prefill_gdn = _fla_chunk() if self.device.type == "cuda" else None
+        self._stack_experts()
         self._fuse_projections()
 
     # ---- construction ----
     @classmethod
     def from_pretrained(cls, folder, *, dtype=torch.bfloat16, device="cpu",
-                        gdn_backend: str = "auto",
-                        tp: TensorParallel | None = None) -> "HybridModel":
+                        gdn_backend: str = "auto", tp: TensorParallel | None = None,
+                        moe_backend: str = "auto") -> "HybridModel":
         """A checkpoint folder's model; under tensor parallelism each rank reads its slices."""
         config = HybridConfig.from_pretrained(folder)
         if tp is not None:
             check_divisible(config, tp.world)
         tensors, _ = load_checkpoint(folder, config, dtype=dtype, device=device,
                                      shard=tp.shard if tp is not None and tp.world > 1 else None)
-        model = cls(config, tensors, gdn_backend, tp)
+        model = cls(config, tensors, gdn_backend, tp, moe_backend)
         model.folder = Path(folder)
         return model
 
     @classmethod
     def random(cls, config: HybridConfig, *, dtype=torch.bfloat16, device="cpu",
                seed: int = 0, gdn_backend: str = "auto", mtp: bool = False,
-               tp: TensorParallel | None = None) -> "HybridModel":
+               tp: TensorParallel | None = None, moe_backend: str = "auto") -> "HybridModel":
         """Random weights of the right shapes (benchmarks; no checkpoint needed); ``mtp`` adds
         a one-layer MTP head, so that drafting costs what a real checkpoint's would. Under
         tensor parallelism every rank draws the whole model and keeps its slices, so the
         weights equal the single-process ones."""
         gen = torch.Generator(device=device).manual_seed(seed)
         tensors = {}
-        specs = dict(text_model_specs(config))
+        specs = dict(text_model_specs(config, fused_experts=True))
         if mtp:
-            specs.update(mtp_specs(config, num_layers=1))
+            specs.update(mtp_specs(config, num_layers=1, fused_experts=True))
         for name, shape in specs.items():
             if name.endswith("A_log"):
                 t = torch.empty(shape, device=device).uniform_(1, 16, generator=gen).log()
@@ -189,7 +222,31 @@ class HybridModel:
         if tp is not None and tp.world > 1:
             check_divisible(config, tp.world)
             tensors = shard_tensors(config, tensors, tp.shard)
-        return cls(config, tensors, gdn_backend, tp)
+        return cls(config, tensors, gdn_backend, tp, moe_backend)
+
+    def _stack_experts(self) -> None:
+        """Per-expert MoE tensors (``mlp.experts.{e}.gate_proj.weight`` ...) into the fused
+        ``mlp.experts.gate_up_proj [E, 2F, H]`` and ``mlp.experts.down_proj [E, H, F]``; the
+        per-expert entries are dropped (fused checkpoints arrive stacked already)."""
+        suffix = "experts.0.gate_proj.weight"
+        prefixes = sorted(n[: -len(suffix)] for n in self.w if n.endswith("mlp." + suffix))
+        E = self.config.num_experts
+        for p in prefixes:
+            names = [f"{p}experts.{e}.{proj}.weight" for e in range(E)
+                     for proj in ("gate_proj", "up_proj", "down_proj")]
+            missing = [n for n in names if n not in self.w]
+            if missing:
+                raise ValueError(f"MoE layer {p[:-1]} lacks {len(missing)} expert tensors "
+                                 f"(first: {missing[0]}); a MoE layer needs all {E} experts")
+            gate = self.w[names[0]]
+            F_, H = gate.shape
+            w13 = torch.empty(E, 2 * F_, H, dtype=gate.dtype, device=gate.device)
+            w2 = torch.empty(E, H, F_, dtype=gate.dtype, device=gate.device)
+            for e in range(E):
+                w13[e, :F_] = self.w.pop(names[3 * e])
+                w13[e, F_:] = self.w.pop(names[3 * e + 1])
+                w2[e] = self.w.pop(names[3 * e + 2])
+            self.w[p + FUSED_GATE_UP], self.w[p + FUSED_DOWN] = w13, w2
 
     def _fuse_projections(self) -> None:
         """One weight per group of projections that read the same input; the parts become row
@@ -370,40 +427,44 @@ class HybridModel:
                       w[p + "down_proj.weight"])
 
     def mlp(self, layer: int, x: torch.Tensor, prefix: str | None = None) -> torch.Tensor:
-        c = self.config
+        """The MLP of decoder layer ``layer`` (or of the layer under ``prefix``, the MTP head's):
+        a mixture of experts where the weights hold one, else dense."""
         p = (prefix or self._p(layer)) + "mlp."
-        if prefix is not None or not c.is_moe_layer(layer):
-            return self.tp.all_reduce(self.dense_mlp(x, p))
-        return self.tp.all_reduce(self._moe(x, p))
+        if p + FUSED_GATE_UP in self.w:
+            return self.tp.all_reduce(self.moe(x, p))
+        return self.tp.all_reduce(self.dense_mlp(x, p))
 
-    def _moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        """Mixture of experts with a shared expert. Loops over the experts used (a host sync:
-        MoE forwards are not captured in CUDA graphs)."""
-        c = self.config
-        logits = F.linear(x, self.w[p + "gate.weight"])
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        top_p, top_i = torch.topk(probs, c.num_experts_per_tok, dim=-1)
-        if c.norm_topk_prob:
-            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
-        top_p = top_p.to(x.dtype)
-        y = torch.zeros_like(x)
-        for e in torch.unique(top_i).tolist():
-            tok, slot = torch.where(top_i == e)
-            y.index_add_(0, tok, self._expert(x[tok], f"{p}experts.{e}.") * top_p[tok, slot, None])
-        if c.shared_expert_intermediate_size:
-            shared = self.dense_mlp(x, p + "shared_expert.")
-            y = y + torch.sigmoid(F.linear(x, self.w[p + "shared_expert_gate.weight"])) * shared
-        return y
+    def moe_routing(self, x: torch.Tensor, p: str):
+        """``(topk_weights [N, k] fp32, topk_ids [N, k] int32, shared [N, H] or None)``: the
+        routing of MoE layer ``p`` and its gated shared expert's output, from one product."""
+        c, w = self.config, self.w
+        E = c.num_experts
+        joint = w.get(p + "moe_in_proj.weight")
+        shared = None
+        if joint is not None:
+            logits, s_gate, gate_up = torch.split(linear(x, joint),
+                                                  [E, 1, joint.shape[0] - E - 1], dim=-1)
+            shared = torch.sigmoid(s_gate) * linear(fused.silu_mul(gate_up),
+                                                    w[p + "shared_expert.down_proj.weight"])
+        else:
+            logits = linear(x, w[p + "gate.weight"])
+        weights, ids = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        return weights, ids, shared
 
-    def _expert(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        w = self.w
-        return F.linear(F.silu(F.linear(x, w[p + "gate_proj.weight"]))
-                        * F.linear(x, w[p + "up_proj.weight"]), w[p + "down_proj.weight"])
+    def moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """Mixture of experts (and a gated shared expert) under prefix ``p`` (``...mlp.``): the
+        routing on the device, then the fused kernels (``moe_backend="triton"``: no host sync)
+        or the torch loop over the experts used (``"torch"``, the reference)."""
+        weights, ids, shared = self.moe_routing(x, p)
+        y = fused_moe(x, self.w[p + FUSED_GATE_UP], self.w[p + FUSED_DOWN], weights, ids,
+                      impl=self.moe_backend)
+        return y if shared is None else y + shared
 
     @property
     def graph_safe(self) -> bool:
-        """Whether a forward can be captured in a CUDA graph (MoE routing syncs the host)."""
-        return self.config.num_experts == 0
+        """Whether a forward can be captured in a CUDA graph (the torch MoE loop syncs the
+        host; the fused MoE kernels do not)."""
+        return self.config.num_experts == 0 or self.moe_backend == "triton"
 
     # ---- the forward ----
     @torch.no_grad()

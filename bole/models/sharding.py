@@ -8,7 +8,9 @@ Heads are independent in attention and in Gated DeltaNet, so ranks split them:
                   head, z / b / a rows, A_log and dt_bias by value head, out_proj columns; value
                   heads stay with their key head (GVA groups stay whole); Qwen3-Next's grouped
                   in_proj_qkvz / in_proj_ba by key head
-    MLP           gate / up rows, down columns (every expert alike; the router replicated)
+    MLP           gate / up rows, down columns (every expert alike; the router replicated; fused
+                  experts: both halves of gate_up_proj [E, 2F, H] along dim 1, down_proj
+                  [E, H, F] along dim 2)
     embedding     rows by vocabulary range (a lookup outside the range gives zeros, summed over
                   ranks); the lm_head likewise, its logits gathered over ranks
     the rest      replicated (norms, MTP fc, the shared-expert gate)
@@ -80,6 +82,12 @@ def shard_plan(c: HybridConfig, name: str, shard: TPShard) -> Plan | None:
         return rows(shard.part(Hk, 2 * (Hv // Hk)))
     if name.endswith("linear_attn.out_proj.weight"):
         return cols(shard.part(Hv, dv))
+    if name.endswith("mlp.experts.gate_up_proj"):
+        F = c.moe_intermediate_size
+        a, b = shard.part(F)
+        return 1, ((a, b), (F + a, F + b))
+    if name.endswith("mlp.experts.down_proj"):
+        return 2, (shard.part(c.moe_intermediate_size),)
     if name.endswith(("gate_proj.weight", "up_proj.weight")):
         return rows(shard.part(_mlp_width(c, name)))
     if name.endswith("down_proj.weight"):

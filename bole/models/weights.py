@@ -1,8 +1,11 @@
 """The tensors a checkpoint must hold for a :class:`HybridConfig`, by the checkpoint's own names.
 
 Names and shapes are those of the safetensors files that transformers writes and Qwen publishes:
-``{prefix}layers.{i}.linear_attn.in_proj_qkv.weight`` and so on, MoE experts one tensor per expert
-(``mlp.experts.{e}.gate_proj.weight``), the MTP head under ``mtp.``. The model runtime builds its
+``{prefix}layers.{i}.linear_attn.in_proj_qkv.weight`` and so on, the MTP head under ``mtp.``. MoE
+experts come in one of two layouts: one tensor per expert (``mlp.experts.{e}.gate_proj.weight``,
+what transformers writes for Qwen3.5-MoE / Qwen3-Next) or fused (``mlp.experts.gate_up_proj``
+[E, 2F, H], gate rows then up rows, and ``mlp.experts.down_proj`` [E, H, F], the layout of Qwen's
+published Qwen3.5-MoE checkpoints and of the runtime's kernels). The model runtime builds its
 modules from these specs; the loader checks a checkpoint against them.
 """
 
@@ -14,6 +17,10 @@ Shape = tuple[int, ...]
 
 #: Kept in fp32 whatever the load dtype (the gates are computed in fp32, as transformers does).
 FP32_SUFFIXES = ("linear_attn.A_log", "linear_attn.dt_bias")
+
+#: the fused expert tensors of a MoE layer, under ``{layer prefix}mlp.``
+FUSED_GATE_UP = "experts.gate_up_proj"
+FUSED_DOWN = "experts.down_proj"
 
 #: Checkpoint prefixes of parts Bole does not run (the vision tower of Qwen3.5 VL checkpoints).
 IGNORED_PREFIXES = ("model.visual.", "visual.")
@@ -65,40 +72,48 @@ def _dense_mlp(H: int, inter: int, p: str) -> dict[str, Shape]:
             f"{p}down_proj.weight": (H, inter)}
 
 
-def _mlp(c: HybridConfig, p: str, layer: int) -> dict[str, Shape]:
-    H = c.hidden_size
+def _mlp(c: HybridConfig, p: str, layer: int, fused_experts: bool) -> dict[str, Shape]:
+    H, E, F = c.hidden_size, c.num_experts, c.moe_intermediate_size
     if not c.is_moe_layer(layer):
         return _dense_mlp(H, c.intermediate_size, f"{p}mlp.")
-    specs = {f"{p}mlp.gate.weight": (c.num_experts, H)}
-    for e in range(c.num_experts):
-        specs.update(_dense_mlp(H, c.moe_intermediate_size, f"{p}mlp.experts.{e}."))
+    specs = {f"{p}mlp.gate.weight": (E, H)}
+    if fused_experts:
+        specs[f"{p}mlp.{FUSED_GATE_UP}"] = (E, 2 * F, H)
+        specs[f"{p}mlp.{FUSED_DOWN}"] = (E, H, F)
+    else:
+        for e in range(E):
+            specs.update(_dense_mlp(H, F, f"{p}mlp.experts.{e}."))
     if c.shared_expert_intermediate_size:
         specs.update(_dense_mlp(H, c.shared_expert_intermediate_size, f"{p}mlp.shared_expert."))
         specs[f"{p}mlp.shared_expert_gate.weight"] = (1, H)
     return specs
 
 
-def _decoder_layer(c: HybridConfig, p: str, layer: int, full_attention: bool) -> dict[str, Shape]:
+def _decoder_layer(c: HybridConfig, p: str, layer: int, full_attention: bool,
+                   fused_experts: bool = False) -> dict[str, Shape]:
     H = c.hidden_size
     specs = {f"{p}input_layernorm.weight": (H,), f"{p}post_attention_layernorm.weight": (H,)}
     specs.update(_attention(c, p) if full_attention else _gdn(c, p))
-    specs.update(_mlp(c, p, layer))
+    specs.update(_mlp(c, p, layer, fused_experts))
     return specs
 
 
-def text_model_specs(c: HybridConfig) -> dict[str, Shape]:
-    """Every tensor of the text model (embedding, layers, final norm, lm_head unless tied)."""
+def text_model_specs(c: HybridConfig, fused_experts: bool = False) -> dict[str, Shape]:
+    """Every tensor of the text model (embedding, layers, final norm, lm_head unless tied), MoE
+    experts per expert or fused (``fused_experts``)."""
     pre = c.weight_prefix
     specs = {f"{pre}embed_tokens.weight": (c.vocab_size, c.hidden_size),
              f"{pre}norm.weight": (c.hidden_size,)}
     for i in range(c.num_hidden_layers):
-        specs.update(_decoder_layer(c, f"{pre}layers.{i}.", i, c.is_full_attention(i)))
+        specs.update(_decoder_layer(c, f"{pre}layers.{i}.", i, c.is_full_attention(i),
+                                    fused_experts))
     if not c.tie_word_embeddings:
         specs["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     return specs
 
 
-def mtp_specs(c: HybridConfig, num_layers: int | None = None) -> dict[str, Shape]:
+def mtp_specs(c: HybridConfig, num_layers: int | None = None,
+              fused_experts: bool = False) -> dict[str, Shape]:
     """The MTP head: embedding/hidden norms, fc (2H -> H), full-attention layers, final norm."""
     H = c.hidden_size
     n = c.mtp_num_hidden_layers if num_layers is None else num_layers
@@ -106,5 +121,11 @@ def mtp_specs(c: HybridConfig, num_layers: int | None = None) -> dict[str, Shape
              "mtp.pre_fc_norm_hidden.weight": (H,), "mtp.norm.weight": (H,)}
     for j in range(n):
         # the MTP layer's MLP follows the model's: MoE for MoE models (layer index 0 is sparse)
-        specs.update(_decoder_layer(c, f"mtp.layers.{j}.", 0 if c.num_experts else j, True))
+        specs.update(_decoder_layer(c, f"mtp.layers.{j}.", 0 if c.num_experts else j, True,
+                                    fused_experts))
     return specs
+
+
+def has_fused_experts(names) -> bool:
+    """Whether checkpoint tensor ``names`` hold MoE experts in the fused layout."""
+    return any(n.endswith("mlp." + FUSED_GATE_UP) for n in names)

@@ -1,0 +1,17 @@
+"""Mixture-of-experts kernels: device routing, expert alignment and grouped GEMMs.
+
+    route(logits [T, E], top_k, renormalize)      -> (weights [T, k] fp32, ids [T, k] int32)
+    align_blocks(ids [T, k], num_experts, block_m) -> BlockAlignment (pairs sorted by expert)
+    fused_moe(x [T, H], w13 [E, 2F, H], w2 [E, H, F], weights, ids, impl) -> y [T, H]
+    moe_reference(...)                             the torch loop over experts (the oracle)
+
+Every size is a function of T, k, E and the block size, never of the routing, so a fused MoE
+forward makes no host sync and captures in a CUDA graph.
+"""
+
+from bole.ops.moe.grouped_gemm import MoEConfig, fused_moe, pick_moe_config
+from bole.ops.moe.reference import moe_reference
+from bole.ops.moe.routing import BlockAlignment, align_blocks, max_blocks, route
+
+__all__ = ["route", "align_blocks", "max_blocks", "BlockAlignment", "fused_moe", "MoEConfig",
+           "pick_moe_config", "moe_reference"]

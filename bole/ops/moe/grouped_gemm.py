@@ -1,0 +1,168 @@
+"""The fused mixture of experts: two grouped GEMMs over blocks of (token, slot) pairs sorted by
+expert (:func:`bole.ops.moe.routing.align_blocks`).
+
+    gate/up   h[p] = silu(x[t] @ w13[e, :F].T) * (x[t] @ w13[e, F:].T)     p = t k + j, [T k, F]
+    down      o[p] = topk_weight[p] * (h[p] @ w2[e].T)                        [T k, H], fp32
+    sum       y[t] = sum_j o[t k + j]                                         [T, H]
+
+One program computes a ``BLOCK_M x BLOCK_N`` tile of one block (all its rows share the expert, so
+the tile reads one expert's weights); gate and up accumulate side by side and SiLU-and-mul runs on
+the accumulators, so the [T k, 2F] gate/up product is never stored. Unused blocks and padding rows
+are skipped. The launch grid depends on T, k, E and the block sizes only: no host sync, and the
+forward captures in a CUDA graph. Accumulation is fp32; fp32 inputs use IEEE products (no TF32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from bole.ops.moe.reference import moe_reference
+from bole.ops.moe.routing import align_blocks
+from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index, interpreting
+
+__all__ = ["fused_moe", "MoEConfig", "pick_moe_config"]
+
+fix_interpreter_scalar_index()
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tile sizes of the grouped GEMMs (powers of two, at least 16 for ``tl.dot``)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def pick_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> MoEConfig:
+    """Tiles for ``num_pairs`` routed pairs: 16-row blocks when experts see few rows each
+    (decode, verify), 64 when they see many (prefill); small tiles under the interpreter."""
+    if device.type != "cuda":
+        return MoEConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
+    rows_per_expert = num_pairs / max(num_experts, 1)
+    if rows_per_expert < 8:
+        return MoEConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_pairs, block_expert,
+                         NUM_PAIRS, NUM_EXPERTS, N, K,
+                         stride_am, stride_ak, stride_be, stride_bn, stride_bk,
+                         stride_cm, stride_cn,
+                         TOP_K: tl.constexpr, GATHER_TOKENS: tl.constexpr,
+                         SILU_MUL: tl.constexpr, WEIGHTED: tl.constexpr,
+                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """c[p, n] = (silu-mul of) a[row(p)] @ b[e, n(, N + n)].T (times w[p]) for the pairs p of
+    block ``program_id(0)``; row(p) = p // TOP_K when GATHER_TOKENS, else p."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert + pid_m)
+    if e < NUM_EXPERTS:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_pairs + offs_m)
+        row_ok = pair < NUM_PAIRS
+        if GATHER_TOKENS:
+            a_row = pair // TOP_K
+        else:
+            a_row = pair
+        a_row = tl.where(row_ok, a_row, 0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = (b_ptr + e.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+                  + offs_k[:, None] * stride_bk)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if SILU_MUL:
+                b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :],
+                               other=0.0)
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        if SILU_MUL:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        if WEIGHTED:
+            w = tl.load(w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+            acc = acc * w[:, None]
+        c_ptrs = (c_ptr + pair[:, None].to(tl.int64) * stride_cm
+                  + offs_n[None, :] * stride_cn)
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def _launch(a, b, c, weights, align, n: int, k: int, *, gather: bool, silu_mul: bool,
+            weighted: bool, top_k: int, cfg: MoEConfig) -> None:
+    grid = (align.num_blocks, triton.cdiv(n, cfg.block_n))
+    precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    _grouped_gemm_kernel[grid](
+        a, b, c, weights, align.sorted_pairs, align.block_expert,
+        align.num_pairs, align.num_experts, n, k,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        c.stride(0), c.stride(1),
+        TOP_K=top_k, GATHER_TOKENS=gather, SILU_MUL=silu_mul, WEIGHTED=weighted,
+        PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _check(x, w13, w2, topk_weights, topk_ids) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"fused_moe takes x [T, H], w13 [E, 2F, H], w2 [E, H, F]; got "
+                         f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+    T, H = x.shape
+    E, F2, H13 = w13.shape
+    if H13 != H or w2.shape != (E, H, F2 // 2) or F2 % 2:
+        raise ValueError(f"fused_moe: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not "
+                         f"match x [T, {H}] as [E, 2F, H] and [E, H, F]")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
+                         f"{tuple(topk_weights.shape)} must both be [T={T}, k]")
+    if w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"fused_moe: x, w13 and w2 must share a dtype, got {x.dtype}, "
+                         f"{w13.dtype}, {w2.dtype}")
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("fused_moe: w13 and w2 need unit stride along their last dim")
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, impl: str = "auto",
+              config: MoEConfig | None = None) -> torch.Tensor:
+    """The experts' weighted sum per token (module docstring). x [T, H]; w13 [E, 2F, H] (gate
+    rows, then up rows); w2 [E, H, F]; topk_weights [T, k]; topk_ids [T, k] (in 0..E-1).
+    Returns [T, H] in x's dtype. ``impl``: "triton" (the kernels; CUDA, or CPU under
+    TRITON_INTERPRET=1), "torch" (:func:`moe_reference`), "auto" (triton on CUDA)."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    if impl == "auto":
+        impl = "triton" if x.device.type == "cuda" else "torch"
+    if impl == "torch":
+        return moe_reference(x, w13, w2, topk_weights, topk_ids)
+    if impl != "triton":
+        raise ValueError(f"fused_moe impl must be 'triton', 'torch' or 'auto', got {impl!r}")
+    check_kernel_device(x.device, "fused_moe")
+    T, H = x.shape
+    E, F2, _ = w13.shape
+    F_, k = F2 // 2, topk_ids.shape[1]
+    num_pairs = T * k
+    cfg = config or pick_moe_config(num_pairs, E, x.device)
+    align = align_blocks(topk_ids, E, cfg.block_m)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    h = torch.empty(num_pairs, F_, dtype=x.dtype, device=x.device)
+    _launch(x, w13, h, weights, align, F_, H, gather=True, silu_mul=True, weighted=False,
+            top_k=k, cfg=cfg)
+    out = torch.empty(num_pairs, H, dtype=torch.float32, device=x.device)
+    _launch(h, w2, out, weights, align, H, F_, gather=False, silu_mul=False, weighted=True,
+            top_k=k, cfg=cfg)
+    return out.view(T, k, H).sum(dim=1).to(x.dtype)

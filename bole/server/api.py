@@ -6,8 +6,13 @@ own (``bole serve --engine-process``, :mod:`bole.server.engine_process`); a requ
 submits its request and waits on an asyncio queue that the engine's events feed after every
 round. A client
 that disconnects cancels its request, which frees its slot at the next round boundary. Every
-error a client can cause is a 4xx with OpenAI's error body; a full waiting queue is a 503 with
-Retry-After; an unexpected error is a 500 and the server goes on. Under tensor parallelism this
+error a client can cause is a 4xx with OpenAI's error body (:mod:`bole.server.errors`); a full
+waiting queue is a 503 with Retry-After; an unexpected error is a 500 and the server goes on.
+Tokenizing and detokenizing run on a small thread pool, never on the event loop, and a prompt
+over ``--max-prompt-bytes`` is refused before it is tokenized. A request with several prompts or
+``n`` > 1 runs one sequence per choice through the scheduler. The first SIGTERM drains: new
+requests get 503, in-flight ones get ``--shutdown-timeout`` seconds, then the rest end with
+finish_reason ``abort``. Under tensor parallelism this
 is rank 0; the other ranks step in lockstep with it (:mod:`bole.server.lockstep`).
 """
 
@@ -18,22 +23,27 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from bole.engine import Engine, GenerationParams
-from bole.engine.engine import result_text
+from bole.engine.engine import GenerationResult, result_text
 from bole.engine.scheduler import Handle, QueueFull, Scheduler
+from bole.server import errors
 from bole.server.chat import ChatTemplate
 from bole.server.engine_process import EngineClient
+from bole.server.errors import error
+from bole.server.gate import Gate
 from bole.server.lockstep import Channel, LockstepScheduler
-from bole.server.metrics import ServerMetrics
-from bole.server.protocol import (ChatCompletionRequest, CompletionRequest, completion_body,
-                                  completion_chunk, error_body, new_id, usage)
-from bole.speculative.sampling import SamplingParams
+from bole.server.metrics import RequestTimer, ServerMetrics
+from bole.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError,
+                                  check_supported, choice_seed, completion_body,
+                                  completion_choice, completion_chunk, engine_params,
+                                  error_body, new_id, usage)
 
 log = logging.getLogger("bole.server")
 
@@ -84,14 +94,14 @@ class EventPump:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self._pending: list[tuple[asyncio.Queue, bool]] = []
+        self._pending: list[tuple[asyncio.Queue, object]] = []
         self._lock = threading.Lock()
         self._scheduled = False
 
-    def post(self, queue: asyncio.Queue, finished: bool) -> None:
-        """Any thread: queue ``finished`` for ``queue``; the loop flushes once per batch."""
+    def post(self, queue: asyncio.Queue, item) -> None:
+        """Any thread: queue ``item`` for ``queue``; the loop flushes once per batch."""
         with self._lock:
-            self._pending.append((queue, finished))
+            self._pending.append((queue, item))
             if self._scheduled:
                 return
             self._scheduled = True
@@ -100,8 +110,8 @@ class EventPump:
     def _flush(self) -> None:
         with self._lock:
             items, self._pending, self._scheduled = self._pending, [], False
-        for queue, finished in items:
-            queue.put_nowait(finished)
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 class TextStream:
@@ -116,7 +126,7 @@ class TextStream:
         if final_text is not None:
             text = final_text
         else:
-            text = self.tokenizer.decode(ids)
+            text = self.tokenizer.decode_batch([ids])[0]     # lets go of the GIL
             keep = len(text)
             if text.endswith("\ufffd"):                       # an incomplete multi-byte char
                 keep = len(text.rstrip("\ufffd"))
@@ -128,6 +138,53 @@ class TextStream:
         return out
 
 
+@dataclass
+class ServerConfig:
+    """The HTTP side's settings. ``max_prompt_bytes``: prompts (or a chat's messages) longer
+    than this many UTF-8 bytes are refused before tokenizing (None: :func:`default_prompt_bytes`
+    of the engine's context); ``api_key``: required as ``Authorization: Bearer`` on every route
+    but /health and /metrics; ``shutdown_timeout``: seconds a SIGTERM lets in-flight requests
+    finish before the rest are aborted."""
+
+    max_prompt_bytes: int | None = None
+    api_key: str | None = None
+    shutdown_timeout: float = 30.0
+    text_threads: int = 2
+
+
+def default_prompt_bytes(max_len: int) -> int:
+    """1 MiB, or 32 bytes per token of the context when that is more: far above any prompt the
+    context can hold, far below what stalls a tokenizer thread for long."""
+    return max(1 << 20, 32 * max_len)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of a request: its prompt, parameters and seed, its engine handle, latency
+    timer, and whether the server aborted it (shutdown)."""
+
+    index: int
+    prompt_index: int
+    ids: list[int]
+    params: GenerationParams
+    seed: int | None
+    echo: str = ""
+    handle: Handle | None = None
+    timer: RequestTimer | None = None
+    aborted: bool = False
+
+    def text(self, tokenizer) -> str:
+        """The output text so far: the result's, or (aborted) the tokens it had."""
+        r = self.handle.request
+        res = r.result or GenerationResult(list(r.out), "length")
+        return result_text(tokenizer, res, self.params)
+
+    @property
+    def finish_reason(self) -> str:
+        res = self.handle.request.result
+        return res.finish_reason if res is not None else "abort"
+
+
 class BoleServer:
     """The app's state: engine, scheduler, metrics and the served model's name. ``channel``: rank
     0's link to the other tensor-parallel ranks, which then step in lockstep with it."""
@@ -135,7 +192,7 @@ class BoleServer:
     def __init__(self, engine: Engine | None, model_name: str, *, max_queue: int = 256,
                  max_batch: int | None = None, chat_template: ChatTemplate | None = None,
                  channel: Channel | None = None, client: EngineClient | None = None,
-                 tokenizer=None):
+                 tokenizer=None, config: ServerConfig | None = None):
         """``engine``: run in this process on a thread of its own; or ``client``: the engine in
         its own process (``tokenizer``: the checkpoint's, for this process's text)."""
         if (engine is None) == (client is None):
@@ -144,10 +201,12 @@ class BoleServer:
         if self.tokenizer is None:
             raise ValueError("the server needs the checkpoint's tokenizer (Engine(tokenizer=...))")
         self.engine, self.model_name = engine, model_name
+        self.config = config or ServerConfig()
         if client is not None:
             self.scheduler = client
             self.info = client.info
             self.loop = client
+            slots = max_batch or 1
         else:
             if channel is None:
                 self.scheduler = Scheduler(engine, max_queue=max_queue, max_batch=max_batch)
@@ -156,39 +215,70 @@ class BoleServer:
                                                    max_batch=max_batch)
             self.info = engine.info
             self.loop = EngineLoop(self.scheduler, on_exit=channel.close if channel else None)
-        self.metrics = ServerMetrics(self.scheduler)
+            slots = self.scheduler.max_batch
+        self.max_prompt_bytes = (self.config.max_prompt_bytes or
+                                 default_prompt_bytes(self.info.max_len))
+        self.metrics = ServerMetrics(self.scheduler, model_name, slots)
         self.scheduler.on_round = self.metrics.observe_round
         self.chat = chat_template or ChatTemplate.for_checkpoint("")
+        # tokenizing and detokenizing run here, off the event loop
+        self.text_pool = ThreadPoolExecutor(self.config.text_threads,
+                                            thread_name_prefix="bole-text")
+        self.inflight: set[Sequence] = set()
+        self.draining = False
+        self.event_loop: asyncio.AbstractEventLoop | None = None    # the app's, once started
         self._pump: EventPump | None = None
 
     def text(self, result, params: GenerationParams) -> str:
         return result_text(self.tokenizer, result, params)
 
     # ---- requests ----
-    def _params(self, req, max_tokens: int) -> GenerationParams:
-        eos = self.info.eos_token_ids
-        return GenerationParams(max_tokens=max_tokens, stop_token_ids=eos,
-                                stop_strings=req.stop_strings,
-                                sampling=SamplingParams(req.temperature, req.top_k, req.top_p))
-
-    def prepare(self, req, chat: bool) -> tuple[list[int], GenerationParams]:
-        """Token ids and parameters of a request; a ValueError says what is wrong."""
-        if req.model != self.model_name:
-            raise ValueError(f"unknown model {req.model!r}; this server serves "
-                             f"{self.model_name!r} (GET /v1/models)")
+    def check_size(self, req, chat: bool) -> None:
+        """Refuse a prompt over ``max_prompt_bytes`` before anything tokenizes it."""
         if chat:
-            text = self.chat.render([m.model_dump() for m in req.messages])
-            ids, limit = self.tokenizer.encode(text).ids, req.token_limit
-        elif isinstance(req.prompt, str):
-            ids, limit = self.tokenizer.encode(req.prompt).ids, req.max_tokens
+            texts, field = [m.for_template()["content"] for m in req.messages], "messages"
         else:
-            ids, limit = list(req.prompt), req.max_tokens
-        room = self.info.max_len - self.info.scratch - len(ids)
-        if limit is None:
-            limit = max(1, min(room, 4096))
-        params = self._params(req, limit)
-        self.info.check_request(ids, params)
-        return ids, params
+            texts, field = [p for p in req.prompts if isinstance(p, str)], "prompt"
+        size = sum(len(t) for t in texts)            # characters: a lower bound of the bytes
+        if size <= self.max_prompt_bytes:
+            size = sum(len(t.encode("utf-8")) for t in texts)
+        if size > self.max_prompt_bytes:
+            raise RequestError(f"the {field} is {size} bytes or more, over this server's limit "
+                               f"of {self.max_prompt_bytes} (bole serve --max-prompt-bytes); "
+                               "shorten it", field)
+
+    def prepare(self, req, chat: bool) -> list[Sequence]:
+        """The request's sequences (tokenized, checked): one per prompt and choice, in the
+        order of their indices. Raises RequestError (or ValueError) saying what is wrong."""
+        if req.model != self.model_name:
+            raise RequestError(f"unknown model {req.model!r}; this server serves "
+                               f"{self.model_name!r} (GET /v1/models)", "model")
+        if chat:
+            prompts = [self.chat.render([m.for_template() for m in req.messages])]
+        else:
+            prompts = req.prompts
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(self.tokenizer.encode_batch(texts) if texts else [])   # off the GIL
+        sequences = []
+        for i, prompt in enumerate(prompts):
+            ids = next(encoded).ids if isinstance(prompt, str) else [int(t) for t in prompt]
+            echo = ""
+            if getattr(req, "echo", False):
+                echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+            limit = req.token_limit
+            if limit is None:
+                limit = max(1, min(self.info.max_len - self.info.scratch - len(ids), 4096))
+            params = engine_params(req, limit, self.info.eos_token_ids)
+            name = "the prompt" if len(prompts) == 1 else f"prompt {i}"
+            try:
+                self.info.check_request(ids, params, name)
+            except ValueError as exc:
+                raise RequestError(str(exc), "messages" if chat else "prompt") from None
+            for j in range(req.n):
+                index = i * req.n + j
+                sequences.append(Sequence(index, i, ids, params, choice_seed(req.seed, index),
+                                          echo))
+        return sequences
 
     def pump(self, loop: asyncio.AbstractEventLoop) -> EventPump:
         """The event pump into ``loop`` (one per loop: the server's, or a test's)."""
@@ -196,35 +286,62 @@ class BoleServer:
             self._pump = EventPump(loop)
         return self._pump
 
-    def submit(self, ids, params, seed, queue: asyncio.Queue, loop, stream: bool = True) -> Handle:
-        """Queue a request whose events reach ``queue`` on ``loop``: every round's (``stream``)
-        or only the last."""
+    def submit(self, sequences: list[Sequence], queue: asyncio.Queue, loop,
+               stream: bool = True) -> None:
+        """Queue the sequences; ``(index, finished)`` reaches ``queue`` on ``loop`` after every
+        round (``stream``) or only at the end. All or none: QueueFull cancels those queued."""
         pump = self.pump(loop)
+        arrived = time.perf_counter()
+        prompts_counted: set[int] = set()
+        for seq in sequences:
+            seq.timer = RequestTimer(self.metrics, arrived)
 
-        def on_event(handle, tokens, finished):
-            if stream or finished:
-                pump.post(queue, finished)
-        handle = self.scheduler.submit(ids, params, seed=seed, on_event=on_event)
-        self.metrics.prompt_tokens.inc(len(ids))
-        return handle
+            def on_event(handle, tokens, finished, seq=seq):
+                seq.timer.tokens_arrived(len(tokens))
+                if finished:
+                    res = handle.request.result
+                    seq.timer.finished(res.finish_reason if res is not None else "abort",
+                                       res.prefill_s if res is not None else None)
+                if stream or finished:
+                    pump.post(queue, (seq.index, finished))
+            try:
+                seq.handle = self.scheduler.submit(seq.ids, seq.params, seed=seq.seed,
+                                                   on_event=on_event)
+            except BaseException:
+                self.cancel(sequences)
+                raise
+            self.inflight.add(seq)
+            if seq.prompt_index not in prompts_counted:
+                prompts_counted.add(seq.prompt_index)
+                self.metrics.prompt_tokens.inc(len(seq.ids))
 
-    def finished(self, handle: Handle) -> None:
-        r = handle.request
-        status = "cancelled" if r.result is None else r.result.finish_reason
-        self.metrics.requests.labels(status).inc()
-        if r.result is not None:
-            self.metrics.output_tokens.inc(len(r.result.token_ids))
+    def cancel(self, sequences: list[Sequence]) -> None:
+        for seq in sequences:
+            if seq.handle is not None and not seq.handle.done.is_set():
+                self.scheduler.cancel(seq.handle)
 
-    def usage_of(self, handle: Handle) -> dict:
-        r = handle.request
-        res = r.result
-        n = len(res.token_ids) if res else len(r.out)
-        return usage(len(r.prompt), n, r.rounds, sum(r.accepted))
+    def release(self, sequences: list[Sequence]) -> None:
+        """The handler is done with these sequences (their response is written)."""
+        self.cancel(sequences)
+        self.inflight.difference_update(sequences)
 
+    def abort_all(self) -> int:
+        """Shutdown: end every sequence still running (finish_reason ``abort``); how many."""
+        live = [s for s in self.inflight if s.handle is not None and not s.handle.done.is_set()]
+        for seq in live:
+            seq.aborted = True
+            self.scheduler.cancel(seq.handle)
+        return len(live)
 
-def _error(status: int, message: str, type_: str = "invalid_request_error", param=None,
-           headers=None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param), status_code=status, headers=headers)
+    def usage_of(self, sequences: list[Sequence]) -> dict:
+        prompt = sum(len(s.ids) for s in {s.prompt_index: s for s in sequences}.values())
+        out = rounds = accepted = 0
+        for s in sequences:
+            r = s.handle.request
+            out += len(r.result.token_ids) if r.result is not None else len(r.out)
+            rounds += r.rounds
+            accepted += sum(r.accepted)
+        return usage(prompt, out, rounds, accepted)
 
 
 def create_app(server: BoleServer) -> FastAPI:
@@ -233,40 +350,45 @@ def create_app(server: BoleServer) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app):
+        server.event_loop = asyncio.get_running_loop()
         server.loop.start()
         yield
         server.loop.stop()
+        server.text_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="Bole", lifespan=lifespan)
     app.state.bole = server
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-        return _error(400, f"{where or 'request'}: {first.get('msg', 'invalid request')}",
-                      param=where)
-
-    @app.exception_handler(Exception)
-    async def crashed(request, exc: Exception):
-        log.exception("request failed")
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+    errors.install(app)
+    app.add_middleware(Gate, api_key=server.config.api_key,
+                       count=lambda route, code: server.metrics.http.labels(route,
+                                                                            str(code)).inc())
 
     @app.get("/health")
     async def health():
         if not server.loop.healthy():
-            return _error(503, "the engine stopped; restart the server", "server_error")
+            return error(503, "the engine stopped; restart the server", "server_error")
+        if server.draining:
+            return error(503, "the server is shutting down", "server_error")
         return {"status": "ok", "running": server.scheduler.num_running,
                 "waiting": server.scheduler.num_waiting}
 
+    def model_card() -> dict:
+        spec = server.info.spec
+        return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "bole",
+                "max_model_len": server.info.max_len,
+                "bole": {"mode": spec.mode, "drafter": spec.drafter, "depth": spec.depth,
+                         "topk": spec.topk, "budget": spec.budget}}
+
     @app.get("/v1/models")
     async def models():
-        spec = server.info.spec
-        return {"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": 0, "owned_by": "bole",
-            "max_model_len": server.info.max_len,
-            "bole": {"mode": spec.mode, "drafter": spec.drafter, "depth": spec.depth,
-                     "topk": spec.topk, "budget": spec.budget}}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        if model != server.model_name:
+            return error(404, f"unknown model {model!r}; this server serves "
+                         f"{server.model_name!r}", param="model", code="model_not_found")
+        return model_card()
 
     @app.get("/metrics")
     async def metrics():
@@ -284,79 +406,117 @@ def create_app(server: BoleServer) -> FastAPI:
 
 
 async def _serve(server: BoleServer, req, http: HTTPRequest, chat: bool):
-    try:
-        ids, params = server.prepare(req, chat)
-    except ValueError as exc:
-        return _error(400, str(exc))
+    if server.draining:
+        return error(503, "the server is shutting down; send the request to another replica "
+                     "or retry after it restarts", "server_error", headers={"Retry-After": "5"})
     loop = asyncio.get_running_loop()
+    try:
+        check_supported(req)
+        server.check_size(req, chat)
+        sequences = await loop.run_in_executor(server.text_pool, server.prepare, req, chat)
+    except RequestError as exc:
+        return error(400, str(exc), param=exc.param)
+    except ValueError as exc:
+        return error(400, str(exc))
     queue: asyncio.Queue = asyncio.Queue()
     try:
-        handle = server.submit(ids, params, req.seed, queue, loop, stream=bool(req.stream))
+        server.submit(sequences, queue, loop, stream=bool(req.stream))
     except QueueFull as exc:
         server.metrics.requests.labels("rejected").inc()
-        return _error(503, str(exc), "server_busy", headers={"Retry-After": "1"})
+        return error(503, str(exc), "server_busy", headers={"Retry-After": "1"})
     except ValueError as exc:
-        return _error(400, str(exc))
+        return error(400, str(exc))
     rid = new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(server, handle, queue, params, rid, chat, include_usage),
+        return StreamingResponse(_stream(server, sequences, queue, rid, chat, include_usage),
                                  media_type="text/event-stream")
-    # only the final event arrives; a client that goes away meanwhile cancels its request (one
-    # getter kept across the polls, so that the event cannot be lost to a timeout)
-    getter = asyncio.ensure_future(queue.get())
-    while not (getter.done() and getter.result()):
-        done, _ = await asyncio.wait({getter}, timeout=0.1)
-        if done and not getter.result():
-            getter = asyncio.ensure_future(queue.get())
-        elif not done and await http.is_disconnected():
-            getter.cancel()
-            server.scheduler.cancel(handle)
-            server.metrics.requests.labels("cancelled").inc()
-            return Response(status_code=499)
-    server.finished(handle)
-    res = handle.request.result
-    if res is None:
-        return _error(500, "the request was cancelled by the server", "server_error")
-    text = server.text(res, params)
-    return completion_body(rid, server.model_name, text, res.finish_reason, chat,
-                           server.usage_of(handle))
-
-
-async def _stream(server: BoleServer, handle: Handle, queue: asyncio.Queue,
-                  params: GenerationParams, rid: str, chat: bool,
-                  include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks of text deltas, the finish reason, optionally the usage, then ``[DONE]``."""
-    text = TextStream(server.tokenizer, params.stop_strings)
-    finished, first, counted = False, True, 0
     try:
-        while not finished:
-            finished = await queue.get()
-            while not (finished or queue.empty()):   # events that piled up: one chunk for all
-                finished = queue.get_nowait()
-            r = handle.request
-            out = list(r.out)
-            final = server.text(r.result, params) if r.result is not None else None
-            delta = text.delta(out, final)
-            if delta or (first and chat):
-                yield _sse(completion_chunk(rid, server.model_name, delta, None, chat, first,
-                                            token_ids=out[counted:]))
-                first, counted = False, len(out)
-        res = handle.request.result
-        if res is None:
-            yield _sse(error_body("the request was cancelled by the server", "server_error"))
-        else:
-            yield _sse(completion_chunk(rid, server.model_name, "", res.finish_reason, chat))
-            if include_usage:
-                body = completion_chunk(rid, server.model_name, "", None, chat)
-                body["choices"], body["usage"] = [], server.usage_of(handle)
-                yield _sse(body)
-        yield "data: [DONE]\n\n"
+        return await _whole(server, sequences, queue, http, rid, chat)
     finally:
-        if not handle.done.is_set():           # the client went away: free the slot
-            server.scheduler.cancel(handle)
-        server.finished(handle) if handle.request.result is not None else \
-            server.metrics.requests.labels("cancelled").inc()
+        server.release(sequences)
+
+
+async def _whole(server: BoleServer, sequences: list[Sequence], queue: asyncio.Queue,
+                 http: HTTPRequest, rid: str, chat: bool):
+    """A non-streamed response: only final events arrive; a client that goes away meanwhile
+    cancels its request (one getter kept across the polls, so that no event is lost to a
+    timeout)."""
+    pending = len(sequences)
+    getter = asyncio.ensure_future(queue.get())
+    while pending:
+        done, _ = await asyncio.wait({getter}, timeout=0.1)
+        if done:
+            pending -= bool(getter.result()[1])
+            if pending:
+                getter = asyncio.ensure_future(queue.get())
+        elif await http.is_disconnected():
+            getter.cancel()
+            return Response(status_code=499)
+    if any(s.handle.request.result is None and not s.aborted for s in sequences):
+        return error(500, "the request was cancelled by the server", "server_error")
+    loop = asyncio.get_running_loop()
+    texts = await loop.run_in_executor(server.text_pool, lambda: [
+        s.echo + s.text(server.tokenizer) for s in sequences])
+    choices = [completion_choice(s.index, t, s.finish_reason, chat)
+               for s, t in zip(sequences, texts)]
+    return completion_body(rid, server.model_name, choices, chat, server.usage_of(sequences))
+
+
+async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.Queue, rid: str,
+                  chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks of each choice's text deltas (the echoed prompt first), its finish reason,
+    optionally the usage, then ``[DONE]``."""
+    loop = asyncio.get_running_loop()
+    by_index = {s.index: s for s in sequences}
+    streams = {s.index: TextStream(server.tokenizer, s.params.stop_strings) for s in sequences}
+    first = {s.index: True for s in sequences}
+    counted = {s.index: 0 for s in sequences}
+    model = server.model_name
+
+    def deltas(ready: dict[int, bool]) -> list[tuple[int, str, list[int], bool]]:
+        """Text thread: each ready choice's new text and tokens, and whether it ended."""
+        out = []
+        for i, finished in ready.items():
+            seq = by_index[i]
+            ids = list(seq.handle.request.out)
+            final = seq.text(server.tokenizer) if finished else None
+            out.append((i, streams[i].delta(ids, final), ids, finished))
+        return out
+
+    try:
+        for s in sequences:
+            if s.echo:
+                yield _sse(completion_chunk(rid, model, s.echo, None, chat, index=s.index))
+        left = len(sequences)
+        while left:
+            i, finished = await queue.get()
+            ready = {i: finished}
+            while not queue.empty():            # events that piled up: one chunk for all
+                j, f = queue.get_nowait()
+                ready[j] = ready.get(j, False) or f
+            for i, delta, ids, finished in await loop.run_in_executor(server.text_pool,
+                                                                     deltas, ready):
+                seq = by_index[i]
+                if delta or (first[i] and chat):
+                    yield _sse(completion_chunk(rid, model, delta, None, chat, first[i],
+                                                token_ids=ids[counted[i]:], index=i))
+                    first[i], counted[i] = False, len(ids)
+                if finished:
+                    left -= 1
+                    if seq.handle.request.result is None and not seq.aborted:
+                        yield _sse(error_body("the request was cancelled by the server",
+                                              "server_error"))
+                    else:
+                        yield _sse(completion_chunk(rid, model, "", seq.finish_reason, chat,
+                                                    index=i))
+        if include_usage:
+            body = completion_chunk(rid, model, "", None, chat)
+            body["choices"], body["usage"] = [], server.usage_of(sequences)
+            yield _sse(body)
+        yield "data: [DONE]\n\n"
+    finally:                                    # a client that went away frees its slots
+        server.release(sequences)
 
 
 def _sse(body: dict) -> str:
@@ -369,16 +529,56 @@ def _sse(body: dict) -> str:
 GIL_SWITCH_INTERVAL = 2e-4
 
 
+def _draining_uvicorn(server: BoleServer, config):
+    """A uvicorn server whose first SIGTERM / SIGINT drains (:func:`drain`) instead of stopping
+    at once; a second signal stops at once."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            loop = server.event_loop
+            if server.draining or loop is None or not self.started:
+                return super().handle_exit(sig, frame)
+            server.draining = True
+            loop.call_soon_threadsafe(lambda: loop.create_task(drain(server, self)))
+    return Draining(config)
+
+
+async def drain(server: BoleServer, uv) -> None:
+    """Shutdown: new requests already get 503 (``server.draining``); wait up to the shutdown
+    timeout for the in-flight ones, abort what is left (finish_reason ``abort``), let their
+    responses go out, then stop uvicorn."""
+    server.draining = True
+    timeout = server.config.shutdown_timeout
+    log.info("shutting down: %d requests in flight get up to %.0f s", len(server.inflight),
+             timeout)
+    deadline = time.monotonic() + timeout
+    while server.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if server.inflight:
+        log.warning("shutdown timeout: aborting %d requests", server.abort_all())
+        deadline = time.monotonic() + 10
+        while server.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    uv.should_exit = True
+
+
 def serve(server: BoleServer, host: str = "127.0.0.1", port: int = 8000,
           alive: Callable[[], bool] | None = None, access_log: bool = False) -> None:
-    """Run the app with uvicorn until interrupted, or until ``alive()`` turns False (checked
-    twice a second: a tensor-parallel rank died). ``access_log``: a log line per request."""
+    """Run the app with uvicorn until interrupted (drained first: :func:`drain`), or until
+    ``alive()`` turns False (checked twice a second: a tensor-parallel rank died).
+    ``access_log``: a log line per request."""
     import sys
 
     import uvicorn
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), host=host, port=port,
-                                       log_level="info", access_log=access_log))
+    if server.config.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s without an API key: anyone who can reach this address can "
+                    "use the model (pass --api-key or set BOLE_API_KEY)", host)
+    app = create_app(server)
+    uv = _draining_uvicorn(server, uvicorn.Config(app, host=host, port=port, log_level="info",
+                                                  access_log=access_log,
+                                                  timeout_graceful_shutdown=10))
     if alive is not None:
         threading.Thread(target=_watch, args=(uv, alive), name="bole-watch", daemon=True).start()
     t0 = time.perf_counter()

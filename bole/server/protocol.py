@@ -1,20 +1,76 @@
 """OpenAI-compatible request and response bodies (the fields Bole serves), and error bodies.
 
 Requests are validated by pydantic; anything a client gets wrong becomes a 400 with OpenAI's
-error body ``{"error": {"message", "type", "param", "code"}}`` (see :func:`error_body`).
-Extra fields that OpenAI clients send are accepted and ignored; known fields are type-checked.
+error body ``{"error": {"message", "type", "param", "code"}}`` (see :func:`error_body`). A field
+this server does not implement is never ignored in silence: :func:`check_supported` refuses it
+with a 400 naming it, unless it holds its neutral value (``"tools": []``, ``"logprobs": null``),
+which asks for nothing. :func:`engine_params` is the one place where request fields become the
+engine's :class:`GenerationParams`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from bole.engine.engine import GenerationParams
+from bole.speculative.sampling import SamplingParams
+
+#: the most choices (``n``) one request may ask for per prompt
+MAX_N = 16
+#: the most prompts of one completions request
+MAX_PROMPTS = 64
+#: the most sequences one request may start (prompts x n)
+MAX_SEQUENCES = 64
+
+#: OpenAI (and vLLM) request fields this server does not implement, with the values that ask for
+#: nothing (null always does); any other value is refused with a 400 naming the field
+UNSUPPORTED: dict[str, tuple] = {
+    "tools": ([],), "tool_choice": ("none", "auto"), "parallel_tool_calls": (False, True),
+    "functions": ([],), "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},), "logit_bias": ({},),
+    "logprobs": (False, 0), "top_logprobs": (0,),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "ignore_eos": (False,), "stop_token_ids": ([],), "min_tokens": (0,),
+    "best_of": (1,), "suffix": ("",), "store": (False,), "metadata": ({},),
+    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (), "service_tier": ("auto", "default"),
+}
+#: fields accepted and ignored because they change nothing in the output
+IGNORED = frozenset({"user"})
+
+
+class RequestError(ValueError):
+    """A request the server refuses (400); ``param``: the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _check_unicode(value: Any, path: str) -> None:
+    """Refuse strings that cannot be UTF-8 (JSON's ``"\\ud800"``: a lone surrogate)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{path or 'the body'} holds a lone UTF-16 surrogate (such as "
+                             "\\ud800), which is not text; send valid UTF-8") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k, path)
+            _check_unicode(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_unicode(v, f"{path}[{i}]")
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
@@ -26,18 +82,17 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
 
-    @field_validator("n")
+    @model_validator(mode="before")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("n > 1 is not supported: send one request per completion")
-        return n
+    def _unicode(cls, data):
+        _check_unicode(data, "")
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -51,28 +106,81 @@ class _Sampling(BaseModel):
     def stop_strings(self) -> tuple[str, ...]:
         return tuple(self.stop or ())
 
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
+    echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, prompt):
+        ok = isinstance(prompt, str) or (isinstance(prompt, list) and all(
+            isinstance(p, (str, int)) or (isinstance(p, list) and all(
+                isinstance(t, int) for t in p)) for p in prompt))
+        if not ok or (isinstance(prompt, list) and any(isinstance(p, bool) for p in prompt)):
+            raise ValueError("the prompt must be a string, a list of strings, a list of token "
+                             "ids or a list of token-id lists")
+        return prompt
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError("one prompt per request (a list of several is not supported)")
-            prompt = prompt[0]
+    def _prompts_present(cls, prompt):
         if isinstance(prompt, (str, list)) and len(prompt) == 0:
             raise ValueError("the prompt is empty")
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+            if any(len(p) == 0 for p in prompt):
+                raise ValueError("the prompt list holds an empty prompt")
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"{len(prompt)} prompts in one request; at most {MAX_PROMPTS}")
         return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+def _content_text(content: str | list) -> str:
+    """A message's text: the string, or its text parts joined by newlines (as vLLM does)."""
+    if isinstance(content, str):
+        return content
+    return "\n".join(part["text"] for part in content)
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[dict]
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content):
+        if isinstance(content, str):
+            return content
+        for part in content:
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported; this server "
+                                 "takes text only (a string, or parts of type 'text')")
+            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise ValueError("a text content part is {\"type\": \"text\", \"text\": \"...\"}")
+        return content
+
+    def for_template(self) -> dict:
+        out = {"role": self.role, "content": _content_text(self.content)}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatCompletionRequest(_Sampling):
@@ -82,6 +190,42 @@ class ChatCompletionRequest(_Sampling):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+def check_supported(req: _Sampling) -> None:
+    """Refuse (RequestError) a field this server does not implement, unless neutral; and more
+    sequences than :data:`MAX_SEQUENCES`."""
+    if isinstance(req, ChatCompletionRequest) and "echo" in (req.model_extra or {}):
+        raise RequestError("'echo' is a completions field; chat completions do not take it",
+                           "echo")
+    for name, value in (req.model_extra or {}).items():
+        if name in IGNORED or value is None:
+            continue
+        if name not in UNSUPPORTED:
+            raise RequestError(f"unknown field {name!r}; see the server's documentation "
+                               "(docs/serving.md) for the fields it takes", name)
+        if value not in UNSUPPORTED[name]:
+            raise RequestError(f"{name!r} is not supported by this server; leave it out",
+                               name)
+    prompts = len(req.prompts) if isinstance(req, CompletionRequest) else 1
+    if prompts * req.n > MAX_SEQUENCES:
+        raise RequestError(f"{prompts} prompts x n={req.n} asks for {prompts * req.n} "
+                           f"sequences; at most {MAX_SEQUENCES} per request", "n")
+
+
+def engine_params(req: _Sampling, max_tokens: int, eos: tuple[int, ...]) -> GenerationParams:
+    """The engine's parameters for one sequence of ``req``: the one place where request fields
+    become :class:`GenerationParams`."""
+    return GenerationParams(max_tokens=max_tokens, stop_token_ids=eos,
+                            stop_strings=req.stop_strings,
+                            sampling=SamplingParams(req.temperature, req.top_k, req.top_p))
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice ``index``'s sampling seed: ``seed`` itself for the first, distinct ones after."""
+    if seed is None or index == 0:
+        return seed
+    return (seed * 1_000_003 + index) % (1 << 63)
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -102,18 +246,19 @@ def usage(prompt_tokens: int, completion_tokens: int, rounds: int, accepted: int
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
-                     first: bool = False, token_ids: list[int] | None = None) -> dict:
-    """One streamed chunk (``text_completion`` or ``chat.completion.chunk``); ``token_ids``
-    (an extension) lists the tokens the chunk's round emitted, so that a client can time
-    tokens, not rounds."""
+                     first: bool = False, token_ids: list[int] | None = None,
+                     index: int = 0) -> dict:
+    """One streamed chunk (``text_completion`` or ``chat.completion.chunk``) of choice ``index``;
+    ``token_ids`` (an extension) lists the tokens the chunk's round emitted, so that a client
+    can time tokens, not rounds."""
     if chat:
         delta = {"content": text}
         if first:
             delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
         kind = "text_completion"
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -121,15 +266,14 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: 
             "choices": [choice]}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str, chat: bool,
-                    use: dict) -> dict:
-    """A whole (non-streamed) response."""
+def completion_choice(index: int, text: str, finish: str, chat: bool) -> dict:
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": finish, "logprobs": None}
-        kind = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        kind = "text_completion"
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": use}
+        return {"index": index, "message": {"role": "assistant", "content": text},
+                "finish_reason": finish, "logprobs": None}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+
+
+def completion_body(rid: str, model: str, choices: list[dict], chat: bool, use: dict) -> dict:
+    """A whole (non-streamed) response of ``choices`` (:func:`completion_choice`)."""
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": use}

@@ -145,7 +145,7 @@ def test_models_health_and_metrics(live):
     ({"model": NAME, "prompt": "x", "max_tokens": -3}, "max_tokens"),
     ({"model": NAME, "prompt": "x", "max_tokens": 100000}, "context"),
     ({"model": NAME, "prompt": "x " * 3000, "max_tokens": 8}, "context"),
-    ({"model": NAME, "prompt": "x", "n": 2}, "n > 1"),
+    ({"model": NAME, "prompt": "x", "n": 1000}, "less than or equal to 16"),
     ({"model": "gpt-9", "prompt": "x"}, "unknown model"),
     ({"model": NAME, "prompt": ""}, "empty"),
     ({"model": NAME, "prompt": "x", "temperature": -1}, "temperature"),

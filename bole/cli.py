@@ -26,6 +26,49 @@ class UsageError(Exception):
     """A problem with the command's arguments or inputs: printed as one line, exit code 2."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default after its help, unless the default is None or False (nothing
+    to show) or the help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def _prompt_options(p: argparse.ArgumentParser, required: bool, what: str) -> None:
+    src = p.add_mutually_exclusive_group(required=required)
+    src.add_argument("--prompt", help=f"{what}; '-' reads it from stdin")
+    src.add_argument("--prompt-file", help="read the prompt from this UTF-8 text file ('-': "
+                                           "stdin)")
+
+
+def _read_prompt(args) -> str | None:
+    """The prompt of ``--prompt`` or ``--prompt-file`` (stdin for '-'), checked to be UTF-8."""
+    source = args.prompt_file if args.prompt_file is not None else (
+        "-" if args.prompt == "-" else None)
+    if source is None:
+        text = args.prompt
+        if text is not None:
+            bad = next((c for c in text if "\udc80" <= c <= "\udcff"), None)
+            if bad is not None:             # an undecodable byte of the command line
+                raise UsageError(f"--prompt is not UTF-8 text (byte 0x{ord(bad) - 0xdc00:02x} at "
+                                 f"character {text.index(bad)}); pass the text in UTF-8, or "
+                                 "--prompt-file with a UTF-8 file")
+        return text
+    where = "stdin" if source == "-" else source
+    try:
+        raw = sys.stdin.buffer.read() if source == "-" else Path(source).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read the prompt from {where}: {exc.strerror or exc}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"the prompt in {where} is not UTF-8 text (byte 0x{raw[exc.start]:02x} "
+                         f"at offset {exc.start}); convert it, e.g. iconv -t UTF-8") from None
+
+
 def _acceptance_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--acceptance", default=None,
                    help="the replay drafter's acceptance profile: bundled, qwen3-next-mtp or a "
@@ -94,7 +137,7 @@ def _tree_options(p: argparse.ArgumentParser, budget_eps: bool = True) -> None:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     parser = argparse.ArgumentParser(prog="bole", description="Exact tree speculative decoding "
                                      "for hybrid-attention (Gated DeltaNet) LLMs.",
                                      formatter_class=fmt)
@@ -106,11 +149,13 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--shape", default="qwen3.5-9b", choices=sorted(GDN_SHAPES),
                       help="model whose GDN layer shape to use")
     demo.add_argument("--nodes", type=int, nargs="+", default=[64, 128], help="tree sizes to verify")
-    demo.add_argument("--depth", type=int, default=8, help="maximum tree depth")
+    demo.add_argument("--depth", type=int, default=8,
+                      help="maximum depth of the random trees of the GDN-layer part")
     demo.add_argument("--seed", type=int, default=0, help="seed of the random trees")
     demo.add_argument("--model", default=str(BUNDLED_MODEL),
                       help="checkpoint folder for the generation part")
-    demo.add_argument("--prompt", default=None, help="default: a bundled Python prompt")
+    _prompt_options(demo, required=False, what="prompt of the generation part (default: a "
+                                               "bundled Python prompt)")
     demo.add_argument("--max-tokens", type=int, default=96, help="tokens to generate")
     demo.add_argument("--no-generate", action="store_true", help="only the GDN-layer part")
     gen = sub.add_parser("generate", formatter_class=fmt,
@@ -118,7 +163,7 @@ def _build_parser() -> argparse.ArgumentParser:
                          "statistics to stderr")
     gen.add_argument("--model", default=str(BUNDLED_MODEL),
                      help="checkpoint folder (config.json, safetensors, tokenizer.json)")
-    gen.add_argument("--prompt", required=True, help="the prompt text")
+    _prompt_options(gen, required=True, what="the prompt text")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--mode", default="bole", choices=list(MODES), help="verification mode")
     gen.add_argument("--drafter", default=None, choices=list(GENERATE_DRAFTERS),
@@ -193,6 +238,16 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-process", action="store_true",
                        help="run the engine in a process of its own (the HTTP process then "
                             "never holds up a round; not with --tp)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health and "
+                            "/metrics (default: the BOLE_API_KEY environment variable; none: "
+                            "open)")
+    serve.add_argument("--max-prompt-bytes", type=int, default=None,
+                       help="refuse prompts longer than this many UTF-8 bytes before tokenizing "
+                            "them (default: 1 MiB or 32 bytes per token of --max-len, the more)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds SIGTERM lets in-flight requests finish (new ones get 503) "
+                            "before the rest end with finish_reason 'abort'")
     serve.add_argument("--access-log", action="store_true",
                        help="log every HTTP request (off: the log lines cost the event loop "
                             "time that the engine's thread waits for under load)")
@@ -384,20 +439,25 @@ def _generate(args) -> int:
         _checkpoint(args.draft_model, need_tokenizer=False)
     _spec(args, args.drafter or "ngram")
     tokenizer = _tokenizer(folder)
-    ids = tokenizer.encode(args.prompt).ids
-    if not ids:
-        raise UsageError("the prompt encodes to no tokens; give a non-empty prompt")
     from bole.models.config import HybridConfig
     context = HybridConfig.from_pretrained(folder).max_position_embeddings
     room = context - args.max_tokens - args.depth - 2
+    if room < 1:
+        raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in the "
+                         f"model's context of {context} tokens; pass --max-tokens "
+                         f"{context - args.depth - 3} or less")
+    ids = tokenizer.encode(_read_prompt(args)).ids
+    if not ids:
+        raise UsageError("the prompt encodes to no tokens; give a non-empty prompt")
     if len(ids) > room:
         if not args.truncate_prompt:
             raise UsageError(f"the prompt has {len(ids)} tokens, but the model's context of "
-                             f"{context} leaves {max(room, 0)} for it with --max-tokens "
-                             f"{args.max_tokens}; shorten it or pass --truncate-prompt")
-        if room < 1:
-            raise UsageError(f"--max-tokens {args.max_tokens} leaves no room for a prompt in "
-                             f"the model's context of {context}")
+                             f"{context} leaves {room} for it with --max-tokens "
+                             f"{args.max_tokens}; shorten it, lower --max-tokens or pass "
+                             "--truncate-prompt (keeps its last tokens)")
+        print(f"[bole] warning: --truncate-prompt dropped the prompt's first {len(ids) - room} "
+              f"of {len(ids)} tokens (the context of {context} leaves {room} with --max-tokens "
+              f"{args.max_tokens})", file=sys.stderr)
         ids = ids[-room:]
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = HybridModel.from_pretrained(folder, dtype=dtype, device=device,
@@ -443,7 +503,7 @@ def _demo(args) -> int:
     if not args.no_generate:
         folder = _checkpoint(args.model, need_tokenizer=True)
         _tokenizer(folder)
-        generation_demo.run(folder, args.prompt, args.max_tokens)
+        generation_demo.run(folder, _read_prompt(args), args.max_tokens)
     demo.main(args.shape, tuple(args.nodes), args.depth, args.seed)
     return 0
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from bole.assets import BUNDLED_MODEL
@@ -15,7 +16,12 @@ __all__ = ["serve", "serve_tp"]
 def _serve_checks(args) -> Path:
     """serve's arguments checked, nothing loaded; the checkpoint folder."""
     from bole.models.config import HybridConfig
-    _positive(max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len)
+    _positive(max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len,
+              max_prompt_bytes=args.max_prompt_bytes)
+    if args.shutdown_timeout < 0:
+        raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.api_key is None:
+        args.api_key = os.environ.get("BOLE_API_KEY") or None
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must lie in 1..65535, got {args.port}")
     _device(args.device)
@@ -48,12 +54,15 @@ def _serve_engine(args, folder: Path, tp=None):
 
 
 def _serve_server(args, folder: Path, engine, channel=None, client=None):
-    from bole.server.api import BoleServer
+    from bole.server.api import BoleServer, ServerConfig
     from bole.server.chat import ChatTemplate
     name = args.name or ("bundled" if folder.resolve() == BUNDLED_MODEL.resolve() else folder.name)
-    return BoleServer(engine, name, max_queue=args.max_queue,
+    config = ServerConfig(max_prompt_bytes=args.max_prompt_bytes, api_key=args.api_key,
+                          shutdown_timeout=args.shutdown_timeout)
+    return BoleServer(engine, name, max_queue=args.max_queue, max_batch=args.max_batch,
                       chat_template=ChatTemplate.for_checkpoint(folder), channel=channel,
-                      client=client, tokenizer=_tokenizer(folder) if client else None)
+                      client=client, tokenizer=_tokenizer(folder) if client else None,
+                      config=config)
 
 
 def serve(args) -> int:

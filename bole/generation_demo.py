@@ -9,12 +9,15 @@ from pathlib import Path
 import torch
 
 from bole.assets import BUNDLED_MODEL
+from bole.engine.engine import DEFAULT_TREE
 
 
 def run(model_dir: str | Path = BUNDLED_MODEL, prompt: str | None = None, max_tokens: int = 96,
-        depth: int = 8, topk: int = 4, budget: int = 32) -> dict:
+        depth: int = DEFAULT_TREE[0], topk: int = DEFAULT_TREE[1],
+        budget: int = DEFAULT_TREE[2]) -> dict:
     """Generate from ``prompt`` in ``bole`` mode and in ``ar`` mode (greedy, fp32 on the CPU or
-    bf16 on a GPU); print the text and both runs' statistics. Returns the statistics."""
+    bf16 on a GPU), with the tree that generate, serve and LLM default to; print the text and
+    both runs' statistics. Returns the statistics."""
     from tokenizers import Tokenizer
 
     from bole.assets import code_prompts

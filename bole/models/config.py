@@ -25,6 +25,21 @@ SUPPORTED_MODEL_TYPES: dict[str, tuple[str, str | None]] = {
 LAYER_TYPES = ("full_attention", "linear_attention")
 
 
+class _ReadOrder(dict):
+    """A config section that remembers the field read last: the one a failed conversion of
+    ``int(t["field"])`` was reading."""
+
+    last: str | None = None
+
+    def __getitem__(self, key):
+        self.last = key
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.last = key
+        return super().get(key, default)
+
+
 @dataclass(frozen=True)
 class HybridConfig:
     """The text model of a hybrid checkpoint.
@@ -119,10 +134,18 @@ class HybridConfig:
             if not isinstance(text, dict):
                 raise ValueError(f"{source}: model_type {model_type!r} needs a {nested!r} section")
             prefix = "model.language_model."
+        text = _ReadOrder(text)
         try:
             return cls._from_text(text, raw, model_type, family, prefix)
         except KeyError as exc:
             raise ValueError(f"{source}: missing field {exc.args[0]!r} for {model_type}") from None
+        except (TypeError, ValueError) as exc:         # int("four"), float(None), ...
+            field = text.last
+            if field is None or not any(m in str(exc) for m in (
+                    "invalid literal", "could not convert", "argument must be")):
+                raise
+            raise ValueError(f"{source}: field {field!r} is {text[field]!r}, not a number "
+                             f"({exc})") from None
 
     @classmethod
     def _from_text(cls, t: dict, outer: dict, model_type: str, family: str,

@@ -407,8 +407,9 @@ def format_table(report: LoadReport) -> str:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``bench-serve``: an option per LoadConfig field, and inputs and outputs."""
+    from bole.cli import HelpFormatter
     p = subparsers.add_parser(
-        "bench-serve", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "bench-serve", formatter_class=HelpFormatter,
         help="load a running OpenAI-compatible server with streaming completions: TTFT, TPOT, "
              "ITL, tokens/s and goodput; JSON and a plot under --out")
     for f in fields(LoadConfig):                    # f.type is a string such as "int | None"

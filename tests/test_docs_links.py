@@ -67,3 +67,18 @@ def test_every_result_file_is_cited():
     uncited = [p.name for p in sorted(RESULTS.iterdir())
                if p.name.rsplit(".", 1)[0] not in text]
     assert not uncited, "bench/results files no document cites:\n" + "\n".join(uncited)
+
+
+def test_cited_h200_parts_exist():
+    """Every `... h200_runs.sh PART ...` a document quotes is a part the script has."""
+    script = (ROOT / "bench" / "h200_runs.sh").read_text()
+    listed = re.search(r'^parts="([^"]*)"', script, re.M)
+    assert listed, "bench/h200_runs.sh lost its parts list"
+    parts = set(listed.group(1).split())
+    unknown = []
+    for doc in _docs() + [ROOT / "bench" / "NOTES.md"]:
+        for span in re.findall(r"`([^`]*h200_runs\.sh[^`]*)`", doc.read_text()):
+            for word in span.split("h200_runs.sh", 1)[1].split():
+                if re.fullmatch(r"[a-z][a-z0-9-]*", word) and word not in parts:
+                    unknown.append(f"{doc.relative_to(ROOT)}: {word}")
+    assert not unknown, "bench/h200_runs.sh parts that do not exist:\n" + "\n".join(unknown)

@@ -12,7 +12,12 @@ each eager and captured; the captured forward's GPU kernel time and kernel count
 profiler, its wall time from device events over replays. Then a whole bole round at batch 1
 (the MTP head drafting a depth-8, top-4 tree of 64 nodes, verification, acceptance, commit), with
 its split. Floors: the weights a forward reads over the measured copy bandwidth, and its matrix
-products at 600 TFLOP/s.
+products at 600 TFLOP/s. For a mixture-of-experts preset the weight floor counts, per MoE layer,
+only the experts the forward's routing touches (counted on the device in an untimed forward over
+the same tokens: the timed forwards make no extra sync), reported as touched_experts (mean per
+MoE layer) and moe_weight_gb; --sweep-batches B... adds verify-BxT for every T of --nodes.
+
+    python bench/model_forward.py --preset qwen3.5-35b-a3b --nodes 4 8 16 32 64 --sweep-batches 1 8
 
     python bench/model_forward.py                         # on a GPU -> bench/results/model-forward-<date>-<preset>.{json,png}
 """
@@ -31,7 +36,10 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# Run by path, Python puts bench/ first on sys.path: drop it, so that bench's modules are reached
+# as bench.<name> and can never shadow, or be shadowed by, an installed package of the same name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
 from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
 from bole.engine.runner import ModelRunner  # noqa: E402
@@ -41,8 +49,7 @@ from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.tree import DraftTree, PackedForest  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "bench"))
-from kernels import save_png  # noqa: E402
+from bench.harness import save_png  # noqa: E402
 
 MATMUL_TFLOPS = 600.0
 
@@ -64,7 +71,9 @@ def copy_bandwidth(device) -> float:
 
 def weight_bytes(model: HybridModel, prefix: str = "") -> tuple[int, int]:
     """(bytes, matrix parameters) of the weights a forward reads: every 2-D weight once
-    (the fused projections, not their views), the embedding only as the tied lm_head."""
+    (the fused projections, not their views), the embedding only as the tied lm_head. Stacked
+    MoE experts (3-D) are left out: :func:`touched_expert_bytes` counts the ones a forward
+    reads."""
     total, params = 0, 0
     embed = f"{model.config.weight_prefix}embed_tokens.weight"
     for name, t in model.w.items():
@@ -76,6 +85,36 @@ def weight_bytes(model: HybridModel, prefix: str = "") -> tuple[int, int]:
         total += t.numel() * t.element_size()
         params += t.numel()
     return total, params
+
+
+def touched_expert_bytes(model: HybridModel, fwd) -> tuple[int, float, int]:
+    """(bytes of the expert weights one call of ``fwd`` reads, mean experts touched per MoE
+    layer, parameters of one expert summed over the MoE layers): every MoE layer's routing
+    marks its experts on the device, read back once after the call."""
+    from bole.models.weights import FUSED_DOWN, FUSED_GATE_UP
+    E = model.config.num_experts
+    if not E:
+        return 0, 0.0, 0
+    hits: list[tuple[str, torch.Tensor]] = []
+    routing = model.moe_routing
+
+    def counting(x, p):
+        weights, ids, shared = routing(x, p)
+        hit = torch.zeros(E, dtype=torch.int64, device=ids.device)
+        hits.append((p, hit.scatter_(0, ids.reshape(-1).long(), 1)))
+        return weights, ids, shared
+    model.moe_routing = counting
+    try:
+        fwd()
+    finally:
+        del model.moe_routing
+    counts = torch.stack([h for _, h in hits]).sum(1).tolist()
+    total, params = 0, 0
+    for (p, _), n in zip(hits, counts):
+        per_expert = model.w[p + FUSED_GATE_UP][0].numel() + model.w[p + FUSED_DOWN][0].numel()
+        total += n * per_expert * model.w[p + FUSED_DOWN].element_size()
+        params += per_expert
+    return total, sum(counts) / max(len(counts), 1), params
 
 
 def events_ms(fn, reps: int) -> float:
@@ -118,6 +157,7 @@ def forward_case(runner: ModelRunner, name: str, trees: list[DraftTree], slots: 
     for _ in range(2):
         fwd()
     torch.cuda.synchronize()
+    moe_bytes, touched, expert_params = touched_expert_bytes(runner.model, fwd)
     records = []
     eager_ms = events_ms(fwd, reps)
     k_ms, k_n = kernel_profile(fwd)
@@ -135,9 +175,14 @@ def forward_case(runner: ModelRunner, name: str, trees: list[DraftTree], slots: 
     k_ms, k_n = kernel_profile(graph.replay)
     records.append(dict(case=name, captured=True, total_ms=cap_ms, kernel_ms=k_ms, kernels=k_n))
     nodes = dense.num_nodes
+    # every node multiplies the 2-D weights and, per MoE layer, top-k experts' weights
+    matmul_params = floor["params"] + runner.model.config.num_experts_per_tok * expert_params
     for r in records:
-        r.update(nodes=nodes, batch=len(slots), weight_floor_ms=floor["weights_ms"],
-                 matmul_floor_ms=2 * floor["params"] * nodes / (MATMUL_TFLOPS * 1e12) * 1e3)
+        r.update(nodes=nodes, batch=len(slots),
+                 weight_floor_ms=floor["weights_ms"] + moe_bytes / floor["bandwidth"] * 1e3,
+                 matmul_floor_ms=2 * matmul_params * nodes / (MATMUL_TFLOPS * 1e12) * 1e3)
+        if runner.model.config.num_experts:
+            r.update(touched_experts=touched, moe_weight_gb=moe_bytes / 1e9)
         r["floor_ms"] = max(r["weight_floor_ms"], r["matmul_floor_ms"])
         print(json.dumps(r), flush=True)
     del graph
@@ -150,6 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--nodes", type=int, nargs="+", default=[64])
     ap.add_argument("--batch-case", type=int, nargs=2, default=[16, 32], metavar=("BATCH", "NODES"))
+    ap.add_argument("--sweep-batches", type=int, nargs="*", default=[],
+                    help="also time verify-BxT for each of these batches B and each T of --nodes")
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--round-tokens", type=int, default=48)
@@ -172,15 +219,17 @@ def main(argv=None) -> int:
     wbytes, params = weight_bytes(model)
     wbytes -= weight_bytes(model, "mtp.")[0]
     params -= weight_bytes(model, "mtp.")[1]
-    floor = dict(weights_ms=wbytes / bw * 1e3, params=params)
+    floor = dict(weights_ms=wbytes / bw * 1e3, params=params, bandwidth=bw)
     print(json.dumps(dict(copy_bandwidth_tb_s=bw / 1e12, weight_gb=wbytes / 1e9,
                           weight_floor_ms=floor["weights_ms"])), flush=True)
     B, Tb = args.batch_case
     scratch = max(args.nodes + [Tb, args.depth + 1])
-    runner = ModelRunner(model, model.new_cache(B, args.context + scratch + 8), "triton")
+    runner = ModelRunner(model, model.new_cache(max([B] + args.sweep_batches),
+                                                args.context + scratch + 8), "triton")
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, config.vocab_size, (args.context,), generator=gen)
-    slots = [runner.cache.allocate(args.context + scratch) for _ in range(B)]
+    slots = [runner.cache.allocate(args.context + scratch)
+             for _ in range(max([B] + args.sweep_batches))]
     t0 = time.perf_counter()
     runner.prefill(slots[0], prompt)
     torch.cuda.synchronize()
@@ -207,8 +256,13 @@ def main(argv=None) -> int:
         records += forward_case(runner, f"verify-{T}", [tree], slots[:1], config.vocab_size,
                                 args.reps, floor)
     trees = [DraftTree.random(Tb, args.depth, rng) for _ in range(B)]
-    records += forward_case(runner, f"verify-{B}x{Tb}", trees, slots, config.vocab_size,
+    records += forward_case(runner, f"verify-{B}x{Tb}", trees, slots[:B], config.vocab_size,
                             args.reps, floor)
+    for b in args.sweep_batches:
+        for T in args.nodes:
+            trees = [DraftTree.random(T, min(args.depth, T), rng) for _ in range(b)]
+            records += forward_case(runner, f"verify-{b}x{T}", trees, slots[:b],
+                                    config.vocab_size, args.reps, floor)
     del runner
     torch.cuda.empty_cache()
     # a whole bole round at batch 1: MTP drafting, verification, acceptance, commit

@@ -1,0 +1,188 @@
+"""The fused MoE kernels (bole.ops.moe) against the torch loop over experts.
+
+Interpreted on CPU (tiny fp32 shapes), compiled on a GPU (the same tests, plus bf16, no host
+sync and CUDA-graph capture). Routings: ragged random, every token on one expert, every expert
+empty but one, top-k ties, a lone decode token; sizes that are not multiples of the tiles.
+"""
+
+import pytest
+import torch
+
+from bole.ops.moe import (MoEConfig, align_blocks, fused_moe, max_blocks, moe_reference,
+                          pick_moe_config, route)
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def weights(E, H, F, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * F, H, generator=gen) * H ** -0.5
+    w2 = torch.randn(E, H, F, generator=gen) * F ** -0.5
+    return w13.to(DEV, dtype), w2.to(DEV, dtype)
+
+
+def routing(kind, T, E, k, seed=0):
+    """(topk_weights [T, k] fp32, topk_ids [T, k] int32) of one routing kind."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=gen)
+    if kind == "one_expert_everywhere":      # every token's first choice is expert 1
+        logits[:, 1] += 20
+    elif kind == "all_but_one_empty":        # k = 1: every pair on expert E - 1
+        logits[:, E - 1] += 20
+    elif kind == "ties":                     # equal logits: the top-k breaks ties
+        logits = torch.zeros(T, E)
+    w, ids = route(logits.to(DEV), k)
+    return w, ids
+
+
+CASES = [  # (routing, T, E, k, H, F)
+    ("ragged", 7, 6, 2, 32, 24),
+    ("ragged", 1, 8, 3, 40, 16),             # a lone decode token, H not a tile multiple
+    ("one_expert_everywhere", 9, 4, 2, 32, 16),
+    ("all_but_one_empty", 11, 5, 1, 16, 32),
+    ("ties", 6, 4, 2, 32, 16),
+    ("ragged", 20, 3, 3, 48, 40),            # more pairs per expert than a block holds
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-T{c[1]}" for c in CASES])
+def test_fused_moe_equals_the_expert_loop(case):
+    kind, T, E, k, H, F = case
+    w13, w2 = weights(E, H, F)
+    tw, ids = routing(kind, T, E, k)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(DEV)
+    want = moe_reference(x.double(), w13.double(), w2.double(), tw.double(), ids)
+    got = fused_moe(x, w13, w2, tw, ids, impl="triton")
+    assert got.dtype == x.dtype and got.shape == (T, H)
+    assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-4), (got.double() - want).abs().max()
+    if kind == "ties":
+        assert torch.allclose(tw, torch.full_like(tw, 1 / k))
+    if kind == "all_but_one_empty":
+        assert (ids == E - 1).all()
+
+
+def test_strided_tokens_and_a_larger_tile():
+    """x rows strided (a view into a wider buffer) and 32-row blocks."""
+    E, H, F, T, k = 4, 32, 32, 10, 2
+    w13, w2 = weights(E, H, F)
+    tw, ids = routing("ragged", T, E, k, seed=3)
+    wide = torch.randn(T, 2 * H, generator=torch.Generator().manual_seed(2)).to(DEV)
+    x = wide[:, 5:5 + H]
+    cfg = MoEConfig(block_m=32, block_n=16, block_k=16, num_warps=2, num_stages=1)
+    got = fused_moe(x, w13, w2, tw, ids, impl="triton", config=cfg)
+    want = moe_reference(x.double(), w13.double(), w2.double(), tw.double(), ids)
+    assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("kind", ["ragged", "one_expert_everywhere", "all_but_one_empty"])
+def test_alignment_puts_every_pair_once_in_a_block_of_its_expert(kind, block_m):
+    T, E = 13, 6
+    k = 1 if kind == "all_but_one_empty" else 3
+    _, ids = routing(kind, T, E, k, seed=4)
+    a = align_blocks(ids, E, block_m)
+    n = T * k
+    assert a.num_blocks == max_blocks(n, E, block_m) == -(-n // block_m) + min(E, n)
+    assert a.sorted_pairs.shape == (a.num_blocks * block_m,)
+    flat = ids.reshape(-1).long().cpu()
+    pairs = a.sorted_pairs.cpu().long()
+    experts = a.block_expert.cpu().long()
+    real = pairs[pairs < n]
+    assert sorted(real.tolist()) == list(range(n))                 # every pair exactly once
+    block_of = torch.arange(pairs.shape[0]) // block_m
+    assert torch.equal(flat[pairs[pairs < n]], experts[block_of[pairs < n]])   # its expert's block
+    assert torch.equal(a.expert_counts.cpu().long(), torch.bincount(flat, minlength=E))
+    used = -(-a.expert_counts.cpu().long() // block_m)
+    assert int((experts < E).sum()) == int(used.sum())             # used blocks first, then E
+    assert torch.equal(experts[: int(used.sum())],
+                       torch.repeat_interleave(torch.arange(E), used))
+    assert (experts[int(used.sum()):] == E).all()
+    assert (pairs[block_of >= int(used.sum())] == n).all()
+    for e in range(E):                                             # stable within an expert
+        mine = real[flat[real] == e]
+        assert torch.equal(mine, mine.sort().values)
+
+
+def test_route_is_softmax_topk_renormalised():
+    logits = torch.randn(5, 7, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    w, ids = route(logits.to(DEV), 3)
+    p = torch.softmax(logits, -1)
+    top, top_i = p.topk(3, -1)
+    assert ids.dtype == torch.int32 and torch.equal(ids.cpu().long(), top_i)
+    assert torch.allclose(w.cpu().double(), top / top.sum(-1, keepdim=True), atol=1e-6)
+    w_raw, _ = route(logits.to(DEV), 3, renormalize=False)
+    assert torch.allclose(w_raw.cpu().double(), top, atol=1e-6)
+
+
+def test_torch_impl_is_the_reference_and_bad_inputs_are_named():
+    w13, w2 = weights(4, 16, 16)
+    tw, ids = routing("ragged", 3, 4, 2)
+    x = torch.randn(3, 16).to(DEV)
+    assert torch.equal(fused_moe(x, w13, w2, tw, ids, impl="torch"),
+                       moe_reference(x, w13, w2, tw, ids))
+    with pytest.raises(ValueError, match=r"do not match x \[T, 16\]"):
+        fused_moe(x, w13, w2[:, :, :8], tw, ids, impl="triton")
+    with pytest.raises(ValueError, match=r"must both be \[T=3, k\]"):
+        fused_moe(x, w13, w2, tw[:2], ids[:2], impl="triton")
+    with pytest.raises(ValueError, match="share a dtype"):
+        fused_moe(x.double(), w13, w2, tw, ids, impl="triton")
+    with pytest.raises(ValueError, match="impl must be"):
+        fused_moe(x, w13, w2, tw, ids, impl="cutlass")
+
+
+def test_picked_tiles_are_tl_dot_sized():
+    for pairs in (8, 64, 512, 8192):
+        for dev in ("cpu", "cuda"):
+            cfg = pick_moe_config(pairs, 256, torch.device(dev))
+            assert min(cfg.block_m, cfg.block_n, cfg.block_k) >= 16
+
+
+# ---- compiled on a GPU only ----
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a GPU")
+
+
+@gpu
+@pytest.mark.parametrize("T", [1, 8, 64, 512])
+def test_bf16_on_the_gpu(T):
+    E, H, F, k = 64, 256, 128, 8
+    w13, w2 = weights(E, H, F, torch.bfloat16)
+    tw, ids = routing("ragged", T, E, k)
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    got = fused_moe(x, w13, w2, tw, ids, impl="triton")
+    want = moe_reference(x.double(), w13.double(), w2.double(), tw.double(), ids)
+    assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+@gpu
+def test_no_host_sync_and_cuda_graph_capture():
+    E, H, F, k, T = 16, 64, 32, 4, 24
+    w13, w2 = weights(E, H, F)
+    x = torch.randn(T, H, device=DEV)
+    logits = torch.randn(T, E, device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tw, ids = route(logits, k)
+        fused_moe(x, w13, w2, tw, ids, impl="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):                 # warm up (compile) outside the capture
+        tw, ids = route(logits, k)
+        fused_moe(x, w13, w2, tw, ids, impl="triton")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tw, ids = route(logits, k)
+        out = fused_moe(x, w13, w2, tw, ids, impl="triton")
+    for seed in range(3):                            # new routings replay in the same graph
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        logits.copy_(torch.randn(T, E, device=DEV, generator=gen))
+        x.copy_(torch.randn(T, H, device=DEV, generator=gen))
+        graph.replay()
+        w_ref, i_ref = route(logits, k)
+        want = moe_reference(x.double(), w13.double(), w2.double(), w_ref.double(), i_ref)
+        assert torch.allclose(out.double(), want, atol=2e-5, rtol=1e-4)

@@ -266,3 +266,25 @@ def test_model_forward_bench_counts_the_experts_a_forward_touches():
     assert nbytes == sum(seen) * per_expert * 4
     assert mean == sum(seen) / len(seen) and params == cfg.num_hidden_layers * per_expert
     assert "moe_routing" not in model.__dict__          # the bench restores the method
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_slices_of_both_layouts_agree(checkpoint, rank):
+    """Rank ``rank`` of 2 reads the same expert columns from a per-expert and a fused
+    checkpoint (fused gate_up_proj cut along dim 1 in both halves, down_proj along dim 2)."""
+    from bole.distributed import TPShard
+    kind, _, per_expert, fused = checkpoint
+    shard = TPShard(rank, 2)
+    a, _ = load_checkpoint(per_expert, dtype=torch.float32, shard=shard)
+    b, _ = load_checkpoint(fused, dtype=torch.float32, shard=shard)
+    cfg = HybridConfig.from_pretrained(fused)
+    half = cfg.moe_intermediate_size // 2
+    for layer in ("mtp.layers.0.", f"{cfg.weight_prefix}layers.2."):
+        p = layer + "mlp."
+        w13, w2 = b[p + FUSED_GATE_UP], b[p + FUSED_DOWN]
+        assert w13.shape == (cfg.num_experts, 2 * half, cfg.hidden_size)
+        assert w2.shape == (cfg.num_experts, cfg.hidden_size, half)
+        for e in range(cfg.num_experts):
+            assert torch.equal(w13[e, :half], a[f"{p}experts.{e}.gate_proj.weight"])
+            assert torch.equal(w13[e, half:], a[f"{p}experts.{e}.up_proj.weight"])
+            assert torch.equal(w2[e], a[f"{p}experts.{e}.down_proj.weight"])

@@ -65,7 +65,8 @@ def offline(prompts: list[list[int]], tok) -> tuple[list[list[int]], list[str]]:
 
 class Served:
     """``with Served(tmp_path, *flags) as s:`` runs ``bole serve FLAGS`` (bole mode, MTP drafter,
-    :data:`SHAPE`, 2 slots) until healthy; ``s.url``, ``s.spawned`` (its child processes, read
+    :data:`SHAPE`, 2 slots, 256 tokens a request; FLAGS come last and override these) until
+    healthy; ``s.url``, ``s.spawned`` (its child processes, read
     once healthy). On exit it stops the server; then ``returncode``, ``left`` (child processes
     still alive, killed) and ``output`` (the log) are for the test to check."""
 
@@ -80,9 +81,9 @@ class Served:
     def __enter__(self) -> Served:
         port = self.url.rsplit(":", 1)[1]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bole.cli", "serve", *self.flags, "--device", "cpu",
+            [sys.executable, "-m", "bole.cli", "serve", "--device", "cpu",
              "--port", port, "--max-batch", "2", "--max-len", "256", "--mode", "bole",
-             "--drafter", "mtp"] + [f"--{k}={v}" for k, v in SHAPE.items()],
+             "--drafter", "mtp"] + [f"--{k}={v}" for k, v in SHAPE.items()] + list(self.flags),
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             self._wait_healthy()

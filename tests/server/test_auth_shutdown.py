@@ -1,0 +1,127 @@
+"""`bole serve` as a process: the API key (flag or BOLE_API_KEY; /health and /metrics stay
+open; a warning when a non-loopback address is served without one), and SIGTERM's drain: new
+requests get 503, in-flight ones finish within --shutdown-timeout or end with finish_reason
+"abort", and the process exits with nothing left behind."""
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from tests.server.served import Served  # noqa: E402
+
+KEY = "s3cret-key"
+
+
+def test_the_api_key_from_the_environment_guards_every_route_but_health_and_metrics(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("BOLE_API_KEY", KEY)
+    with Served(tmp_path, "--host", "0.0.0.0") as served:
+        url = served.url
+        ok = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert ok.completions.create(model="bundled", prompt="x", max_tokens=2).choices
+        wrong = openai.OpenAI(base_url=url + "/v1", api_key="guess", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as err:
+            wrong.completions.create(model="bundled", prompt="x", max_tokens=2)
+        assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+        for res in (httpx.get(url + "/v1/models"),
+                    httpx.post(url + "/v1/chat/completions", json={}),
+                    httpx.get(url + "/v1/models", headers={"Authorization": KEY}),
+                    httpx.get(url + "/nowhere")):
+            assert res.status_code == 401
+            assert set(res.json()["error"]) == {"message", "type", "param", "code"}
+        assert httpx.get(url + "/health").status_code == 200
+        assert "vllm:num_requests_running" in httpx.get(url + "/metrics").text
+    assert "without an API key" not in served.output
+
+
+def test_serving_a_public_address_without_a_key_warns(tmp_path, monkeypatch):
+    monkeypatch.delenv("BOLE_API_KEY", raising=False)
+    with Served(tmp_path, "--host", "0.0.0.0") as served:
+        assert httpx.get(served.url + "/v1/models").status_code == 200
+    assert "without an API key" in served.output
+
+
+def _stream(url: str, out: dict, started: threading.Event) -> None:
+    """A long streamed completion: its text and finish reason into ``out``."""
+    text, finish = "", None
+    with httpx.stream("POST", url + "/v1/completions", timeout=120, headers={
+            "Authorization": f"Bearer {KEY}"}, json={
+            "model": "bundled", "prompt": "def f(x):", "max_tokens": 3500, "temperature": 0,
+            "stream": True}) as res:
+        for line in res.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+                started.set()
+            out["done"] = line == "data: [DONE]" or out.get("done", False)
+    out.update(text=text, finish=finish)
+
+
+def _whole(url: str, out: dict, max_tokens: int) -> None:
+    res = httpx.post(url + "/v1/completions", timeout=120, headers={
+        "Authorization": f"Bearer {KEY}"}, json={
+        "model": "bundled", "prompt": "import os\n", "max_tokens": max_tokens,
+        "temperature": 0})
+    out.update(status=res.status_code, body=res.json())
+
+
+def _running(url: str, n: int) -> None:
+    deadline = time.time() + 60
+    while httpx.get(url + "/health").json()["running"] < n:
+        assert time.time() < deadline, "the requests did not start"
+        time.sleep(0.05)
+
+
+def test_sigterm_aborts_what_outlives_the_shutdown_timeout(tmp_path):
+    with Served(tmp_path, "--api-key", KEY, "--shutdown-timeout", "2", "--max-len",
+                "4096") as served:
+        url = served.url
+        streamed, whole, started = {}, {}, threading.Event()
+        threads = [threading.Thread(target=_stream, args=(url, streamed, started)),
+                   threading.Thread(target=_whole, args=(url, whole, 3500))]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        _running(url, 2)
+        served.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        refused = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                             json={"model": "bundled", "prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        assert httpx.get(url + "/health").status_code == 503
+        for t in threads:
+            t.join(60)
+        served.proc.wait(60)
+    assert streamed["finish"] == "abort" and streamed["done"] and streamed["text"]
+    assert whole["status"] == 200, whole
+    choice = whole["body"]["choices"][0]
+    assert choice["finish_reason"] == "abort" and choice["text"]
+    assert whole["body"]["usage"]["completion_tokens"] < 3500
+    assert served.returncode == 0 and not served.left
+    assert "aborting 2 requests" in served.output
+
+
+def test_sigterm_lets_in_flight_requests_finish_within_the_timeout(tmp_path):
+    with Served(tmp_path, "--api-key", KEY, "--shutdown-timeout", "60") as served:
+        whole = {}
+        thread = threading.Thread(target=_whole, args=(served.url, whole, 48))
+        thread.start()
+        _running(served.url, 1)
+        t0 = time.time()
+        served.proc.send_signal(signal.SIGTERM)
+        thread.join(60)
+        served.proc.wait(60)
+        took = time.time() - t0
+    assert whole["status"] == 200
+    assert whole["body"]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert took < 50                       # it stopped once the request was done, not at 60 s
+    assert served.returncode == 0 and not served.left
+    assert "aborting" not in served.output

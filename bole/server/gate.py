@@ -30,11 +30,17 @@ class Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = [500]
+        started = False
+
+        def count(status: int) -> None:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.count(route, status)
 
         async def record(message):
+            nonlocal started
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                started = True
+                count(message["status"])        # counted before the client can see it
             await send(message)
         try:
             if self.authorized(scope):
@@ -44,5 +50,5 @@ class Gate:
                             "'Authorization: Bearer <key>' with the key the server was started "
                             "with", code="invalid_api_key")(scope, receive, record)
         finally:
-            route = scope.get("route")
-            self.count(getattr(route, "path", None) or "unmatched", status[0])
+            if not started:                     # an exception: the 500 goes out further out
+                count(500)

@@ -190,7 +190,8 @@ class HybridConfig:
             moe_intermediate_size=int(t["moe_intermediate_size"]) if moe else 0,
             shared_expert_intermediate_size=int(t.get("shared_expert_intermediate_size") or 0)
             if moe else 0,
-            norm_topk_prob=bool(t.get("norm_topk_prob", True)),
+            # transformers' Qwen3.5-MoE router always renormalises (its config has no such field)
+            norm_topk_prob=family == "qwen3_5_moe" or bool(t.get("norm_topk_prob", True)),
             decoder_sparse_step=int(t.get("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(t.get("mlp_only_layers") or ()),
             hidden_act=str(t.get("hidden_act", "silu")),

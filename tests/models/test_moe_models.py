@@ -288,3 +288,30 @@ def test_tensor_parallel_slices_of_both_layouts_agree(checkpoint, rank):
             assert torch.equal(w13[e, :half], a[f"{p}experts.{e}.gate_proj.weight"])
             assert torch.equal(w13[e, half:], a[f"{p}experts.{e}.up_proj.weight"])
             assert torch.equal(w2[e], a[f"{p}experts.{e}.down_proj.weight"])
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_router_renormalisation_follows_transformers(kind, tmp_path):
+    """Qwen3-Next renormalises the top-k weights only with norm_topk_prob; transformers'
+    Qwen3.5-MoE router always does, whatever the config says."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from tests.models.test_config_and_loader import MOE, SMALL
+    torch.manual_seed(1)
+    if kind == "qwen3_next":
+        hf = Qwen3NextForCausalLM(Qwen3NextConfig(**SMALL, **MOE, intermediate_size=48,
+                                                  norm_topk_prob=False))
+    else:
+        hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**SMALL, **MOE, norm_topk_prob=False))
+    hf.eval().save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["norm_topk_prob"] = False
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    model = HybridModel.from_pretrained(tmp_path, dtype=torch.float32)
+    assert model.config.norm_topk_prob == (kind != "qwen3_next")
+    runner = ModelRunner(model, model.new_cache(1, 32), "torch")
+    slot = runner.cache.allocate(16)
+    _, hidden = runner.prefill(slot, torch.tensor(PROMPTS[0]))
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([PROMPTS[0]])).logits[0]
+    assert torch.allclose(model.lm_head(hidden), want, atol=1e-5, rtol=1e-4)

@@ -315,3 +315,47 @@ def test_router_renormalisation_follows_transformers(kind, tmp_path):
     with torch.no_grad():
         want = hf(input_ids=torch.tensor([PROMPTS[0]])).logits[0]
     assert torch.allclose(model.lm_head(hidden), want, atol=1e-5, rtol=1e-4)
+
+
+# ---- on a GPU: the fused kernels compiled, rounds captured, no eager fallback ----
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_moe_rounds_are_captured_without_eager_fallback_and_equal_transformers(checkpoint):
+    kind, hf, _, fused = checkpoint
+    model = HybridModel.from_pretrained(fused, dtype=torch.float32, device="cuda")
+    assert model.moe_backend == "triton" and model.graph_safe
+    want = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
+    params = GenerationParams(max_tokens=MAX_TOKENS)
+    for mode in MODES:
+        spec = SpecConfig(mode, "mtp", depth=3, topk=2, budget=6) if mode != "ar" else \
+            SpecConfig(mode="ar")
+        engine = Engine(model, spec, max_slots=2, max_len=64, cuda_graphs=True)
+        got = [r.token_ids for r in engine.generate(PROMPTS, params)]
+        assert got == want, (mode, kind)
+        stats = engine.rounds.graphs.stats
+        assert stats["eager_fallbacks"] == 0 and stats["graph_replays"] > 0, (mode, stats)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_moe_forward_makes_no_device_sync(checkpoint):
+    from bole.forest import DenseForest
+    from bole.tree import DraftTree, PackedForest
+    _, _, _, fused = checkpoint
+    model = HybridModel.from_pretrained(fused, dtype=torch.float32, device="cuda")
+    runner = ModelRunner(model, model.new_cache(2, 64), "triton")
+    slots = [runner.cache.allocate(32) for _ in PROMPTS]
+    for s, p in zip(slots, PROMPTS):
+        runner.prefill(s, torch.tensor(p))
+    dense = DenseForest.from_packed(
+        PackedForest.pack([DraftTree.full_kary(2, 2), DraftTree.chain(4)]), device="cuda")
+    tokens = torch.randint(0, 60, (dense.num_nodes,), device="cuda")
+    slot_t = torch.tensor(slots, dtype=torch.int32, device="cuda")
+    batch = runner.make_batch(tokens, DenseForest.from_parents(dense.parents, dense.valid,
+                                                               dense.max_depth), slot_t)
+    runner.forward(batch)                     # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner.forward(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -26,10 +26,12 @@ import torch
 import triton
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+# Run by path, Python puts bench/ first on sys.path: drop it, so that bench's modules are reached
+# as bench.<name> and can never shadow, or be shadowed by, an installed package of the same name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
-from kernels import save_png  # noqa: E402
+from bench.harness import save_png  # noqa: E402
 
 from bole.engine.calibrate import captured_ms  # noqa: E402
 from bole.ops.attention import _tile, default_num_splits, tree_attention  # noqa: E402

@@ -25,7 +25,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# Run by path, Python puts bench/ first on sys.path: drop it, so that bench's modules are reached
+# as bench.<name> and can never shadow, or be shadowed by, an installed package of the same name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
 from bole.engine import Engine, GenerationParams, SpecConfig, default_drafter  # noqa: E402

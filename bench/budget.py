@@ -61,11 +61,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+# Run by path, Python puts bench/ first on sys.path: drop it, so that bench's modules are reached
+# as bench.<name> and can never shadow, or be shadowed by, an installed package of the same name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
-from e2e import load, profile_meta, prompts_for, run  # noqa: E402
-from kernels import save_png, source_commit, versions  # noqa: E402
+from bench.e2e import load, profile_meta, prompts_for, run  # noqa: E402
+from bench.harness import save_png, source_commit, versions  # noqa: E402
 
 from bole.engine import SpecConfig  # noqa: E402
 from bole.engine.calibrate import load_or_calibrate  # noqa: E402

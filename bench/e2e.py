@@ -50,8 +50,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+# Run by path, Python puts bench/ first on sys.path: drop it, so that bench's modules are reached
+# as bench.<name> and can never shadow, or be shadowed by, an installed package of the same name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
 from bole import distributed  # noqa: E402
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
@@ -60,7 +62,7 @@ from bole.engine.calibrate import load_or_calibrate  # noqa: E402
 from bole.models.config import HybridConfig  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
-from kernels import save_png, source_commit, versions  # noqa: E402
+from bench.harness import save_png, source_commit, versions  # noqa: E402
 
 
 def load(name: str, device: str, dtype: torch.dtype, tp=None):
@@ -364,8 +366,6 @@ def main(argv=None) -> int:
         print(f"e2e: {problem}", file=sys.stderr)
         return 2
     import torch.multiprocessing as mp
-    if str(ROOT / "bench") not in sys.path:      # the ranks unpickle rank_main from module e2e
-        sys.path.insert(0, str(ROOT / "bench"))
     mp.spawn(rank_main, args=(args, distributed.free_port()), nprocs=args.tp, join=True)
     return 0
 

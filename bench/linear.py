@@ -24,14 +24,16 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+# Run by path, Python puts bench/ first on sys.path: drop it, so that bench's modules are reached
+# as bench.<name> and can never shadow, or be shadowed by, an installed package of the same name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
 from bole.engine.calibrate import captured_ms  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.ops.linear import LinearConfig, linear_triton, pick_linear_config  # noqa: E402
-from kernels import results_path, run_meta, save_png  # noqa: E402
-from model_forward import copy_bandwidth  # noqa: E402
+from bench.harness import results_path, run_meta, save_png  # noqa: E402
+from bench.model_forward import copy_bandwidth  # noqa: E402
 
 L2_BYTES = 50 * 2 ** 20          # the H200's L2: rotate through at least 4x this
 

@@ -23,10 +23,12 @@ from typing import Callable, Hashable
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+# Run by path, Python puts bench/ first on sys.path: drop it, so that bench's modules are reached
+# as bench.<name> and can never shadow, or be shadowed by, an installed package of the same name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
-from e2e import load, prompts_for  # noqa: E402
+from bench.e2e import load, prompts_for  # noqa: E402
 
 from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
 

@@ -40,10 +40,12 @@ import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+# Run by path, Python puts bench/ first on sys.path: drop it, so that bench's modules are reached
+# as bench.<name> and can never shadow, or be shadowed by, an installed package of the same name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
-from kernels import add_output_args, results_path, run_label, save_png  # noqa: E402
+from bench.harness import add_output_args, results_path, run_label, save_png  # noqa: E402
 
 from bole.assets import code_prompts  # noqa: E402
 from bole.engine.engine import MODES  # noqa: E402

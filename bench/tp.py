@@ -34,8 +34,11 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]
+# Run by path, Python puts bench/ first on sys.path: drop it, so that bench's modules are reached
+# as bench.<name> and can never shadow, or be shadowed by, an installed package of the same name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 from bole import distributed  # noqa: E402
 from bole.engine.calibrate import captured_ms  # noqa: E402
 from bole.engine.runner import ModelRunner  # noqa: E402

@@ -15,8 +15,8 @@ SMOKE = ["--models", "tiny", "--device", "cpu", "--max-tokens", "10", "--context
 
 
 def _e2e():
-    """bench/e2e.py as the module ``e2e`` (registered, so that spawned ranks find it)."""
-    return load_script("bench/e2e.py", register=True)
+    """bench/e2e.py as the module ``bench.e2e`` (registered, so that spawned ranks find it)."""
+    return load_script("bench/e2e.py", "bench.e2e", register=True)
 
 
 def _records(out: Path) -> tuple[dict, list[dict]]:

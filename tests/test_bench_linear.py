@@ -20,7 +20,7 @@ def _bench(monkeypatch):
 
 def test_shapes_are_the_decode_forwards_weights(monkeypatch):
     bench = _bench(monkeypatch)
-    import model_forward
+    from bench import model_forward
     model = HybridModel.random(preset_config("tiny"), dtype=torch.float32, seed=0, mtp=True)
     shapes = bench.preset_shapes("tiny", draft_vocab=32)
     decode_bytes = sum(s["N"] * s["K"] * 4 * s["count"] for s in shapes)

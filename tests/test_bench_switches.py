@@ -1,16 +1,11 @@
-"""bench/kernels.py's pieces shared by the kernel-tuning scripts in bench/tuning/: the
+"""bench/harness.py's pieces shared by the kernel-tuning scripts in bench/tuning/: the
 VerifyConfig switch flags (kernel_probe.py, verify_configs.py, kernel_registers.py) and the
 verify / commit launch helpers (kernel_probe.py, verify_configs.py, commit_configs.py)."""
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import kernels as kb  # noqa: E402
-
-from bole.ops.gdn.triton_verify import VerifyConfig  # noqa: E402
+from bench import harness as kb
+from bole.ops.gdn.triton_verify import VerifyConfig
 
 
 def test_switches_are_the_boolean_fields():

@@ -5,14 +5,7 @@ is the fp64 closed form, tf32's truncation in ``C U`` dominates O's error, and t
 products the kernel now uses remove it.
 """
 
-import sys
-from pathlib import Path
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-sys.path.insert(0, str(BENCH))                  # kernels.py, which precision_model.py imports
-sys.path.insert(0, str(BENCH / "tuning"))
-
-import precision_model as pm  # noqa: E402
+from bench.tuning import precision_model as pm
 
 
 def test_tf32_rounding_helpers():

@@ -3,10 +3,10 @@
 ``--base FILE`` is a copy of ``bole/ops/gdn/triton_verify.py`` from another revision (say
 ``git show f467084:bole/ops/gdn/triton_verify.py > .run/tv_base.py``); it is imported as its own
 module, so both kernels compile and run in one process, and each round times the two in turn
-(the order alternating round to round) on the same inputs, as bench/kernels.py times them
+(the order alternating round to round) on the same inputs, as bench/harness.py times them
 (CUDA-graph replay over rotating input sets, median per call, pick_config's launch).
 
-Each round also times the launch overheads around the kernel: the call as bench/kernels.py
+Each round also times the launch overheads around the kernel: the call as bench/harness.py
 made it before 2026-11-30 (no ``state_indices``, so the wrapper builds ``arange(R)`` on the
 device: one more kernel in the graph), ``arange`` alone and an empty Triton kernel, and the
 tree-serial baseline with and without ``state_indices``.
@@ -26,11 +26,13 @@ from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(BENCH.parent))
-sys.path.insert(0, str(BENCH))
+ROOT = Path(__file__).resolve().parents[2]
+# Run by path, Python puts bench/tuning/ first on sys.path: drop it, so that bench's modules are
+# reached as bench.<name> and never shadow, or are shadowed by, an installed package of that name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench" / "tuning")]
 
-import kernels as kb  # noqa: E402
+from bench import harness as kb  # noqa: E402
 
 from bole.config import gdn_shape  # noqa: E402
 

@@ -28,11 +28,13 @@ from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(BENCH.parent))
-sys.path.insert(0, str(BENCH))
+ROOT = Path(__file__).resolve().parents[2]
+# Run by path, Python puts bench/tuning/ first on sys.path: drop it, so that bench's modules are
+# reached as bench.<name> and never shadow, or are shadowed by, an installed package of that name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench" / "tuning")]
 
-import kernels as kb  # noqa: E402  (bench/kernels.py: trees, inputs, timing)
+from bench import harness as kb  # noqa: E402  (bench/harness.py: trees, inputs, timing)
 
 from bole.config import gdn_shape  # noqa: E402
 

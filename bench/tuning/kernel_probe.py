@@ -20,11 +20,13 @@ from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(BENCH.parent))
-sys.path.insert(0, str(BENCH))
+ROOT = Path(__file__).resolve().parents[2]
+# Run by path, Python puts bench/tuning/ first on sys.path: drop it, so that bench's modules are
+# reached as bench.<name> and never shadow, or are shadowed by, an installed package of that name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench" / "tuning")]
 
-import kernels as kb  # noqa: E402  (bench/kernels.py: inputs, timing, byte floor)
+from bench import harness as kb  # noqa: E402  (bench/harness.py: inputs, timing, byte floor)
 
 from bole.config import gdn_shape  # noqa: E402
 
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-no-sweep", action="store_true",
                     help="do not time the max_depth = 0 variant (halves the run)")
     ap.add_argument("--sets", type=int, default=0,
-                    help="input sets rotated per timing; 0: as bench/kernels.py (>= 256 MiB, so "
+                    help="input sets rotated per timing; 0: as bench/harness.py (>= 256 MiB, so "
                          "the inputs come from HBM), 8: what this script used before 2026-11-30")
     ap.add_argument("--picked-only", action="store_true",
                     help="time pick_config's choice at each of --stages only (no BV/BK/warps grid)")

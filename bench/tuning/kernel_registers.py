@@ -30,15 +30,17 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+# Run by path, Python puts bench/tuning/ first on sys.path: drop it, so that bench's modules are
+# reached as bench.<name> and never shadow, or are shadowed by, an installed package of that name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench" / "tuning")]
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import kernels as kb  # noqa: E402  (bench/kernels.py: the VerifyConfig switch flags)
+from bench import harness as kb  # noqa: E402  (bench/harness.py: the VerifyConfig switch flags)
 
 from bole.config import gdn_shape  # noqa: E402
 from bole.ops.gdn import triton_verify as tv  # noqa: E402
@@ -51,7 +53,7 @@ UNIT_STRIDES = ("s_gh", "s_bh", "s_sv")      # contiguous last dims: Triton spec
 
 
 def compile_verify(shape, block_nodes: int, cfg: tv.VerifyConfig):
-    """The verification kernel compiled for sm_90 as bench/kernels.py launches it with ``cfg``
+    """The verification kernel compiled for sm_90 as bench/harness.py launches it with ``cfg``
     (bf16, raw gates, in-kernel l2 norm, tf32, depth-8 trees)."""
     fn = tv._tree_gdn_verify_kernel
     names = fn.arg_names

@@ -20,7 +20,10 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+# Run by path, Python puts bench/tuning/ first on sys.path: drop it, so that bench's modules are
+# reached as bench.<name> and never shadow, or are shadowed by, an installed package of that name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench" / "tuning")]
 sys.path.insert(0, str(ROOT / "tests" / "ops"))
 
 

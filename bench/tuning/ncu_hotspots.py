@@ -35,6 +35,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
+# Run by path, Python puts bench/tuning/ first on sys.path: drop it, so that bench's modules are
+# reached as bench.<name> and never shadow, or are shadowed by, an installed package of that name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench" / "tuning")]
+
 SAMPLES = "Warp Stall Sampling (All Samples)"
 
 
@@ -116,8 +122,7 @@ def main(argv=None) -> int:
     if args.config:
         import json
 
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import kernel_registers as kr
+        from bench.tuning import kernel_registers as kr
         from bole.config import gdn_shape
         from bole.ops.gdn.triton_verify import VerifyConfig
         compiled = kr.compile_verify(gdn_shape(args.model), args.block_nodes,

@@ -1,6 +1,6 @@
 """Where the verification kernel's error against fp64 comes from, by emulation on the CPU.
 
-Recomputes the closed form in fp64 on bench/kernels.py's inputs (Qwen3.5-9B shapes, T = 64, depth 8,
+Recomputes the closed form in fp64 on bench/harness.py's inputs (Qwen3.5-9B shapes, T = 64, depth 8,
 bf16 q/k/v, raw gates, in-kernel l2 norm), rounding the operands of one group of products at a
 time as the kernel's tensor-core products do: tf32 (10 mantissa bits; round to nearest or
 truncated), three tf32 products (Triton's "tf32x3"), three bf16 products of hi/lo halves
@@ -8,7 +8,7 @@ truncated), three tf32 products (Triton's "tf32x3"), three bf16 products of hi/l
 or the bf16 split ``S = S_hi + S_lo`` of ``VerifyConfig.bf16_state``.
 The groups are the state products (``K S_pre``, ``Q S_pre``), the Neumann sweeps (``G U``) and
 ``C U``; q and k are exact in both formats. Prints the relative error of O (Frobenius, as
-bench/kernels.py's ``rel_err``) per variant. No GPU needed.
+bench/harness.py's ``rel_err``) per variant. No GPU needed.
 
     python bench/tuning/precision_model.py [--batch 1] [--nodes 64] [--two-step]
 """
@@ -22,11 +22,13 @@ from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(BENCH.parent))
-sys.path.insert(0, str(BENCH))
+ROOT = Path(__file__).resolve().parents[2]
+# Run by path, Python puts bench/tuning/ first on sys.path: drop it, so that bench's modules are
+# reached as bench.<name> and never shadow, or are shadowed by, an installed package of that name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench" / "tuning")]
 
-import kernels as kb  # noqa: E402  (bench/kernels.py: inputs and the fp64 reference)
+from bench import harness as kb  # noqa: E402  (bench/harness.py: inputs and the fp64 reference)
 
 from bole.config import gdn_shape  # noqa: E402
 from bole.ops.gdn.common import expand_heads, prepare_gdn_tree_inputs  # noqa: E402
@@ -73,7 +75,7 @@ def neumann_sweeps(G: torch.Tensor, R: torch.Tensor, depth: int, product,
 
 
 def fp64_inputs(x, forest, l2norm: bool):
-    """bench/kernels.py's inputs in fp64, gated and laid out per node (prepare_gdn_tree_inputs)."""
+    """bench/harness.py's inputs in fp64, gated and laid out per node (prepare_gdn_tree_inputs)."""
     return prepare_gdn_tree_inputs(
         x["q"].double(), x["k"].double(), x["v"].double(), forest,
         initial_state=x["initial_state"].double(), a=x["a"].double(), b=x["b"].double(),
@@ -191,7 +193,7 @@ VARIANTS = (
 
 def errors(model: str = "qwen3.5-9b", batch: int = 1, nodes: int = 64) -> dict[str, float]:
     """Relative error of O against fp64 for each of :data:`VARIANTS` (and "exact products", the
-    emulation's own error) on bench/kernels.py's inputs for this shape."""
+    emulation's own error) on bench/harness.py's inputs for this shape."""
     shape = gdn_shape(model)
     forest, _ = kb.bench_forest(nodes, batch, batch * 1000 + nodes, "cpu")
     x = kb.make_inputs(shape, forest, "cpu", seed=batch)

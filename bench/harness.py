@@ -19,9 +19,9 @@ over replays. Byte floor = (S_pre, q, k, v, g, beta read once;
 O and U written once) / measured copy bandwidth. rel_err = ||o - o_fp64|| / ||o_fp64|| against the
 torch closed form in fp64 on the same (bf16-valued) inputs.
 
-    python bench/kernels.py                      # full sweep -> bench/results/kernels-<date>.json/.png
-    python bench/kernels.py --quick              # a few shapes, to check the set-up
-    python bench/kernels.py --plot FILE.json     # redraw the plot from a results file
+    python bench/harness.py                      # full sweep -> bench/results/kernels-<date>.json/.png
+    python bench/harness.py --quick              # a few shapes, to check the set-up
+    python bench/harness.py --plot FILE.json     # redraw the plot from a results file
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# Run by path, Python puts bench/ first on sys.path: drop it, so that bench's modules are reached
+# as bench.<name> and can never shadow, or be shadowed by, an installed package of the same name.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path
+                             if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
 from bole.config import gdn_shape  # noqa: E402
 from bole.tree import DraftTree, PackedForest  # noqa: E402
@@ -667,7 +670,7 @@ def main(argv=None) -> int:
         print(plot(path))
         return 0
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("bench/harness.py needs a CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     try:

@@ -1,0 +1,1 @@
+"""Kernel-tuning probes (GPU): configuration sweeps, register and SASS reads, miscompile checks."""

@@ -325,9 +325,13 @@ class BoleServer:
         self.cancel(sequences)
         self.inflight.difference_update(sequences)
 
+    def live(self) -> list[Sequence]:
+        """The sequences the engine has not finished."""
+        return [s for s in self.inflight if s.handle is not None and not s.handle.done.is_set()]
+
     def abort_all(self) -> int:
         """Shutdown: end every sequence still running (finish_reason ``abort``); how many."""
-        live = [s for s in self.inflight if s.handle is not None and not s.handle.done.is_set()]
+        live = self.live()
         for seq in live:
             seq.aborted = True
             self.scheduler.cancel(seq.handle)
@@ -553,13 +557,14 @@ async def drain(server: BoleServer, uv) -> None:
     log.info("shutting down: %d requests in flight get up to %.0f s", len(server.inflight),
              timeout)
     deadline = time.monotonic() + timeout
+    while server.live() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if server.live():
+        log.warning("shutdown timeout: aborting %d requests", server.abort_all())
+    # the engine ends the aborted ones within a round; then their responses go out
+    deadline = time.monotonic() + 10
     while server.inflight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    if server.inflight:
-        log.warning("shutdown timeout: aborting %d requests", server.abort_all())
-        deadline = time.monotonic() + 10
-        while server.inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
     uv.should_exit = True
 
 

@@ -15,6 +15,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from tests.server.served import Served  # noqa: E402
+from tests.server.test_api import bundled  # noqa: E402,F401
 
 KEY = "s3cret-key"
 
@@ -125,3 +126,32 @@ def test_sigterm_lets_in_flight_requests_finish_within_the_timeout(tmp_path):
     assert took < 50                       # it stopped once the request was done, not at 60 s
     assert served.returncode == 0 and not served.left
     assert "aborting" not in served.output
+
+
+def test_an_aborted_drain_frees_every_engine_slot(bundled):  # noqa: F811
+    """In one process: the drain aborts a long stream and a long plain request, their responses
+    say "abort", and every cache slot is free again."""
+    import asyncio
+
+    from bole.engine import Engine, SpecConfig
+    from bole.server.api import BoleServer, ServerConfig, drain
+    from tests.server.test_api import Running
+    model, tok = bundled
+    engine = Engine(model, SpecConfig("bole", "mtp", depth=4, topk=3, budget=12), max_slots=2,
+                    max_len=4096, tokenizer=tok)
+    server = BoleServer(engine, "bundled", config=ServerConfig(shutdown_timeout=0.5))
+    streamed, whole, started = {}, {}, threading.Event()
+    with Running(server) as running:
+        url = running.url
+        threads = [threading.Thread(target=_stream, args=(url, streamed, started)),
+                   threading.Thread(target=_whole, args=(url, whole, 3500))]
+        for t in threads:
+            t.start()
+        assert started.wait(60)
+        _running(url, 2)
+        asyncio.run_coroutine_threadsafe(drain(server, running.uv), server.event_loop).result(30)
+        for t in threads:
+            t.join(30)
+        assert engine.cache.num_free == 2 and server.scheduler.idle and not server.inflight
+    assert streamed["finish"] == "abort" and streamed["done"]
+    assert whole["status"] == 200 and whole["body"]["choices"][0]["finish_reason"] == "abort"

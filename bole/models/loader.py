@@ -116,9 +116,10 @@ def load_checkpoint(folder: str | Path, config: HybridConfig | None = None, *,
     config = config or HybridConfig.from_pretrained(folder)
     where = checkpoint_files(folder)
     report = LoadReport(folder=str(folder), files=sorted(set(where.values())))
-    fused = has_fused_experts(where)
-    expected = text_model_specs(config, fused_experts=fused)
+    # the text model's and the MTP head's experts may come in different layouts
     present_mtp = [n for n in where if n.startswith("mtp.")]
+    fused = has_fused_experts(n for n in where if not n.startswith("mtp."))
+    expected = text_model_specs(config, fused_experts=fused)
     if load_mtp and present_mtp:
         layers = {int(n.split(".")[2]) for n in present_mtp if n.startswith("mtp.layers.")}
         expected.update(mtp_specs(config, num_layers=len(layers),

@@ -47,14 +47,15 @@ def _add_mtp_head(path, seed=11):
         json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def _fuse_experts(src, dst):
-    """A copy of checkpoint ``src`` with every MoE layer's experts in the fused layout."""
+def _fuse_experts(src, dst, files=None):
+    """A copy of checkpoint ``src`` with every MoE layer's experts in the fused layout (only in
+    ``files`` when given)."""
     shutil.copytree(src, dst)
     index_file = dst / "model.safetensors.index.json"
     index = json.loads(index_file.read_text()) if index_file.is_file() else \
         {"metadata": {}, "weight_map": {n: "model.safetensors"
                                         for n in load_file(str(dst / "model.safetensors"))}}
-    for fname in set(index["weight_map"].values()):
+    for fname in files or set(index["weight_map"].values()):
         tensors = load_file(str(dst / fname))
         prefixes = sorted({n[: n.index("experts.")] for n in tensors if ".mlp.experts." in n})
         for p in prefixes:
@@ -108,6 +109,15 @@ def test_both_expert_layouts_load_to_the_same_stacked_weights(checkpoint):
     assert torch.equal(a.w[p + FUSED_GATE_UP][2, :F_], raw[p + "experts.2.gate_proj.weight"])
     assert torch.equal(a.w[p + FUSED_GATE_UP][2, F_:], raw[p + "experts.2.up_proj.weight"])
     assert torch.equal(a.w[p + FUSED_DOWN][3], raw[p + "experts.3.down_proj.weight"])
+
+
+@pytest.mark.parametrize("which", ["model.safetensors", "mtp.safetensors"])
+def test_text_model_and_mtp_head_in_different_layouts(checkpoint, tmp_path, which):
+    kind, _, per_expert, _ = checkpoint
+    mixed = _fuse_experts(per_expert, tmp_path / "mixed", files=[which])
+    a = HybridModel.from_pretrained(per_expert, dtype=torch.float32)
+    b = HybridModel.from_pretrained(mixed, dtype=torch.float32)
+    assert a.w.keys() == b.w.keys() and all(torch.equal(a.w[n], b.w[n]) for n in a.w)
 
 
 def test_transformers_reads_the_fused_layout(checkpoint):

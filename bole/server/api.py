@@ -43,7 +43,7 @@ from bole.server.metrics import RequestTimer, ServerMetrics
 from bole.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError,
                                   check_supported, choice_seed, completion_body,
                                   completion_choice, completion_chunk, engine_params,
-                                  error_body, new_id, usage)
+                                  error_body, new_id, StreamOptions, usage)
 
 log = logging.getLogger("bole.server")
 
@@ -432,8 +432,8 @@ async def _serve(server: BoleServer, req, http: HTTPRequest, chat: bool):
         return error(400, str(exc))
     rid = new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(server, sequences, queue, rid, chat, include_usage),
+        options = req.stream_options or StreamOptions()
+        return StreamingResponse(_stream(server, sequences, queue, rid, chat, options),
                                  media_type="text/event-stream")
     try:
         return await _whole(server, sequences, queue, http, rid, chat)
@@ -468,15 +468,20 @@ async def _whole(server: BoleServer, sequences: list[Sequence], queue: asyncio.Q
 
 
 async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.Queue, rid: str,
-                  chat: bool, include_usage: bool) -> AsyncIterator[str]:
+                  chat: bool, options: StreamOptions) -> AsyncIterator[str]:
     """SSE chunks of each choice's text deltas (the echoed prompt first), its finish reason,
-    optionally the usage, then ``[DONE]``."""
+    optionally the usage (on the last chunk, or so far on every chunk), then ``[DONE]``."""
     loop = asyncio.get_running_loop()
     by_index = {s.index: s for s in sequences}
     streams = {s.index: TextStream(server.tokenizer, s.params.stop_strings) for s in sequences}
     first = {s.index: True for s in sequences}
     counted = {s.index: 0 for s in sequences}
     model = server.model_name
+
+    def sse(body: dict) -> str:
+        if options.continuous_usage_stats:
+            body["usage"] = server.usage_of(sequences)
+        return _sse(body)
 
     def deltas(ready: dict[int, bool]) -> list[tuple[int, str, list[int], bool]]:
         """Text thread: each ready choice's new text and tokens, and whether it ended."""
@@ -491,7 +496,7 @@ async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.
     try:
         for s in sequences:
             if s.echo:
-                yield _sse(completion_chunk(rid, model, s.echo, None, chat, index=s.index))
+                yield sse(completion_chunk(rid, model, s.echo, None, chat, index=s.index))
         left = len(sequences)
         while left:
             i, finished = await queue.get()
@@ -503,8 +508,8 @@ async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.
                                                                      deltas, ready):
                 seq = by_index[i]
                 if delta or (first[i] and chat):
-                    yield _sse(completion_chunk(rid, model, delta, None, chat, first[i],
-                                                token_ids=ids[counted[i]:], index=i))
+                    yield sse(completion_chunk(rid, model, delta, None, chat, first[i],
+                                               token_ids=ids[counted[i]:], index=i))
                     first[i], counted[i] = False, len(ids)
                 if finished:
                     left -= 1
@@ -512,9 +517,9 @@ async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.
                         yield _sse(error_body("the request was cancelled by the server",
                                               "server_error"))
                     else:
-                        yield _sse(completion_chunk(rid, model, "", seq.finish_reason, chat,
-                                                    index=i))
-        if include_usage:
+                        yield sse(completion_chunk(rid, model, "", seq.finish_reason, chat,
+                                                   index=i))
+        if options.include_usage:
             body = completion_chunk(rid, model, "", None, chat)
             body["choices"], body["usage"] = [], server.usage_of(sequences)
             yield _sse(body)

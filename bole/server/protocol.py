@@ -69,9 +69,14 @@ def _check_unicode(value: Any, path: str) -> None:
 
 
 class StreamOptions(BaseModel):
+    """``include_usage``: a last chunk with the usage; ``continuous_usage_stats`` (vLLM's): the
+    usage so far on every chunk; ``include_obfuscation`` is accepted and ignored (no padding)."""
+
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    include_obfuscation: bool | None = None
 
 
 class _Sampling(BaseModel):

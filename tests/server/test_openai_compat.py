@@ -175,3 +175,15 @@ def test_models_by_id(client, live):
     assert "'gpt-9'" in err.value.body["message"]
     assert json.loads(httpx.get(live.url + "/v1/models/gpt-9").text)["error"]["code"] == \
         "model_not_found"
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(live):
+    with httpx.stream("POST", live.url + "/v1/completions", timeout=120, json={
+            "model": NAME, "prompt": "def f(x):", "max_tokens": 12, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}) as res:
+        chunks = [json.loads(line[6:]) for line in res.iter_lines()
+                  if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c.get("usage") for c in chunks) and counts == sorted(counts)
+    assert counts[0] < counts[-1] == 12 and chunks[-1]["choices"] == []

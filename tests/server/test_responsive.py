@@ -2,7 +2,6 @@
 and 4 MB prompts are being refused (tokenizing runs off the event loop, and a prompt over
 --max-prompt-bytes is refused before it is tokenized)."""
 
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -69,10 +68,11 @@ def test_health_answers_fast_while_64_streams_run_and_4mb_prompts_are_refused(tm
                     if line.startswith("rejected")]
         assert load.returncode == 0 and out.rstrip().endswith("done"), out
         assert rejected, "no 4 MB prompt was refused while the streams ran"
-    # 40 probes, each one HTTP request over loopback while the server streams to 64 clients:
-    # the median is the claim (under 50 ms); the slowest may have met the OS scheduler of a
-    # shared machine, but not a tokenizer holding the event loop (which cost 2.7 s per probe)
+    # 40 probes, each one HTTP request over loopback while the server streams to 64 clients
+    # (seen on two shared CPU cores: median 8 ms, slowest 32 ms): 36 of them under 50 ms is the
+    # claim; the slowest few may meet the OS scheduler of a busy machine, but not a tokenizer
+    # holding the event loop (which cost 2.7 s a probe)
     latencies.sort()
-    assert statistics.median(latencies) < 0.05, latencies
+    assert latencies[int(0.9 * len(latencies)) - 1] < 0.05, latencies
     assert latencies[-1] < 0.5, latencies
     assert max(rejected) < 2.0, rejected       # refused before tokenizing (tokenizing: 3.7 s)

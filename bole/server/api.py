@@ -229,9 +229,6 @@ class BoleServer:
         self.event_loop: asyncio.AbstractEventLoop | None = None    # the app's, once started
         self._pump: EventPump | None = None
 
-    def text(self, result, params: GenerationParams) -> str:
-        return result_text(self.tokenizer, result, params)
-
     # ---- requests ----
     def check_size(self, req, chat: bool) -> None:
         """Refuse a prompt over ``max_prompt_bytes`` before anything tokenizes it."""
@@ -287,11 +284,13 @@ class BoleServer:
         return self._pump
 
     def submit(self, sequences: list[Sequence], queue: asyncio.Queue, loop,
-               stream: bool = True) -> None:
+               stream: bool = True, arrived: float | None = None) -> None:
         """Queue the sequences; ``(index, finished)`` reaches ``queue`` on ``loop`` after every
-        round (``stream``) or only at the end. All or none: QueueFull cancels those queued."""
+        round (``stream``) or only at the end. All or none: QueueFull cancels those queued.
+        ``arrived``: when the request came in (``time.perf_counter()``; default now), for the
+        latency metrics."""
         pump = self.pump(loop)
-        arrived = time.perf_counter()
+        arrived = time.perf_counter() if arrived is None else arrived
         prompts_counted: set[int] = set()
         for seq in sequences:
             seq.timer = RequestTimer(self.metrics, arrived)
@@ -308,7 +307,7 @@ class BoleServer:
                 seq.handle = self.scheduler.submit(seq.ids, seq.params, seed=seq.seed,
                                                    on_event=on_event)
             except BaseException:
-                self.cancel(sequences)
+                self.release(sequences)
                 raise
             self.inflight.add(seq)
             if seq.prompt_index not in prompts_counted:
@@ -410,6 +409,7 @@ def create_app(server: BoleServer) -> FastAPI:
 
 
 async def _serve(server: BoleServer, req, http: HTTPRequest, chat: bool):
+    arrived = time.perf_counter()
     if server.draining:
         return error(503, "the server is shutting down; send the request to another replica "
                      "or retry after it restarts", "server_error", headers={"Retry-After": "5"})
@@ -424,7 +424,7 @@ async def _serve(server: BoleServer, req, http: HTTPRequest, chat: bool):
         return error(400, str(exc))
     queue: asyncio.Queue = asyncio.Queue()
     try:
-        server.submit(sequences, queue, loop, stream=bool(req.stream))
+        server.submit(sequences, queue, loop, stream=bool(req.stream), arrived=arrived)
     except QueueFull as exc:
         server.metrics.requests.labels("rejected").inc()
         return error(503, str(exc), "server_busy", headers={"Retry-After": "1"})

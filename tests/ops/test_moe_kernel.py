@@ -69,19 +69,22 @@ def test_strided_tokens_and_a_larger_tile():
     tw, ids = routing("ragged", T, E, k, seed=3)
     wide = torch.randn(T, 2 * H, generator=torch.Generator().manual_seed(2)).to(DEV)
     x = wide[:, 5:5 + H]
-    cfg = MoEConfig(block_m=32, block_n=16, block_k=16, num_warps=2, num_stages=1)
-    got = fused_moe(x, w13, w2, tw, ids, impl="triton", config=cfg)
     want = moe_reference(x.double(), w13.double(), w2.double(), tw.double(), ids)
-    assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-4)
+    for align in ("torch", "triton"):
+        cfg = MoEConfig(block_m=32, block_n=16, block_k=16, num_warps=2, num_stages=1,
+                        align_impl=align)
+        got = fused_moe(x, w13, w2, tw, ids, impl="triton", config=cfg)
+        assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("block_m", [1, 4, 16])
 @pytest.mark.parametrize("kind", ["ragged", "one_expert_everywhere", "all_but_one_empty"])
-def test_alignment_puts_every_pair_once_in_a_block_of_its_expert(kind, block_m):
+def test_alignment_puts_every_pair_once_in_a_block_of_its_expert(kind, block_m, impl):
     T, E = 13, 6
     k = 1 if kind == "all_but_one_empty" else 3
     _, ids = routing(kind, T, E, k, seed=4)
-    a = align_blocks(ids, E, block_m)
+    a = align_blocks(ids, E, block_m, impl=impl)
     n = T * k
     assert a.num_blocks == max_blocks(n, E, block_m) == -(-n // block_m) + min(E, n)
     assert a.sorted_pairs.shape == (a.num_blocks * block_m,)
@@ -102,6 +105,22 @@ def test_alignment_puts_every_pair_once_in_a_block_of_its_expert(kind, block_m):
     for e in range(E):                                             # stable within an expert
         mine = real[flat[real] == e]
         assert torch.equal(mine, mine.sort().values)
+
+
+@pytest.mark.parametrize("T,E,k,block_m", [(1, 8, 3, 16), (37, 5, 2, 4), (70, 12, 4, 16),
+                                           (9, 33, 8, 32)])
+def test_both_alignments_are_identical(T, E, k, block_m):
+    """The one-launch Triton alignment equals the torch ops entry for entry (several chunks of
+    pairs, more bins than experts, ties of expert ids across chunks)."""
+    for seed in range(3):
+        _, ids = routing("ragged", T, E, k, seed=seed)
+        a = align_blocks(ids, E, block_m, impl="torch")
+        b = align_blocks(ids, E, block_m, impl="triton")
+        assert torch.equal(a.sorted_pairs, b.sorted_pairs)
+        assert torch.equal(a.block_expert, b.block_expert)
+        assert torch.equal(a.expert_counts, b.expert_counts)
+    with pytest.raises(ValueError, match="impl must be"):
+        align_blocks(ids, E, block_m, impl="cub")
 
 
 def test_route_is_softmax_topk_renormalised():

@@ -31,13 +31,15 @@ fix_interpreter_scalar_index()
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Tile sizes of the grouped GEMMs (powers of two, at least 16 for ``tl.dot``)."""
+    """Tile sizes of the grouped GEMMs (powers of two, at least 16 for ``tl.dot``) and the
+    implementation of the block alignment ("triton": one launch; "torch": about twenty)."""
 
     block_m: int = 16
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    align_impl: str = "triton"
 
 
 def pick_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> MoEConfig:
@@ -156,7 +158,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     F_, k = F2 // 2, topk_ids.shape[1]
     num_pairs = T * k
     cfg = config or pick_moe_config(num_pairs, E, x.device)
-    align = align_blocks(topk_ids, E, cfg.block_m)
+    align = align_blocks(topk_ids, E, cfg.block_m, impl=cfg.align_impl)
     x = x if x.stride(1) == 1 else x.contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     h = torch.empty(num_pairs, F_, dtype=x.dtype, device=x.device)

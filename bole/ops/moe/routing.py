@@ -7,7 +7,10 @@ multiple of ``block_m``; block b then holds ``block_m`` entries of ``sorted_pair
 to expert ``block_expert[b]``. Padding entries hold ``T * k`` (no pair) and blocks past the used
 ones hold expert ``E`` (none); kernels skip both. The number of blocks is bounded by
 ``ceil(T k / block_m) + min(E, T k)`` whatever the routing (each used expert adds at most one
-partly filled block).
+partly filled block). Two implementations give identical results: torch ops (``impl="torch"``,
+about twenty small launches) and one Triton launch (``impl="triton"``: one program per expert
+counts every expert's pairs with a histogram, places its own pairs by a running in-chunk cumsum,
+pads its run and names its blocks; program 0 fills the unused tail).
 """
 
 from __future__ import annotations
@@ -15,6 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+
+from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index
+
+fix_interpreter_scalar_index()
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool = True
@@ -56,13 +65,73 @@ class BlockAlignment:
         return self.block_expert.shape[0]
 
 
-def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
+@triton.jit
+def _align_kernel(ids_ptr, N, E, NUM_BLOCKS, sorted_ptr, block_expert_ptr, counts_ptr,
+                  BLOCK_M: tl.constexpr, E_P: tl.constexpr, CHUNK: tl.constexpr):
+    """Program e places expert e's pairs (module docstring); E_P > E bins, bin E the sentinel
+    of masked lanes."""
+    e = tl.program_id(0)
+    bins = tl.arange(0, E_P)
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros((E_P,), dtype=tl.int32)
+    for c0 in range(0, N, CHUNK):
+        ids = tl.load(ids_ptr + c0 + offs, mask=c0 + offs < N, other=E)
+        counts += tl.histogram(ids, E_P)
+    padded = tl.where(bins < E, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    start = tl.sum(tl.where(bins < e, padded, 0))
+    mine_count = tl.sum(tl.where(bins == e, counts, 0))
+    mine_padded = tl.sum(tl.where(bins == e, padded, 0))
+    run = tl.sum(offs * 0)
+    for c0 in range(0, N, CHUNK):
+        ids = tl.load(ids_ptr + c0 + offs, mask=c0 + offs < N, other=E)
+        sel = ids == e
+        one = sel.to(tl.int32)
+        rank = run + tl.cumsum(one, 0) - one
+        tl.store(sorted_ptr + start + rank, c0 + offs, mask=sel)
+        run += tl.sum(one)
+    pad = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + start + mine_count + pad, N + pad * 0,
+             mask=mine_count + pad < mine_padded)
+    first = start // BLOCK_M
+    for b0 in range(0, mine_padded // BLOCK_M, CHUNK):
+        tl.store(block_expert_ptr + first + b0 + offs, e + offs * 0,
+                 mask=b0 + offs < mine_padded // BLOCK_M)
+    tl.store(counts_ptr + e, mine_count)
+    if e == 0:
+        total = tl.sum(padded)
+        for t0 in range(total, NUM_BLOCKS * BLOCK_M, CHUNK):
+            tl.store(sorted_ptr + t0 + offs, N + offs * 0, mask=t0 + offs < NUM_BLOCKS * BLOCK_M)
+        for b0 in range(total // BLOCK_M, NUM_BLOCKS, CHUNK):
+            tl.store(block_expert_ptr + b0 + offs, E + offs * 0, mask=b0 + offs < NUM_BLOCKS)
+
+
+def _align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> BlockAlignment:
+    check_kernel_device(topk_ids.device, "align_blocks(impl='triton')")
+    flat = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    n = flat.shape[0]
+    nb = max_blocks(n, num_experts, block_m)
+    sorted_pairs = torch.empty(nb * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(nb, dtype=torch.int32, device=flat.device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
+    _align_kernel[(num_experts,)](
+        flat, n, num_experts, nb, sorted_pairs, block_expert, counts, BLOCK_M=block_m,
+        E_P=triton.next_power_of_2(num_experts + 1), CHUNK=128 if flat.is_cuda else 32)
+    return BlockAlignment(sorted_pairs, block_expert, counts, n, num_experts, block_m)
+
+
+def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                 impl: str = "torch") -> BlockAlignment:
     """Sort the (token, slot) pairs of ``topk_ids [T, k]`` by expert into padded blocks of
-    ``block_m`` (torch ops on the ids' device; no value is read back to the host)."""
+    ``block_m`` on the ids' device, no value read back to the host. ``impl``: "torch" (torch
+    ops) or "triton" (one launch; CUDA, or CPU under TRITON_INTERPRET=1)."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, k], got shape {tuple(topk_ids.shape)}")
     if block_m < 1:
         raise ValueError(f"block_m must be >= 1, got {block_m}")
+    if impl == "triton":
+        return _align_triton(topk_ids, num_experts, block_m)
+    if impl != "torch":
+        raise ValueError(f"align_blocks impl must be 'torch' or 'triton', got {impl!r}")
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     n = flat.shape[0]

@@ -1,7 +1,8 @@
-"""The HTTP server stays responsive under load: /health answers quickly while 64 streams run
-and 4 MB prompts are being refused (tokenizing runs off the event loop, and a prompt over
---max-prompt-bytes is refused before it is tokenized)."""
+"""The HTTP server stays responsive under load: /health answers quickly while 64 streams run,
+4 MB prompts are refused (over --max-prompt-bytes: before they are tokenized) and 900 KB prompts
+are tokenized (off the event loop) and refused for the context."""
 
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,7 @@ pytest.importorskip("uvicorn")
 from tests.server.served import Served  # noqa: E402
 
 #: the load, in a process of its own so that its client work does not slow this process's
-#: probes: 64 streams and, once they run, 4 MB prompts one after another until told to stop
+#: probes: 64 streams and, while they run, 4 MB and 900 KB prompts in turn
 LOAD = textwrap.dedent("""
     import asyncio, sys, httpx
     url = sys.argv[1]
@@ -26,11 +27,12 @@ LOAD = textwrap.dedent("""
             async for _ in r.aiter_lines():
                 pass
     async def big(c):
-        while True:
+        for i in range(10 ** 6):
+            size, why = ((4 << 20), "max-prompt-bytes") if i % 2 else (900_000, "context")
             r = await c.post(url + "/v1/completions", json={
-                "model": "bundled", "prompt": "x" * (4 << 20), "max_tokens": 4})
-            assert r.status_code == 400, r.text
-            print("rejected", r.elapsed.total_seconds(), flush=True)
+                "model": "bundled", "prompt": "x = 1\\n" * (size // 6), "max_tokens": 4})
+            assert r.status_code == 400 and why in r.text, r.text
+            print("rejected", size, r.elapsed.total_seconds(), flush=True)
     async def main():
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=100)) as c:
             big_task = asyncio.ensure_future(big(c))
@@ -44,13 +46,14 @@ LOAD = textwrap.dedent("""
 def test_health_answers_fast_while_64_streams_run_and_4mb_prompts_are_refused(tmp_path):
     with Served(tmp_path, "--max-batch", "8") as served:
         load = subprocess.Popen([sys.executable, "-c", LOAD, served.url], stdout=subprocess.PIPE,
-                                text=True)
+                                stderr=subprocess.STDOUT, text=True)
         try:
             latencies = []
             with httpx.Client(timeout=10) as client:
                 deadline = time.time() + 120
                 while len(latencies) < 40:
-                    assert time.time() < deadline and load.poll() is None, "the load ended early"
+                    assert time.time() < deadline and load.poll() is None, \
+                        f"the load ended early: {load.stdout.read()}"
                     t0 = time.perf_counter()
                     res = client.get(served.url + "/health")
                     dt = time.perf_counter() - t0
@@ -64,15 +67,19 @@ def test_health_answers_fast_while_64_streams_run_and_4mb_prompts_are_refused(tm
         finally:
             if load.poll() is None:
                 load.kill()
-        rejected = [float(line.split()[1]) for line in out.splitlines()
-                    if line.startswith("rejected")]
+        rejected = {}
+        for line in out.splitlines():
+            if line.startswith("rejected"):
+                rejected.setdefault(int(line.split()[1]), []).append(float(line.split()[2]))
         assert load.returncode == 0 and out.rstrip().endswith("done"), out
-        assert rejected, "no 4 MB prompt was refused while the streams ran"
-    # 40 probes, each one HTTP request over loopback while the server streams to 64 clients
-    # (seen on two shared CPU cores: median 8 ms, slowest 32 ms): 36 of them under 50 ms is the
-    # claim; the slowest few may meet the OS scheduler of a busy machine, but not a tokenizer
-    # holding the event loop (which cost 2.7 s a probe)
+        assert len(rejected) == 2, "the big prompts were not refused while the streams ran"
+    # 40 probes, each one HTTP request over loopback while the server streams to 64 clients and
+    # tokenizes big prompts back to back. Seen on two CPU cores: median 8 ms, slowest 32 ms; on
+    # the same cores shared with three other test runs, a tenth of the probes took 50-100 ms
+    # (the server process waits for a core). So the median is held to 50 ms, the slowest to
+    # 1 s: a tokenizer on the event loop (1 s per 900 KB prompt, here back to back) fails both
     latencies.sort()
-    assert latencies[int(0.9 * len(latencies)) - 1] < 0.05, latencies
-    assert latencies[-1] < 0.5, latencies
-    assert max(rejected) < 2.0, rejected       # refused before tokenizing (tokenizing: 3.7 s)
+    assert statistics.median(latencies) < 0.05, latencies
+    assert latencies[-1] < 1.0, latencies
+    # refused before tokenizing (tokenizing 4 MB took 3.7 s)
+    assert statistics.median(rejected[4 << 20]) < 0.5, rejected

@@ -55,7 +55,8 @@ def test_fused_moe_equals_the_expert_loop(case):
     want = moe_reference(x.double(), w13.double(), w2.double(), tw.double(), ids)
     got = fused_moe(x, w13, w2, tw, ids, impl="triton")
     assert got.dtype == x.dtype and got.shape == (T, H)
-    assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-4), (got.double() - want).abs().max()
+    err = (got.double() - want).abs().max()
+    assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-4), err
     if kind == "ties":
         assert torch.allclose(tw, torch.full_like(tw, 1 / k))
     if kind == "all_but_one_empty":

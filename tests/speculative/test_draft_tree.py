@@ -51,12 +51,37 @@ def test_tree_is_prefix_connected_within_budget_and_best_by_rho(seed, depth, top
         assert [float(rho[c]) for c in kids] == sorted((float(rho[c]) for c in kids), reverse=True)
 
 
-def test_keeps_the_highest_rho_nodes_of_the_expanded_tree():
-    expand, _ = synthetic(11)
-    full = build_draft_tree(0, expand, depth=3, topk=3, budget=10_000)
-    cut = build_draft_tree(0, expand, depth=3, topk=3, budget=8)
-    best = sorted(full.rho.tolist()[1:], reverse=True)[:7]
-    assert sorted(cut.rho.tolist()[1:], reverse=True) == pytest.approx(best)
+def eagle2_reference(root, dist, depth, topk, budget):
+    """EAGLE-2's growth written out on token paths: each step gives each of the ``topk`` best
+    nodes created by the step before (by rho) its ``topk`` most probable children; then the
+    ``budget - 1`` best created nodes are kept. Returns {path: rho} of the kept nodes."""
+    frontier, created = [((root,), 1.0)], {}
+    for _ in range(depth):
+        new = {}
+        for path, rho in sorted(frontier, key=lambda x: -x[1])[:topk]:
+            for tok, p in dist(list(path))[:topk]:
+                new[path + (tok,)] = rho * p
+        created.update(new)
+        frontier = list(new.items())
+    return dict(sorted(created.items(), key=lambda x: -x[1])[:budget - 1])
+
+
+def paths_of(res):
+    t = res.tree
+    return {tuple(res.tokens[t.path(i)].tolist()): float(res.rho[i]) for i in range(1, t.num_nodes)}
+
+
+@pytest.mark.parametrize("seed,depth,topk,budget", [(11, 3, 3, 8), (11, 3, 3, 10_000),
+                                                    (5, 4, 2, 6), (7, 5, 4, 20), (3, 2, 4, 9)])
+def test_keeps_the_highest_rho_nodes_of_the_expanded_tree(seed, depth, topk, budget):
+    """The builder's nodes (as token paths) and their rho equal an independent EAGLE-2 growth
+    and rerank over the same draft distributions."""
+    expand, dist = synthetic(seed)
+    res = build_draft_tree(0, expand, depth=depth, topk=topk, budget=budget)
+    want = eagle2_reference(0, dist, depth, topk, budget)
+    got = paths_of(res)
+    assert got.keys() == want.keys()
+    assert all(got[p] == pytest.approx(want[p], rel=1e-12) for p in want)
 
 
 def test_budget_one_is_plain_decoding_and_bad_arguments():

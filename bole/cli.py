@@ -176,6 +176,18 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0 = off)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stop-token-id", action="append", type=int, default=[],
+                     help="token id that ends the output (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="do not stop at the checkpoint's end-of-sequence tokens")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="OpenAI's presence penalty over the generated tokens, in [-2, 2]")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="OpenAI's frequency penalty over the generated tokens, in [-2, 2]")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="repetition penalty over the prompt and generated tokens (1 = off)")
+    gen.add_argument("--logprobs", type=int, default=None,
+                     help="with --json: each token's logprob and this many (0-20) alternatives")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--truncate-prompt", action="store_true",
                      help="keep the prompt's last tokens when it is longer than the model's "
@@ -428,9 +440,11 @@ def _generate(args) -> int:
     from bole.speculative.sampling import SamplingParams
 
     _positive(max_tokens=args.max_tokens)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p)
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.presence_penalty,
+                              args.frequency_penalty, args.repetition_penalty)
     try:
         sampling.validate()
+        GenerationParams(logprobs=args.logprobs).validate()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     device = _device(args.device)
@@ -466,8 +480,11 @@ def _generate(args) -> int:
                    if args.draft_model else None)
     drafter = args.drafter or ("draft" if draft_model is not None else default_drafter(model))
     spec = _spec(args, drafter)
-    params = GenerationParams(max_tokens=args.max_tokens, stop_token_ids=model.config.eos_token_id,
-                              stop_strings=tuple(args.stop), sampling=sampling)
+    eos = () if args.ignore_eos else tuple(model.config.eos_token_id)
+    params = GenerationParams(max_tokens=args.max_tokens,
+                              stop_token_ids=eos + tuple(args.stop_token_id),
+                              stop_strings=tuple(args.stop), sampling=sampling,
+                              logprobs=args.logprobs)
     engine = Engine(model, spec, max_slots=1, tokenizer=tokenizer, draft_model=draft_model,
                     max_len=len(ids) + args.max_tokens + max(spec.nodes_per_request,
                                                              args.depth + 1) + 1)
@@ -486,7 +503,10 @@ def _generate(args) -> int:
                  drafter=drafter, prefill_s=result.prefill_s, decode_s=result.decode_s,
                  elapsed_s=elapsed)
     if args.json:
-        print(json.dumps(dict(text=text, token_ids=result.token_ids, **stats)))
+        extra = {} if result.logprobs is None else dict(logprobs=[
+            dict(token_id=lp.token_id, logprob=lp.logprob, top=[list(t) for t in lp.top])
+            for lp in result.logprobs])
+        print(json.dumps(dict(text=text, token_ids=result.token_ids, **stats, **extra)))
     else:
         print(text)
     print(f"[bole] {len(result.token_ids)} tokens: first after {1e3 * result.prefill_s:.0f} ms "

@@ -30,11 +30,12 @@ from typing import Sequence
 import torch
 
 from bole.assets import BUNDLED_MODEL
-from bole.engine import Engine, GenerationParams, GenerationResult, SpecConfig, default_drafter
+from bole.engine import (Engine, GenerationParams, GenerationResult, SpecConfig, TokenLogprob,
+                         default_drafter)
 from bole.engine.engine import DEFAULT_TREE
 from bole.speculative import sampling
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "TokenLogprob"]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
@@ -49,6 +50,14 @@ class SamplingParams:
     output (not returned with it), besides the checkpoint's end-of-sequence tokens; seed: seeds
     this request's draws (random when None), so a seeded request samples the same tokens
     whatever else runs in its batch.
+
+    presence_penalty, frequency_penalty: OpenAI's, in [-2, 2], over the generated tokens;
+    repetition_penalty: vLLM's / Hugging Face's (> 0, 1 = off), over the prompt's and the
+    generated tokens; all exact under speculation (see
+    :func:`bole.speculative.sampling.apply_penalties`). stop_token_ids: tokens that end the
+    output (returned with it), besides the end-of-sequence tokens unless ignore_eos. logprobs:
+    None, or each output token's log-probability with this many (0 to 20) most likely
+    alternatives, under the model's raw distribution (before penalties and temperature).
     """
 
     temperature: float = 0.0
@@ -57,6 +66,12 @@ class SamplingParams:
     max_tokens: int = 64
     stop: str | Sequence[str] | None = None
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -68,7 +83,9 @@ class SamplingParams:
         """The target distribution's parameters (temperature, top-k, top-p) as the engine takes
         them; raises ValueError naming a bad value."""
         target = sampling.SamplingParams(temperature=self.temperature, top_k=self.top_k,
-                                         top_p=self.top_p)
+                                         top_p=self.top_p, presence_penalty=self.presence_penalty,
+                                         frequency_penalty=self.frequency_penalty,
+                                         repetition_penalty=self.repetition_penalty)
         target.validate()
         return target
 
@@ -80,7 +97,8 @@ class RequestOutput:
     prompt: the prompt text; prompt_token_ids: its tokens; text: the generated text (cut before a
     stop string); token_ids: the generated tokens; finish_reason: "length" (max_tokens reached)
     or "stop" (a stop string or end-of-sequence token); rounds: speculative rounds it took;
-    mean_accepted_tokens: tokens emitted per round (1 for plain decoding).
+    mean_accepted_tokens: tokens emitted per round (1 for plain decoding); logprobs: one
+    :class:`TokenLogprob` per token of token_ids when asked for (else None).
     """
 
     prompt: str
@@ -90,6 +108,7 @@ class RequestOutput:
     finish_reason: str
     rounds: int
     mean_accepted_tokens: float
+    logprobs: list[TokenLogprob] | None = None
 
 
 def _device(name: str | torch.device | None) -> torch.device:
@@ -222,9 +241,10 @@ class LLM:
             raise TypeError(f"expected bole.SamplingParams, got {type(sp).__name__}")
         if sp.seed is not None and not isinstance(sp.seed, int):
             raise ValueError(f"seed must be an integer or None, got {sp.seed!r}")
+        eos = () if sp.ignore_eos else tuple(self.model.config.eos_token_id)
         return GenerationParams(max_tokens=sp.max_tokens, sampling=sp.target(),
-                                stop_token_ids=tuple(self.model.config.eos_token_id),
-                                stop_strings=sp.stop_strings)
+                                stop_token_ids=eos + tuple(sp.stop_token_ids),
+                                stop_strings=sp.stop_strings, logprobs=sp.logprobs)
 
     def _output(self, text: str, prompt: list[int], result: GenerationResult,
                 params: GenerationParams) -> RequestOutput:
@@ -232,4 +252,5 @@ class LLM:
                              text=self.engine.text(result, params),
                              token_ids=list(result.token_ids), finish_reason=result.finish_reason,
                              rounds=result.rounds,
-                             mean_accepted_tokens=result.mean_accepted_tokens)
+                             mean_accepted_tokens=result.mean_accepted_tokens,
+                             logprobs=result.logprobs)

@@ -2,7 +2,7 @@
 (round.py, graphs.py), and the model runner (runner.py)."""
 
 from bole.engine.engine import (DRAFTERS, MODES, Engine, GenerationParams, GenerationResult,
-                                SpecConfig, default_drafter)
+                                SpecConfig, TokenLogprob, default_drafter)
 
 __all__ = ["DRAFTERS", "MODES", "Engine", "GenerationParams", "GenerationResult", "SpecConfig",
-           "default_drafter"]
+           "TokenLogprob", "default_drafter"]

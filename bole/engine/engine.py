@@ -28,7 +28,7 @@ from bole.engine.round import RoundRunner, RoundTimings
 from bole.engine.runner import PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunner, prefill_bucket
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.accept_device import sample_rows
-from bole.speculative.sampling import SamplingParams, target_probs
+from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams, penalize_params, target_probs
 from bole.speculative.tree_growth import node_capacity
 
 MODES = ("ar", "bole", "tree-serial", "chain")
@@ -139,17 +139,44 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class GenerationParams:
+    """One request's generation: ``max_tokens`` output tokens at most; ``sampling`` the target
+    distribution (penalties included); ``stop_token_ids`` every token that ends the output
+    (returned with it): front ends add the checkpoint's end-of-sequence tokens unless asked to
+    ignore them; ``stop_strings`` end it too (not returned; need the engine's tokenizer);
+    ``logprobs``: None, or return each output token's log-probability with this many (0 to
+    :data:`MAX_LOGPROBS`) most likely alternatives, under the model's raw distribution
+    (log_softmax of its logits, before penalties, temperature, top-k and top-p, as vLLM's
+    default), read at the tree node the token was emitted from."""
+
     max_tokens: int = 64
     sampling: SamplingParams = SamplingParams(temperature=0)
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()      # need the engine's tokenizer
+    logprobs: int | None = None
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
+        lp = self.logprobs
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)
+                               or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {lp!r}")
         if any(not isinstance(t, str) or not t for t in self.stop_strings):
             raise ValueError("stop strings must be non-empty strings")
         self.sampling.validate()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the model's raw distribution, and the ``top``
+    most likely tokens' ``(token id, logprob)``, most likely first (as many as asked)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -160,6 +187,8 @@ class GenerationResult:
     accepted: list[int] = field(default_factory=list)   # tokens emitted per round
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    #: one per token of token_ids when the request asked for logprobs, else None
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -182,6 +211,7 @@ class Request:
     started: float = 0.0
     gen: torch.Generator | None = None        # this request's sampling draws
     continuation: list[int] | None = None     # plain decoding's output (the replay drafter's)
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # one per out token, if asked
 
     @property
     def remaining(self) -> int:
@@ -333,13 +363,20 @@ class Engine:
                                                    on_chunk=self.on_prefill_chunk)
                 logits = last[None]
                 self.rounds.on_prefill(slots, prompts, [states], continuations)
-            # the greedy first tokens in one read; sampled ones from each request's generator
+            # the greedy first tokens in one read; sampled and penalised ones one by one
             greedy = logits.argmax(-1).tolist()
             for i, r in enumerate(group):
-                first = greedy[i] if r.params.sampling.greedy else \
-                    self._sample_one(logits[i], r.params.sampling, r.gen)
+                sampling = r.params.sampling
+                first = greedy[i] if sampling.greedy and not sampling.penalized else \
+                    self._sample_one(penalize_params(logits[i], [], r.prompt, sampling),
+                                     sampling, r.gen)
+                if sampling.penalized:
+                    self.rounds.start_penalties(r.slot, r.prompt, first)
+                lp = None
+                if r.params.logprobs is not None:
+                    lp = [_token_logprob(logits[i], first, r.params.logprobs)]
                 r.prefill_s = time.perf_counter() - t0
-                self._emit(r, [first], rounds=0)
+                self._emit(r, [first], rounds=0, logprobs=lp)
 
     def release(self, r: Request) -> None:
         """Free a request's slot (and its drafter state)."""
@@ -354,8 +391,10 @@ class Engine:
         that round's draft may be queued now (:meth:`RoundRunner.run`)."""
         new_tokens, timing = self.rounds.run(running, prelaunch=prelaunch)
         self.timings.add(timing)
-        for r, new in zip(running, new_tokens):
-            self._emit(r, new, rounds=1)
+        for r, new, lp in zip(running, new_tokens, self.rounds.last_logprobs):
+            self._emit(r, new, rounds=1,
+                       logprobs=None if lp is None else
+                       [TokenLogprob(t, v, tuple(top)) for t, (v, top) in zip(new, lp)])
         return timing
 
     def _sample_one(self, logits: torch.Tensor, sampling: SamplingParams,
@@ -366,12 +405,16 @@ class Engine:
         u = torch.rand(1, generator=gen, device=logits.device)
         return int(sample_rows(probs, u)[0])
 
-    def _emit(self, r: Request, new: list[int], rounds: int) -> None:
-        """Append a round's tokens up to a stop token or max_tokens; finish the request there."""
+    def _emit(self, r: Request, new: list[int], rounds: int,
+              logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append a round's tokens (and their ``logprobs``, one per token, when the request
+        asked for them) up to a stop token or max_tokens; finish the request there."""
         stop = set(r.params.stop_token_ids)
         before, reason = len(r.out), None
-        for t in new:
+        for j, t in enumerate(new):
             r.out.append(t)
+            if logprobs is not None:
+                r.logprobs.append(logprobs[j])
             if t in stop:
                 reason = "stop"
                 break
@@ -382,6 +425,7 @@ class Engine:
             cut = self._stop_string_cut(r)
             if cut is not None:
                 del r.out[cut:]
+                del r.logprobs[cut:]
                 reason = "stop"
         if rounds:
             r.rounds += 1
@@ -389,7 +433,9 @@ class Engine:
         if reason is not None:
             elapsed = time.perf_counter() - r.started
             r.result = GenerationResult(list(r.out), reason, r.rounds, list(r.accepted),
-                                        r.prefill_s, elapsed - r.prefill_s)
+                                        r.prefill_s, elapsed - r.prefill_s,
+                                        list(r.logprobs) if r.params.logprobs is not None
+                                        else None)
 
     def _stop_string_cut(self, r: Request) -> int | None:
         """Fewest output tokens whose text contains a stop string, or None."""
@@ -404,6 +450,15 @@ class Engine:
     def text(self, result: GenerationResult, params: GenerationParams) -> str:
         """Decoded output (:func:`result_text`)."""
         return result_text(self.tokenizer, result, params)
+
+
+def _token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s log-probability under ``logits [V]`` and the ``top`` most likely tokens'
+    (the computation of :class:`bole.engine.round.RoundLogprobs`, for one row)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(lp, min(MAX_LOGPROBS, lp.shape[-1]))
+    ids, values = best.indices[:top].tolist(), best.values[:top].tolist()
+    return TokenLogprob(token, float(lp[token]), tuple(zip(ids, values)))
 
 
 def result_text(tokenizer, result: GenerationResult, params: GenerationParams) -> str:
@@ -439,6 +494,8 @@ class EngineInfo:
         vocab = self.vocab_size
         if any(not 0 <= int(t) < vocab for t in prompt):
             raise ValueError(f"{name} holds token ids outside [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids hold token ids outside [0, {vocab})")
         need = len(prompt) + params.max_tokens + self.scratch
         if need > self.max_len:
             raise ValueError(

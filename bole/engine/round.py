@@ -38,7 +38,8 @@ from bole.speculative.calibration import learnt_acceptance
 from bole.speculative.draft_tree import build_draft_trees, per_request
 from bole.speculative.drafters import NgramDrafter
 from bole.speculative.mtp import MTPDrafter
-from bole.speculative.sampling import SamplingParams
+from bole.speculative.penalties import PenaltyCounts, penalize_forest
+from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams
 from bole.speculative.tree_growth import TreeGrowth
 
 log = logging.getLogger("bole.round")
@@ -57,6 +58,10 @@ def bucket_for(n: int, max_slots: int) -> int | None:
     """The rows a round of ``n`` requests pads to (the smallest of :func:`buckets_upto` >= n),
     or None when n exceeds ``max_slots``."""
     return next((b for b in buckets_upto(max_slots) if b >= n), None)
+
+
+def _wants_logprobs(requests) -> bool:
+    return any(r.params.logprobs is not None for r in requests)
 
 
 def _round_keys(R: int, W: int, kind: str, flags: tuple, learn: bool) -> tuple[tuple, tuple]:
@@ -146,29 +151,36 @@ class StaticSampling:
         self.flags = self.flags_for([])
 
     @staticmethod
-    def flags_for(params) -> tuple:
+    def flags_for(params, logprobs: bool = False) -> tuple:
         """The acceptance variant of a batch: one for every mix of greedy and sampled rows;
-        top-k widths by powers of two."""
+        top-k widths by powers of two; whether any row is penalised; whether any row returns
+        logprobs (``logprobs``). A batch without penalties or logprobs does no work for them."""
         sampled = [p for p in params if not p.greedy]
         k = max([p.top_k for p in sampled], default=0)
         return (not sampled, True, any(p.top_k > 0 for p in sampled),
-                any(p.top_p < 1 for p in sampled), 1 << (k - 1).bit_length() if k else 0)
+                any(p.top_p < 1 for p in sampled), 1 << (k - 1).bit_length() if k else 0,
+                any(p.penalized for p in params), bool(logprobs))
 
-    def write(self, params) -> None:
+    def write(self, params, logprobs: bool = False) -> None:
         host = SamplingBatch.from_params(list(params) + [self.GREEDY] * (self.R - len(params)))
         for name, dev in self.tensors.items():
             src = getattr(host, name)
             dev.copy_(src.pin_memory() if dev.is_cuda else src, non_blocking=True)
-        self.flags = self.flags_for(params)
+        self.flags = self.flags_for(params, logprobs)
 
     @property
     def all_greedy(self) -> bool:
         return self.flags[0]
 
+    @property
+    def logprobs(self) -> bool:
+        return self.flags[6]
+
     def batch(self) -> SamplingBatch:
-        all_greedy, any_greedy, any_top_k, any_top_p, max_top_k = self.flags
+        all_greedy, any_greedy, any_top_k, any_top_p, max_top_k, penalized = self.flags[:6]
         return SamplingBatch(**self.tensors, all_greedy=all_greedy, any_greedy=any_greedy,
-                             any_top_k=any_top_k, any_top_p=any_top_p, max_top_k=max_top_k)
+                             any_top_k=any_top_k, any_top_p=any_top_p, max_top_k=max_top_k,
+                             any_penalty=penalized)
 
 
 class RoundBuffers:
@@ -202,6 +214,52 @@ class RoundBuffers:
         self.widen_host = torch.ones((), dtype=torch.bool, pin_memory=pin)
         self.goodput = None                         # the goodput policy's inputs (selection.py)
         self.rows: tuple = ()                      # (request index, slot) of the rows last written
+        self.logprobs: RoundLogprobs | None = None  # made by the first round that returns them
+
+
+@dataclass
+class RoundLogprobs:
+    """A round's log-probabilities at each emitted token (device, then pinned host copies):
+    ``token [R, D + 1]`` the emitted token's, ``top_ids``/``top [R, D + 1, L]`` the L =
+    min(:data:`MAX_LOGPROBS`, V) most likely tokens' (descending)."""
+
+    token: torch.Tensor
+    top_ids: torch.Tensor
+    top: torch.Tensor
+    host: tuple
+
+    @classmethod
+    def empty(cls, R: int, D: int, vocab: int, device) -> "RoundLogprobs":
+        L = min(MAX_LOGPROBS, vocab)
+        dev = (torch.zeros(R, D + 1, device=device),
+               torch.zeros(R, D + 1, L, dtype=torch.int64, device=device),
+               torch.zeros(R, D + 1, L, device=device))
+        pin = torch.device(device).type == "cuda"
+        return cls(*dev, tuple(torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin) for t in dev))
+
+    def write(self, logits: torch.Tensor, path: torch.Tensor, emitted: torch.Tensor) -> None:
+        """From the raw ``logits [R, W, V]`` at the accepted ``path [R, D + 1]`` (node j's
+        logits gave emitted token j): log_softmax in fp32, the emitted tokens' entries and the
+        top L."""
+        R, W, V = logits.shape
+        rows = torch.gather(logits, 1, path[:, :, None].expand(R, path.shape[1], V))
+        lp = torch.log_softmax(rows.float(), dim=-1)
+        self.token.copy_(torch.gather(lp, 2, emitted.clamp(min=0)[:, :, None])[:, :, 0])
+        top = torch.topk(lp, self.top.shape[-1], dim=-1)
+        self.top.copy_(top.values)
+        self.top_ids.copy_(top.indices)
+
+    def to_host(self) -> None:
+        for host, dev in zip(self.host, (self.token, self.top_ids, self.top)):
+            host.copy_(dev, non_blocking=True)
+
+    def rows(self, counts: list[int], wanted: list[int | None]) -> list[list | None]:
+        """Host reading after the round's synchronisation: per request (``wanted``: its top
+        count, None for none), one ``(logprob, [(token, logprob), ...])`` per emitted token."""
+        token, ids, top = (t.tolist() for t in self.host)
+        return [None if k is None else
+                [(token[i][j], list(zip(ids[i][j][:k], top[i][j][:k]))) for j in range(n)]
+                for i, (n, k) in enumerate(zip(counts, wanted))]
 
 
 class PrefillBuffers:
@@ -276,6 +334,9 @@ class RoundRunner:
             self.draft = DraftModelDrafter(draft_model, self.model.config.vocab_size, max_slots,
                                            self.cache.max_len, scratch=self.scratch)
         self.buffers: dict[int, RoundBuffers] = {}
+        #: per-slot output counts and prompt tokens of penalised requests (start_penalties)
+        self.penalties: PenaltyCounts | None = None
+        self.last_logprobs: list = []
         self.prefill_buffers: dict[tuple[int, int], PrefillBuffers] = {}
         self.growth: dict[tuple[int, int], TreeGrowth] = {}      # (R, draft depth)
         #: the next round's draft, queued at the end of the last one (see :meth:`run`): its
@@ -448,13 +509,23 @@ class RoundRunner:
     def _accept_commit(self, b: RoundBuffers, learn: bool, batch, out, tokens,
                        rho=None) -> None:
         R, W = tokens.shape
-        logits = out.logits.view(R, W, -1)
+        raw = logits = out.logits.view(R, W, -1)
         forced = None
         if self.spec.forced_acceptance and self.mtp is not None:
             forced = self.mtp.forced_targets(b.slots, batch.ctx_lens, batch.forest.depth)
-        acc = accept(logits, tokens, batch.forest, b.sampling.batch(), b.uniforms,
+        sampling = b.sampling.batch()
+        if sampling.any_penalty:
+            slots = b.slots.long()
+            logits = penalize_forest(logits, tokens, batch.forest, self.penalties.counts[slots],
+                                     self.penalties.prompt[slots], sampling.presence,
+                                     sampling.frequency, sampling.repetition)
+        acc = accept(logits, tokens, batch.forest, sampling, b.uniforms,
                      max_children=self.K, forced=forced)
         path_len = torch.where(b.active, acc.path_len, 0)
+        if sampling.any_penalty:
+            self.penalties.add(b.slots, acc.emitted, path_len)
+        if b.sampling.logprobs:
+            b.logprobs.write(raw, acc.path, acc.emitted)
         if learn and self.calibrator is not None and rho is not None:
             # every verified draft node of an active row: was it on the accepted path?
             on_path = torch.zeros_like(tokens, dtype=torch.bool).scatter_(1, acc.path, True)
@@ -515,7 +586,7 @@ class RoundRunner:
         b.active.copy_(dev[1].bool())
         b.roots.copy_(dev[2])
         b.remaining.copy_(dev[3])
-        b.sampling.write([r.params.sampling for r in requests])
+        b.sampling.write([r.params.sampling for r in requests], _wants_logprobs(requests))
         b.budget.fill_(self.policy.budget(n))
         b.rows = rows
         return True
@@ -568,7 +639,11 @@ class RoundRunner:
             raise ValueError(f"{len(requests)} requests exceed the engine's {self.max_slots} "
                              "slots")
         b = self._buffers(R)
-        flags = StaticSampling.flags_for([r.params.sampling for r in requests])
+        flags = StaticSampling.flags_for([r.params.sampling for r in requests],
+                                         _wants_logprobs(requests))
+        if flags[6] and b.logprobs is None:
+            b.logprobs = RoundLogprobs.empty(R, self.D, self.model.config.vocab_size,
+                                             self.device)
         kind = self.policy.plan(R)
         plain = kind == "plain"
         depth = self.policy.round_depth(R)
@@ -624,6 +699,8 @@ class RoundRunner:
         b.num_host.copy_(b.num_emitted, non_blocking=True)
         if self.policy.shared:
             b.kept_host.copy_(b.kept, non_blocking=True)
+        if b.sampling.logprobs:
+            b.logprobs.to_host()
         chose = self.policy.policy == "goodput" and kind == "select"
         if chose:                        # only a choice says whether a wider width could pay
             b.widen_host.copy_(b.widen, non_blocking=True)
@@ -671,6 +748,9 @@ class RoundRunner:
             draft_nodes = sum(min(k, W) - 1 for k in kept)      # verified, past the roots
         emitted = b.emitted_host[:len(requests)].tolist()
         new = [row[:n] for row, n in zip(emitted, counts)]
+        #: per request, the emitted tokens' logprobs (None where not asked for)
+        self.last_logprobs = b.logprobs.rows(counts, [r.params.logprobs for r in requests]) \
+            if b.sampling.logprobs else [None] * len(requests)
         self.cache.advance([r.slot for r in requests], counts)
         if self.draft is not None:
             for r, toks in zip(requests, new):
@@ -698,6 +778,14 @@ class RoundRunner:
                       draft_nodes=draft_nodes, kind=kind, requests=len(requests),
                       tokens=sum(counts), depth=None if plain or self.mtp is None else depth)
         return new, timing
+
+    def start_penalties(self, slot: int, prompt: list[int], first: int) -> None:
+        """A penalised request admitted into ``slot`` emitted its ``first`` token: its counts
+        start (the per-slot count tensors are made by the first such request)."""
+        if self.penalties is None:
+            self.penalties = PenaltyCounts(self.cache.max_slots + 1,
+                                           self.model.config.vocab_size, self.device)
+        self.penalties.start(slot, prompt, first)
 
     def _may_prelaunch(self, requests, plain: bool) -> bool:
         """Whether the next round's draft can be queued now: the device drafter grows it, this

@@ -45,21 +45,27 @@ class SamplingBatch:
 
     temperature: ``[R]`` float32, 0 = greedy.   top_k: ``[R]`` int64, 0 = off.
     top_p: ``[R]`` float32, 1 = off.
+    presence, frequency, repetition: ``[R]`` float32 penalties (0, 0, 1 = off).
     inv_temperature: ``[R]`` float32 rounding of the double ``1 / temperature`` (1 for greedy
     requests): what CUDA multiplies by when ``target_probs`` divides by a Python float.
     The flags and ``max_top_k`` only look at sampled (non-greedy) requests: a greedy request's
-    filters never matter.
+    filters never matter. ``any_penalty`` looks at every request (penalties change greedy
+    requests' argmax too).
     """
 
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
     inv_temperature: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
     all_greedy: bool
     any_greedy: bool
     any_top_k: bool
     any_top_p: bool
     max_top_k: int
+    any_penalty: bool = False
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device=None) -> "SamplingBatch":
@@ -71,6 +77,8 @@ class SamplingBatch:
         sampled = [p for p in params if not p.greedy]
         # the reciprocal in double precision, then rounded once to float32
         inverse = [1.0 / p.temperature if p.temperature > 0 else 1.0 for p in params]
+        f32 = lambda name: torch.tensor([float(getattr(p, name)) for p in params],  # noqa: E731
+                                        dtype=torch.float32, device=device)
         return cls(
             temperature=torch.tensor([float(p.temperature) for p in params], dtype=torch.float32,
                                      device=device),
@@ -78,11 +86,14 @@ class SamplingBatch:
             top_p=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32,
                                device=device),
             inv_temperature=torch.tensor(inverse, dtype=torch.float32, device=device),
+            presence=f32("presence_penalty"), frequency=f32("frequency_penalty"),
+            repetition=f32("repetition_penalty"),
             all_greedy=not sampled,
             any_greedy=len(sampled) < len(params),
             any_top_k=any(p.top_k > 0 for p in sampled),
             any_top_p=any(p.top_p < 1 for p in sampled),
             max_top_k=max([p.top_k for p in sampled], default=0),
+            any_penalty=any(p.penalized for p in params),
         )
 
     @property

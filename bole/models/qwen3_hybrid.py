@@ -448,7 +448,8 @@ class HybridModel:
                                                     w[p + "shared_expert.down_proj.weight"])
         else:
             logits = linear(x, w[p + "gate.weight"])
-        weights, ids = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        weights, ids = route(logits, c.num_experts_per_tok, c.norm_topk_prob,
+                             impl=self.moe_backend)
         return weights, ids, shared
 
     def moe(self, x: torch.Tensor, p: str) -> torch.Tensor:

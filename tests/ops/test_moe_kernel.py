@@ -135,6 +135,32 @@ def test_route_is_softmax_topk_renormalised():
     assert torch.allclose(w_raw.cpu().double(), top, atol=1e-6)
 
 
+@pytest.mark.parametrize("T,E,k", [(6, 8, 2), (3, 33, 8), (1, 4, 1), (5, 6, 6)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_triton_routing_equals_torch(T, E, k, renormalize):
+    # distinct logits (in fp16 too): torch.topk orders ties its own way
+    gen = torch.Generator().manual_seed(T * E)
+    distinct = torch.randperm(T * E, generator=gen).view(T, E) * (4.0 / (T * E)) - 2.0
+    for dtype in (torch.float32, torch.float16):
+        logits = distinct.to(DEV, dtype)
+        w, ids = route(logits, k, renormalize)
+        w_t, ids_t = route(logits, k, renormalize, impl="triton")
+        assert ids_t.dtype == torch.int32 and torch.equal(ids_t, ids)
+        assert torch.allclose(w_t, w, atol=1e-6, rtol=1e-5)
+
+
+def test_triton_routing_breaks_ties_to_the_lower_expert():
+    logits = torch.zeros(3, 6, device=DEV)
+    logits[1, 4] = 1.0                             # one clear winner, then a five-way tie
+    w, ids = route(logits, 3, impl="triton")
+    assert ids.cpu().tolist() == [[0, 1, 2], [4, 0, 1], [0, 1, 2]]
+    assert torch.allclose(w[0], torch.full((3,), 1 / 3, device=DEV))
+    with pytest.raises(ValueError, match="1 <= top_k <= E"):
+        route(logits, 7, impl="triton")
+    with pytest.raises(ValueError, match="route impl must be"):
+        route(logits, 2, impl="cub")
+
+
 def test_torch_impl_is_the_reference_and_bad_inputs_are_named():
     w13, w2 = weights(4, 16, 16)
     tw, ids = routing("ragged", 3, 4, 2)
@@ -184,19 +210,19 @@ def test_no_host_sync_and_cuda_graph_capture():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tw, ids = route(logits, k)
+        tw, ids = route(logits, k, impl="triton")
         fused_moe(x, w13, w2, tw, ids, impl="triton")
     finally:
         torch.cuda.set_sync_debug_mode(0)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):                 # warm up (compile) outside the capture
-        tw, ids = route(logits, k)
+        tw, ids = route(logits, k, impl="triton")
         fused_moe(x, w13, w2, tw, ids, impl="triton")
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        tw, ids = route(logits, k)
+        tw, ids = route(logits, k, impl="triton")
         out = fused_moe(x, w13, w2, tw, ids, impl="triton")
     for seed in range(3):                            # new routings replay in the same graph
         gen = torch.Generator(device=DEV).manual_seed(seed)

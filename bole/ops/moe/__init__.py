@@ -1,7 +1,7 @@
 """Mixture-of-experts kernels: device routing, expert alignment and grouped GEMMs.
 
-    route(logits [T, E], top_k, renormalize)      -> (weights [T, k] fp32, ids [T, k] int32)
-    align_blocks(ids [T, k], num_experts, block_m) -> BlockAlignment (pairs sorted by expert)
+    route(logits [T, E], top_k, renormalize, impl) -> (weights [T, k] fp32, ids [T, k] int32)
+    align_blocks(ids [T, k], num_experts, block_m, impl) -> BlockAlignment (pairs by expert)
     fused_moe(x [T, H], w13 [E, 2F, H], w2 [E, H, F], weights, ids, impl) -> y [T, H]
     moe_reference(...)                             the torch loop over experts (the oracle)
 

@@ -26,12 +26,55 @@ from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_in
 fix_interpreter_scalar_index()
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool = True
+@triton.jit
+def _route_kernel(logits_ptr, stride_t, E, w_ptr, ids_ptr, K: tl.constexpr, K_P: tl.constexpr,
+                  E_P: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """Token ``program_id(0)``: softmax over its E logits, k arg-max passes, renormalisation."""
+    t = tl.program_id(0)
+    cols = tl.arange(0, E_P)
+    valid = cols < E
+    lg = tl.load(logits_ptr + t * stride_t + cols, mask=valid, other=float("-inf"))
+    lg = lg.to(tl.float32)
+    ex = tl.where(valid, tl.exp(lg - tl.max(lg, 0)), 0.0)
+    p = ex / tl.sum(ex, 0)
+    slots = tl.arange(0, K_P)
+    vals = tl.zeros((K_P,), dtype=tl.float32)
+    idx = tl.zeros((K_P,), dtype=tl.int32)
+    for j in tl.static_range(K):
+        best = tl.argmax(p, 0, tie_break_left=True)
+        top = tl.max(p, 0)
+        vals = tl.where(slots == j, top, vals)
+        idx = tl.where(slots == j, best.to(tl.int32), idx)
+        p = tl.where(cols == best, -1.0, p)
+    if RENORMALIZE:
+        vals = vals / tl.sum(vals, 0)
+    tl.store(w_ptr + t * K + slots, vals, mask=slots < K)
+    tl.store(ids_ptr + t * K + slots, idx, mask=slots < K)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool = True, *, impl: str = "torch"
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts (fp32), the top ``top_k`` and, with ``renormalize``, their weights
-    divided by their sum. logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32). Ties go to
-    the lower expert index first only as far as ``torch.topk`` orders them (the kernels and
-    the reference read the same ids, so ties cannot make them differ)."""
+    divided by their sum. logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32), in
+    descending weight. ``impl``: "torch" (``torch.softmax`` and ``torch.topk``, transformers'
+    operations) or "triton" (one launch, a program per token; among equal probabilities the
+    lower expert first; weights equal torch's to rounding)."""
+    if logits.dim() != 2 or not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"route takes logits [T, E] and 1 <= top_k <= E, got shape "
+                         f"{tuple(logits.shape)} and top_k={top_k}")
+    if impl == "triton":
+        check_kernel_device(logits.device, "route(impl='triton')")
+        T, E = logits.shape
+        logits = logits if logits.stride(1) == 1 else logits.contiguous()
+        weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+        if T:
+            _route_kernel[(T,)](logits, logits.stride(0), E, weights, ids, K=top_k,
+                                K_P=triton.next_power_of_2(top_k),
+                                E_P=triton.next_power_of_2(E), RENORMALIZE=renormalize)
+        return weights, ids
+    if impl != "torch":
+        raise ValueError(f"route impl must be 'torch' or 'triton', got {impl!r}")
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

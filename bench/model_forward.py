@@ -15,7 +15,8 @@ its split. Floors: the weights a forward reads over the measured copy bandwidth,
 products at 600 TFLOP/s. For a mixture-of-experts preset the weight floor counts, per MoE layer,
 only the experts the forward's routing touches (counted on the device in an untimed forward over
 the same tokens: the timed forwards make no extra sync), reported as touched_experts (mean per
-MoE layer) and moe_weight_gb; --sweep-batches B... adds verify-BxT for every T of --nodes.
+MoE layer) and moe_weight_gb; --sweep-batches B... adds verify-BxT for every T of --nodes. The
+whole rounds' floors leave the experts out (marked weight_floor_without_experts).
 
     python bench/model_forward.py --preset qwen3.5-35b-a3b --nodes 4 8 16 32 64 --sweep-batches 1 8
 
@@ -282,6 +283,7 @@ def main(argv=None) -> int:
                    captured=engine.rounds.graphs.enabled, batch=1, draft_vocab=draft_vocab,
                    nodes=spec.nodes_per_request, total_ms=summary["round_ms"], **summary,
                    eager_fallbacks=engine.rounds.graphs.stats["eager_fallbacks"],
+                   weight_floor_without_experts=bool(config.num_experts),
                    weight_floor_ms=floor["weights_ms"] + (args.depth * step_bytes / bw * 1e3
                                                           if mode == "bole" else 0.0))
         records.append(rec)

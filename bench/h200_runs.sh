@@ -27,12 +27,17 @@
 #               on its own, bole-goodput (~6 min)
 #   budget-9b   bench/budget.py, the 9B preset at batches $BATCHES (default 64 32), every policy
 #               with goodput-warm, the oracle chosen on held-out prompts, two waves a run, tag
-#               -w$TAG (batch 64 ~5.5 min, 32 16 8 ~7 min, 4 2 1 ~2 min)
-#   budget-9b-eps  the 9B preset, the calibrated policy alone at eps 0.1 and 0.42 (~4.5 min)
+#               -w$TAG (batch 64 ~5.5 min, 32 16 8 ~7 min, 4 2 1 ~2 min); SET=eps: the calibrated
+#               policy alone at eps 0.1 and 0.42 (~4.5 min); SET=defaults: the serving default
+#               tree (depth 6, top-4, 16 nodes) under the fixed and the goodput policy, batches
+#               $BATCHES (default 1-64)
 #   budget-bundled  the bundled model at batch 64-1 as budget-9b, each configuration three times
-#               (the median kept), tag -w-r3$TAG (~7 min)
-#   budget-bundled-eps  the bundled model, the calibrated policy alone at eps 0.1 and 0.7, three
-#               runs each
+#               (the median kept), tag -w-r3$TAG (~7 min); SET=eps: the calibrated policy alone at
+#               eps 0.1 and 0.7, three runs each; SET=defaults: as budget-9b's
+#   moe         the MoE presets ($MODELS, default qwen3.5-35b-a3b): SET=forward: bench/model_forward.py
+#               (decode and verify widths at batch 1 and 8, the touched experts' byte floor);
+#               SET=e2e: bench/e2e.py at batches $BATCHES (default 1 8), every mode at the swept
+#               shapes plus bole-goodput, replayed qwen3-next-mtp acceptance
 #   serve       bench/serve.py, all four modes behind bole serve (~5 min); ENGINE_PROCESS=1:
 #               bole serve --engine-process (not yet run)
 #   tp          bench/tp.py, 27B forwards and all-reduces at tp 1 and 2; SET=e2e: bench/e2e.py
@@ -40,8 +45,7 @@
 #
 # Parts that time out keep what they finished (the scripts rewrite their JSON as they go).
 set -u
-parts="tests linear round e2e-9b e2e-27b e2e-bundled budget-9b budget-9b-eps budget-bundled
-budget-bundled-eps serve tp"
+parts="tests linear round e2e-9b e2e-27b e2e-bundled budget-9b budget-bundled moe serve tp"
 parts=${parts//$'\n'/ }
 [ $# -gt 0 ] || { echo "usage: bash bench/h200_runs.sh PART... (one of: $parts)" >&2; exit 2; }
 for part in "$@"; do
@@ -121,19 +125,39 @@ case "$part" in
       --chain-depths 3 4 6 --tree-shapes 4,2,8 6,3,16 8,4,32 --min-run-tokens 1024 \
       --tune-tree-serial "${policy[@]}" --out "$out" --tag=-bundled ;;
   budget-9b)
-    timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches ${BATCHES:-64 32} \
-      --sweep --sweep-widths --waves 2 "${vocab[@]}" --out "$out" --tag=-w${TAG:-} ;;
-  budget-9b-eps)
-    timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b \
-      --batches ${BATCHES:-64 32 16 8 4 2 1} --policies calibrated --eps-sweep 0.42 --waves 2 \
-      "${vocab[@]}" --out "$out" --tag=-w-eps ;;
+    case "${SET:-}" in
+      eps) timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b \
+             --batches ${BATCHES:-64 32 16 8 4 2 1} --policies calibrated --eps-sweep 0.42 --waves 2 \
+             "${vocab[@]}" --out "$out" --tag=-w-eps ;;
+      defaults) timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b \
+             --batches ${BATCHES:-64 32 16 8 4 2 1} --depth 6 --topk 4 --budget 16 \
+             --policies fixed goodput --waves 2 "${vocab[@]}" --out "$out" --tag=-defaults${TAG:-} ;;
+      "") timeout $(lim 585) python3 bench/budget.py --models qwen3.5-9b --batches ${BATCHES:-64 32} \
+             --sweep --sweep-widths --waves 2 "${vocab[@]}" --out "$out" --tag=-w${TAG:-} ;;
+      *) need_set budget-9b "eps defaults (or none)" ;;
+    esac ;;
   budget-bundled)
-    timeout $(lim 585) python3 bench/budget.py --models bundled --batches 64 32 16 8 4 2 1 \
-      --sweep --sweep-widths --waves 2 --repeats 3 --out "$out" --tag=-w-r3${TAG:-} ;;
-  budget-bundled-eps)
-    timeout $(lim 585) python3 bench/budget.py --models bundled \
-      --batches ${BATCHES:-64 32 16 8 4 2 1} --policies calibrated --eps-sweep 0.7 --waves 2 \
-      --repeats 3 --out "$out" --tag=-w-eps ;;
+    case "${SET:-}" in
+      eps) timeout $(lim 585) python3 bench/budget.py --models bundled \
+             --batches ${BATCHES:-64 32 16 8 4 2 1} --policies calibrated --eps-sweep 0.7 --waves 2 \
+             --repeats 3 --out "$out" --tag=-w-eps ;;
+      defaults) timeout $(lim 585) python3 bench/budget.py --models bundled \
+             --batches ${BATCHES:-64 32 16 8 4 2 1} --depth 6 --topk 4 --budget 16 \
+             --policies fixed goodput --waves 2 --repeats 3 --out "$out" --tag=-defaults${TAG:-} ;;
+      "") timeout $(lim 585) python3 bench/budget.py --models bundled --batches 64 32 16 8 4 2 1 \
+             --sweep --sweep-widths --waves 2 --repeats 3 --out "$out" --tag=-w-r3${TAG:-} ;;
+      *) need_set budget-bundled "eps defaults (or none)" ;;
+    esac ;;
+  moe)
+    local models=(${MODELS:-qwen3.5-35b-a3b})
+    case "${SET:-}" in
+      forward) timeout $(lim 585) python3 bench/model_forward.py --preset "${models[0]}" \
+                 --nodes 4 8 16 32 64 --batch-case 8 32 --sweep-batches 8 --out "$out" ;;
+      e2e) timeout $(lim 585) python3 bench/e2e.py --models "${models[@]}" --batches ${BATCHES:-1 8} \
+             --chain-depths 3 4 --tree-shapes 4,2,8 6,3,16 8,4,32 "${vocab[@]}" "${policy[@]}" \
+             --out "$out" --tag=-${models[0]}${TAG:-} ;;
+      *) need_set moe "forward e2e" ;;
+    esac ;;
   serve)
     if [ -n "${ENGINE_PROCESS:-}" ]; then
       timeout $(lim 580) python3 bench/serve.py --requests 512 --engine-process \

@@ -43,7 +43,7 @@ from bole.server.metrics import RequestTimer, ServerMetrics
 from bole.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError,
                                   check_supported, choice_seed, completion_body,
                                   completion_choice, completion_chunk, engine_params,
-                                  error_body, new_id, StreamOptions, usage)
+                                  error_body, logprobs_body, new_id, StreamOptions, usage)
 
 log = logging.getLogger("bole.server")
 
@@ -183,6 +183,16 @@ class Sequence:
     def finish_reason(self) -> str:
         res = self.handle.request.result
         return res.finish_reason if res is not None else "abort"
+
+    def logprobs(self, tokenizer, chat: bool) -> dict | None:
+        """The choice's OpenAI ``logprobs`` (None unless asked for): the result's, or
+        (aborted) those of the tokens it had."""
+        if self.params.logprobs is None:
+            return None
+        r = self.handle.request
+        entries = r.result.logprobs if r.result is not None else r.logprobs[:len(r.out)]
+        return logprobs_body(entries or [], lambda t: tokenizer.decode([t]), chat,
+                             len(self.echo))
 
 
 class BoleServer:
@@ -461,9 +471,10 @@ async def _whole(server: BoleServer, sequences: list[Sequence], queue: asyncio.Q
         return error(500, "the request was cancelled by the server", "server_error")
     loop = asyncio.get_running_loop()
     texts = await loop.run_in_executor(server.text_pool, lambda: [
-        s.echo + s.text(server.tokenizer) for s in sequences])
-    choices = [completion_choice(s.index, t, s.finish_reason, chat)
-               for s, t in zip(sequences, texts)]
+        (s.echo + s.text(server.tokenizer), s.logprobs(server.tokenizer, chat))
+        for s in sequences])
+    choices = [completion_choice(s.index, t, s.finish_reason, chat, lp)
+               for s, (t, lp) in zip(sequences, texts)]
     return completion_body(rid, server.model_name, choices, chat, server.usage_of(sequences))
 
 
@@ -476,6 +487,7 @@ async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.
     streams = {s.index: TextStream(server.tokenizer, s.params.stop_strings) for s in sequences}
     first = {s.index: True for s in sequences}
     counted = {s.index: 0 for s in sequences}
+    offset = {s.index: len(s.echo) for s in sequences}      # completions' text_offset
     model = server.model_name
 
     def sse(body: dict) -> str:
@@ -483,14 +495,20 @@ async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.
             body["usage"] = server.usage_of(sequences)
         return _sse(body)
 
-    def deltas(ready: dict[int, bool]) -> list[tuple[int, str, list[int], bool]]:
-        """Text thread: each ready choice's new text and tokens, and whether it ended."""
+    def deltas(ready: dict[int, bool]) -> list[tuple[int, str, list[int], bool, dict | None]]:
+        """Text thread: each ready choice's new text and tokens, whether it ended, and the
+        logprobs of its tokens since the last chunk (None unless asked for)."""
         out = []
         for i, finished in ready.items():
             seq = by_index[i]
-            ids = list(seq.handle.request.out)
+            request = seq.handle.request
+            ids = list(request.out)
             final = seq.text(server.tokenizer) if finished else None
-            out.append((i, streams[i].delta(ids, final), ids, finished))
+            lp = None
+            if seq.params.logprobs is not None:
+                lp = logprobs_body(request.logprobs[counted[i]:len(ids)],
+                                   lambda t: server.tokenizer.decode([t]), chat, offset[i])
+            out.append((i, streams[i].delta(ids, final), ids, finished, lp))
         return out
 
     try:
@@ -504,13 +522,16 @@ async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.
             while not queue.empty():            # events that piled up: one chunk for all
                 j, f = queue.get_nowait()
                 ready[j] = ready.get(j, False) or f
-            for i, delta, ids, finished in await loop.run_in_executor(server.text_pool,
-                                                                     deltas, ready):
+            for i, delta, ids, finished, lp in await loop.run_in_executor(server.text_pool,
+                                                                         deltas, ready):
                 seq = by_index[i]
                 if delta or (first[i] and chat):
                     yield sse(completion_chunk(rid, model, delta, None, chat, first[i],
-                                               token_ids=ids[counted[i]:], index=i))
+                                               token_ids=ids[counted[i]:], index=i,
+                                               logprobs=lp))
                     first[i], counted[i] = False, len(ids)
+                    if lp is not None and not chat:
+                        offset[i] += sum(len(t) for t in lp["tokens"])
                 if finished:
                     left -= 1
                     if seq.handle.request.result is None and not seq.aborted:

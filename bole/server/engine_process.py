@@ -39,6 +39,7 @@ class RequestView:
     rounds: int = 0
     accepted: list[int] = field(default_factory=list)
     result: GenerationResult | None = None
+    logprobs: list = field(default_factory=list)     # one TokenLogprob per out token, if asked
 
 
 # ---- the engine process ----
@@ -62,8 +63,9 @@ def engine_main(conn, factory: Callable[..., Any], factory_args: tuple) -> None:
 
     def on_event(handle: Handle, tokens: list, finished: bool) -> None:
         r = handle.request
+        lps = r.logprobs[len(r.out) - len(tokens):len(r.out)] if tokens else []
         events.append((serial_of[id(handle)], list(tokens), finished, r.rounds,
-                       list(r.accepted), r.result if finished else None))
+                       list(r.accepted), r.result if finished else None, lps))
         if finished:
             handles.pop(serial_of.pop(id(handle)), None)
     scheduler.on_round = reports.append
@@ -209,7 +211,7 @@ class EngineClient:
             while True:
                 kind, events, reports, running, waiting = self._conn.recv()
                 self._running = running
-                for serial, tokens, finished, rounds, accepted, result in events:
+                for serial, tokens, finished, rounds, accepted, result, lps in events:
                     with self._lock:
                         self._waiting.discard(serial)
                         handle = self._handles.pop(serial) if finished else \
@@ -218,6 +220,7 @@ class EngineClient:
                         continue
                     view = handle.request
                     view.out.extend(tokens)
+                    view.logprobs.extend(lps)
                     view.rounds, view.accepted = rounds, accepted
                     if finished:
                         view.result = result

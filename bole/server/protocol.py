@@ -3,7 +3,7 @@
 Requests are validated by pydantic; anything a client gets wrong becomes a 400 with OpenAI's
 error body ``{"error": {"message", "type", "param", "code"}}`` (see :func:`error_body`). A field
 this server does not implement is never ignored in silence: :func:`check_supported` refuses it
-with a 400 naming it, unless it holds its neutral value (``"tools": []``, ``"logprobs": null``),
+with a 400 naming it, unless it holds its neutral value (``"tools": []``, ``"logit_bias": {}``),
 which asks for nothing. :func:`engine_params` is the one place where request fields become the
 engine's :class:`GenerationParams`.
 """
@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from bole.engine.engine import GenerationParams
-from bole.speculative.sampling import SamplingParams
+from bole.engine.engine import GenerationParams, TokenLogprob
+from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams
 
 #: the most choices (``n``) one request may ask for per prompt
 MAX_N = 16
@@ -32,9 +32,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "tools": ([],), "tool_choice": ("none", "auto"), "parallel_tool_calls": (False, True),
     "functions": ([],), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "logit_bias": ({},),
-    "logprobs": (False, 0), "top_logprobs": (0,),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "ignore_eos": (False,), "stop_token_ids": ([],), "min_tokens": (0,),
+    "top_logprobs": (0,), "min_tokens": (0,),
     "best_of": (1,), "suffix": ("",), "store": (False,), "metadata": ({},),
     "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
     "web_search_options": (), "service_tier": ("auto", "default"),
@@ -92,6 +90,12 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
+    # penalties (null: off), exact under speculation
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
 
     @model_validator(mode="before")
     @classmethod
@@ -115,11 +119,22 @@ class _Sampling(BaseModel):
     def token_limit(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def logprob_count(self) -> int | None:
+        """Alternatives per token the response lists logprobs of; None: no logprobs."""
+        return None
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
+    #: each token's logprob and this many alternatives' (OpenAI's legacy completions field)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -191,10 +206,22 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def check_supported(req: _Sampling) -> None:
@@ -221,9 +248,43 @@ def check_supported(req: _Sampling) -> None:
 def engine_params(req: _Sampling, max_tokens: int, eos: tuple[int, ...]) -> GenerationParams:
     """The engine's parameters for one sequence of ``req``: the one place where request fields
     become :class:`GenerationParams`."""
-    return GenerationParams(max_tokens=max_tokens, stop_token_ids=eos,
-                            stop_strings=req.stop_strings,
-                            sampling=SamplingParams(req.temperature, req.top_k, req.top_p))
+    stops = (() if req.ignore_eos else eos) + tuple(req.stop_token_ids or ())
+    sampling = SamplingParams(
+        req.temperature, req.top_k, req.top_p,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+    return GenerationParams(max_tokens=max_tokens, stop_token_ids=stops,
+                            stop_strings=req.stop_strings, sampling=sampling,
+                            logprobs=req.logprob_count)
+
+
+def _token_entry(text_of, token_id: int, logprob: float) -> dict:
+    text = text_of(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def logprobs_body(entries: list[TokenLogprob], text_of, chat: bool,
+                  offset: int = 0) -> dict:
+    """OpenAI's ``logprobs`` of a choice (or a chunk) for the tokens ``entries``;
+    ``text_of(token id)``: a token's text (its bytes are that text's UTF-8); ``offset``: the
+    completions text offset of the first entry. Chat: ``{"content": [{token, logprob, bytes,
+    top_logprobs: [...]}]}``; completions: ``{tokens, token_logprobs, top_logprobs,
+    text_offset}``. Log-probabilities are the model's raw distribution (before penalties and
+    temperature)."""
+    if chat:
+        return {"content": [
+            {**_token_entry(text_of, e.token_id, e.logprob),
+             "top_logprobs": [_token_entry(text_of, t, v) for t, v in e.top]}
+            for e in entries], "refusal": None}
+    tokens = [text_of(e.token_id) for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text_of(t): v for t, v in e.top} for e in entries],
+            "text_offset": offsets}
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -252,7 +313,7 @@ def usage(prompt_tokens: int, completion_tokens: int, rounds: int, accepted: int
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
                      first: bool = False, token_ids: list[int] | None = None,
-                     index: int = 0) -> dict:
+                     index: int = 0, logprobs: dict | None = None) -> dict:
     """One streamed chunk (``text_completion`` or ``chat.completion.chunk``) of choice ``index``;
     ``token_ids`` (an extension) lists the tokens the chunk's round emitted, so that a client
     can time tokens, not rounds."""
@@ -260,10 +321,10 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: 
         delta = {"content": text}
         if first:
             delta["role"] = "assistant"
-        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         kind = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         kind = "text_completion"
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -271,11 +332,12 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: 
             "choices": [choice]}
 
 
-def completion_choice(index: int, text: str, finish: str, chat: bool) -> dict:
+def completion_choice(index: int, text: str, finish: str, chat: bool,
+                      logprobs: dict | None = None) -> dict:
     if chat:
         return {"index": index, "message": {"role": "assistant", "content": text},
-                "finish_reason": finish, "logprobs": None}
-    return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+                "finish_reason": finish, "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
 def completion_body(rid: str, model: str, choices: list[dict], chat: bool, use: dict) -> dict:

@@ -146,6 +146,23 @@ def check_stream(events: list[dict], lines: list[str], finish: str, usage: bool)
         assert all(e.get("usage") is None for e in events)
 
 
+def check_envelope(bodies: list[dict], chat: bool, stream: bool) -> None:
+    """OpenAI's envelope on every body: one id for the whole response (``cmpl-`` or
+    ``chatcmpl-``), the object type, the served model's name, a creation time in seconds, and
+    choice 0 with its ``logprobs`` (none asked for)."""
+    kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else \
+        "text_completion"
+    assert len({b["id"] for b in bodies}) == 1
+    assert bodies[0]["id"].startswith("chatcmpl-" if chat else "cmpl-")
+    for b in bodies:
+        assert b["object"] == kind and b["model"] == NAME
+        assert isinstance(b["created"], int) and abs(b["created"] - time.time()) < 600
+        for c in b["choices"]:
+            assert c["index"] == 0 and c["logprobs"] is None
+            if chat and not stream:
+                assert c["message"]["role"] == "assistant"
+
+
 def check_usage(use: dict, prompt_tokens: int, completion_tokens: int) -> None:
     assert use["prompt_tokens"] == prompt_tokens
     assert use["completion_tokens"] == completion_tokens
@@ -163,10 +180,12 @@ def test_length(plain, stream):
         events, lines = sse(running.url + "/v1/completions",
                             {**body, "stream_options": {"include_usage": True}})
         check_stream(events, lines, "length", usage=True)
+        check_envelope(events, chat=False, stream=True)
         text, use = text_of(events, chat=False), events[-1]["usage"]
     else:
         res = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
         assert res["choices"][0]["finish_reason"] == "length"
+        check_envelope([res], chat=False, stream=False)
         text, use = res["choices"][0]["text"], res["usage"]
     assert ids_of(text) == want[:9]
     check_usage(use, len(PROMPT), 9)
@@ -206,12 +225,13 @@ def test_chat_length_and_usage(plain, stream):
     if stream:
         events, lines = sse(url, {**body, "stream_options": {"include_usage": True}})
         check_stream(events, lines, "length", usage=True)
+        check_envelope(events, chat=True, stream=True)
         assert events[0]["choices"][0]["delta"]["role"] == "assistant"
         text, use = text_of(events, chat=True), events[-1]["usage"]
     else:
         res = httpx.post(url, json=body, timeout=60).json()
         assert res["choices"][0]["finish_reason"] == "length"
-        assert res["choices"][0]["message"]["role"] == "assistant"
+        check_envelope([res], chat=True, stream=False)
         text, use = res["choices"][0]["message"]["content"], res["usage"]
     assert len(ids_of(text)) == 6 and use["completion_tokens"] == 6
     assert use["total_tokens"] == use["prompt_tokens"] + 6 and use["prompt_tokens"] > 0

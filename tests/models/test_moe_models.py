@@ -4,7 +4,7 @@ Tiny random checkpoints written by transformers' own classes, with an MTP head a
 either expert layout (per expert, as transformers writes them, or fused, as Qwen publishes
 Qwen3.5-MoE), their greedy output equals transformers' in all four modes (ar, chain, tree-serial,
 bole) with the MTP head drafting, through the torch expert loop and the fused kernels
-(interpreted on CPU). fp32 on CPU.
+(interpreted on CPU, compiled on a GPU). fp32.
 """
 
 import json
@@ -32,6 +32,8 @@ MOE_KINDS = ["qwen3_5_moe_text", "qwen3_next"]
 PROMPTS = [[3, 14, 15, 9, 26, 5], [7, 7, 1]]
 MAX_TOKENS = 10
 MODES = ("ar", "chain", "tree-serial", "bole")
+#: where the fused kernels run: compiled on a GPU, else interpreted on the CPU (conftest)
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _add_mtp_head(path, seed=11):
@@ -136,7 +138,9 @@ def test_greedy_output_equals_transformers_in_all_four_modes(checkpoint, layout,
     if moe_backend == "triton" and kind != "qwen3_5_moe_text":
         pytest.skip("the interpreted kernels run on one checkpoint (each launch costs ms)")
     path = per_expert if layout == "per_expert" else fused
-    model = HybridModel.from_pretrained(path, dtype=torch.float32, moe_backend=moe_backend)
+    device = KERNEL_DEVICE if moe_backend == "triton" else "cpu"
+    model = HybridModel.from_pretrained(path, dtype=torch.float32, device=device,
+                                        moe_backend=moe_backend)
     assert model.graph_safe == (moe_backend == "triton")
     want = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
     params = GenerationParams(max_tokens=MAX_TOKENS)
@@ -149,12 +153,14 @@ def test_greedy_output_equals_transformers_in_all_four_modes(checkpoint, layout,
 
 
 def test_fused_kernels_equal_the_expert_loop_in_a_verify_forward(checkpoint):
-    """One tree-verify forward through the kernels (interpreted) against the torch loop."""
+    """One tree-verify forward through the kernels (interpreted on CPU, compiled on a GPU)
+    against the torch loop."""
     from bole.tree import DraftTree, PackedForest
     kind, _, _, fused = checkpoint
     logits = {}
     for backend in ("torch", "triton"):
-        model = HybridModel.from_pretrained(fused, dtype=torch.float32, moe_backend=backend)
+        model = HybridModel.from_pretrained(fused, dtype=torch.float32, device=KERNEL_DEVICE,
+                                            moe_backend=backend)
         runner = ModelRunner(model, model.new_cache(2, 64), "torch")
         slots = [runner.cache.allocate(32) for _ in PROMPTS]
         for s, p in zip(slots, PROMPTS):
@@ -162,7 +168,7 @@ def test_fused_kernels_equal_the_expert_loop_in_a_verify_forward(checkpoint):
         forest = PackedForest.pack([DraftTree.full_kary(2, 2), DraftTree.chain(4)])
         tokens = torch.arange(forest.num_nodes) % 60
         _, out = runner.verify(slots, forest, tokens)
-        logits[backend] = out.logits
+        logits[backend] = out.logits.cpu()
     assert torch.allclose(logits["triton"], logits["torch"], atol=1e-5, rtol=1e-5)
 
 
@@ -219,7 +225,8 @@ def test_moe_presets_follow_the_published_configs():
 
 def test_random_moe_model_is_stacked_and_graph_safe_with_the_kernels():
     cfg = preset_config("tiny-moe")
-    m = HybridModel.random(cfg, dtype=torch.float32, mtp=True, moe_backend="triton")
+    m = HybridModel.random(cfg, dtype=torch.float32, device=KERNEL_DEVICE, mtp=True,
+                           moe_backend="triton")
     assert m.graph_safe and "mtp.layers.0.mlp." + FUSED_GATE_UP in m.w
     assert m.w[f"model.layers.0.mlp.{FUSED_DOWN}"].shape == (8, 64, 32)
     assert not HybridModel(cfg, m.w, moe_backend="torch").graph_safe

@@ -354,6 +354,64 @@ def test_admission_is_fifo_bounded_by_the_batch_and_skips_cancelled_requests(gre
     assert engine.cache.num_free == 4
 
 
+def test_each_step_reports_what_it_did(greedy_model):
+    """The metrics' view of a step: rows run, tokens each emitted, node slots verified, requests
+    admitted, and the admission's time inside the step's; a step whose only admission finished
+    at its first token reports no round."""
+    engine = Engine(greedy_model, SpecConfig("bole", "ngram", depth=3, topk=2, budget=8),
+                    max_slots=3, max_len=128)
+    reports = []
+    scheduler = Scheduler(engine, on_round=reports.append)
+    h = [scheduler.submit(p, GenerationParams(max_tokens=12))
+         for p in ([5, 9, 17, 33, 2] * 2, [7, 7, 8, 9, 1])]
+    scheduler.step()
+    scheduler.step()
+    first, second = reports
+    T = engine.spec.nodes_per_request
+    assert (first.batch, first.admitted, first.verified_node_slots) == (2, 2, 2 * T)
+    assert (second.batch, second.admitted, second.verified_node_slots) == (2, 0, 2 * T)
+    # the first step's rows emitted their round's tokens after the prefill's first token
+    assert sum(first.emitted) + sum(second.emitted) + 2 == sum(len(x.request.out) for x in h)
+    assert all(n >= 1 for n in first.emitted + second.emitted)
+    for rep in reports:
+        assert 0 <= rep.admit_s <= rep.step_s and rep.step_s > 0 and rep.timings
+    scheduler.run_until_idle()
+    reports.clear()
+    one = scheduler.submit([1, 2, 3], GenerationParams(max_tokens=1))
+    scheduler.step()
+    (rep,) = reports
+    assert (rep.batch, rep.emitted, rep.verified_node_slots, rep.timings, rep.admitted) == \
+        (0, [], 0, {}, 1)
+    assert rep.admit_s == rep.step_s and one.result.finish_reason == "length"
+
+
+def test_a_request_seed_fixes_its_samples(greedy_model):
+    """Sampled output depends on the request's seed alone: the same seed gives the same tokens,
+    other seeds other tokens."""
+    engine = Engine(greedy_model, SpecConfig("bole", "ngram", depth=3, topk=2, budget=8),
+                    max_slots=4, max_len=128)
+    scheduler = Scheduler(engine)
+    params = GenerationParams(max_tokens=8, sampling=SamplingParams(temperature=5.0))
+    h = [scheduler.submit([5, 9, 17], params, seed=s) for s in (7, 7, 8, 9)]
+    scheduler.run_until_idle()
+    out = [x.result.token_ids for x in h]
+    assert out[0] == out[1] and out[2] != out[0] and out[3] != out[0]
+
+
+def test_a_failed_admission_finishes_its_requests_and_frees_their_slots(greedy_model):
+    engine = Engine(greedy_model, SpecConfig("ar"), max_slots=2, max_len=64)
+    log: list = []
+    scheduler = Scheduler(engine)
+    # skipping the check lets a request in that cannot fit the context: its admission fails
+    bad = scheduler.submit([1] * 60, GenerationParams(max_tokens=30), on_event=_events(log),
+                           checked=True)
+    from bole.cache import CacheFull
+    with pytest.raises(CacheFull):
+        scheduler.step()
+    assert bad.done.is_set() and log == [(bad.request.index, [], True)]
+    assert engine.cache.num_free == 2 and not scheduler.running and not scheduler.waiting
+
+
 # ---------------------------------------------------------------- draft depth
 
 def test_draft_depth_breaks_a_rate_tie_towards_the_deeper_depth():

@@ -430,3 +430,23 @@ def test_draft_depth_breaks_a_rate_tie_towards_the_deeper_depth():
     assert dd.best(1) == 2
     dd.draft_ms[1] = {2: 4.01, 4: 5.5}
     assert dd.best(1) == 4
+
+
+def test_draft_depth_averages_times_and_reads_the_line_through_measured_depths():
+    """Each time is an exponential average (a tenth on the newest, started at the first value,
+    kept per bucket and per depth); an unmeasured depth's draft time is read off the
+    least-squares line through the measured ones, a measured depth keeps its own."""
+    from bole.engine.draft_depth import DraftDepth
+    dd = DraftDepth((2, 3, 4, 5))
+    dd.observe(1, 2, [], draft_ms=2.0, rest_ms=10.0, hidden_ms=1.0)
+    dd.observe(2, 2, [], draft_ms=50.0, rest_ms=50.0, hidden_ms=50.0)     # another bucket
+    dd.observe(1, 4, [], draft_ms=7.0, rest_ms=20.0, hidden_ms=0.0)
+    dd.observe(1, 2, [], draft_ms=4.0, rest_ms=30.0, hidden_ms=3.0)
+    assert dd.draft_ms[1] == {2: pytest.approx(0.9 * 2 + 0.1 * 4), 4: 7.0}
+    assert dd.rest_ms[1] == pytest.approx(0.9 * (0.9 * 10 + 0.1 * 20) + 0.1 * 30)
+    assert dd.hidden_ms[1] == pytest.approx(0.9 * (0.9 * 1 + 0.1 * 0) + 0.1 * 3)
+    dd.draft_ms[1] = {2: 1.0, 3: 2.5, 5: 5.0}
+    # least squares through (2, 1), (3, 2.5), (5, 5): slope 37/28, through the mean (10/3, 17/6)
+    slope = 37 / 28
+    assert dd.draft_times(1) == {2: 1.0, 3: 2.5, 4: pytest.approx(17 / 6 + slope * (4 - 10 / 3)),
+                                 5: 5.0}

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                     best[name] = (ms, cfg)
         layer_pick = graph_ms(lambda: fused_moe(x, w13, w2, *route(logits, k, True), impl="triton",
                                                 config=pick))
-        rec = dict(tokens=T, touched_experts=touched, floor_ms=floor_ms, pick=pick.__dict__,
+        rec = dict(tokens=T, touched_experts=touched, floor_ms=floor_ms, pick=str(pick),
                    layer_ms_pick=layer_pick,
                    best_gate_up_ms=best["gate_up"][0], best_gate_up=best["gate_up"][1].__dict__,
                    best_down_ms=best["down"][0], best_down=best["down"][1].__dict__)

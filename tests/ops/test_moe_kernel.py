@@ -178,10 +178,27 @@ def test_torch_impl_is_the_reference_and_bad_inputs_are_named():
 
 
 def test_picked_tiles_are_tl_dot_sized():
-    for pairs in (8, 64, 512, 8192):
+    for pairs in (8, 64, 512, 2048, 8192):
         for dev in ("cpu", "cuda"):
             cfg = pick_moe_config(pairs, 256, torch.device(dev))
-            assert min(cfg.block_m, cfg.block_n, cfg.block_k) >= 16
+            for c in (cfg, cfg.down or cfg):
+                assert min(c.block_m, c.block_n, c.block_k) >= 16 and c.block_m == cfg.block_m
+
+
+def test_the_down_gemm_takes_its_own_tiles():
+    g = torch.Generator().manual_seed(3)
+    T, E, H, F, k = 5, 6, 32, 16, 2
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, 2 * F, H, generator=g) * 0.2
+    w2 = torch.randn(E, H, F, generator=g) * 0.2
+    tw, ids = route(torch.randn(T, E, generator=g), k)
+    down = MoEConfig(block_m=16, block_n=32, block_k=16, num_warps=1, num_stages=1)
+    cfg = MoEConfig(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1, down=down)
+    got = fused_moe(x, w13, w2, tw, ids, impl="triton", config=cfg)
+    want = moe_reference(x.double(), w13.double(), w2.double(), tw.double(), ids)
+    assert torch.allclose(got.double(), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="must equal the gate/up GEMM's"):
+        MoEConfig(block_m=16, down=MoEConfig(block_m=32))
 
 
 # ---- compiled on a GPU only ----

@@ -32,7 +32,9 @@ fix_interpreter_scalar_index()
 @dataclass(frozen=True)
 class MoEConfig:
     """Tile sizes of the grouped GEMMs (powers of two, at least 16 for ``tl.dot``) and the
-    implementation of the block alignment ("triton": one launch; "torch": about twenty)."""
+    implementation of the block alignment ("triton": one launch; "torch": about twenty).
+    ``down``: the down GEMM's own tiles (its ``block_m`` must equal this one's, since both read
+    one alignment); None: the gate/up tiles."""
 
     block_m: int = 16
     block_n: int = 64
@@ -40,17 +42,39 @@ class MoEConfig:
     num_warps: int = 4
     num_stages: int = 2
     align_impl: str = "triton"
+    down: MoEConfig | None = None
+
+    def __post_init__(self):
+        if self.down is not None and self.down.block_m != self.block_m:
+            raise ValueError(f"MoEConfig: the down GEMM's block_m ({self.down.block_m}) must equal "
+                             f"the gate/up GEMM's ({self.block_m}): both read one alignment")
 
 
 def pick_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> MoEConfig:
-    """Tiles for ``num_pairs`` routed pairs: 16-row blocks when experts see few rows each
-    (decode, verify), 64 when they see many (prefill); small tiles under the interpreter."""
+    """Tiles for ``num_pairs`` routed pairs, from bench/tuning/moe_configs.py on an H200
+    (Qwen3.5-35B-A3B's layer, H 2048, F 512, 256 experts, top 8): 16-row blocks with narrow,
+    deep tiles while experts see few rows each (decode, verify; more programs stream the
+    experts' weights), 64-row blocks for long prefill chunks; small tiles under the
+    interpreter."""
     if device.type != "cuda":
         return MoEConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
     rows_per_expert = num_pairs / max(num_experts, 1)
-    if rows_per_expert < 8:
-        return MoEConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
-    return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    if rows_per_expert >= 32:
+        return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    if num_pairs <= 8:                                            # one decode token
+        tiles = dict(block_n=32, block_k=256, num_warps=4)
+        down = dict(block_n=32, block_k=256, num_warps=4)
+    elif num_pairs <= 64:
+        tiles = dict(block_n=32, block_k=256, num_warps=4)
+        down = dict(block_n=128, block_k=64, num_warps=4)
+    elif rows_per_expert < 4:
+        tiles = dict(block_n=32, block_k=128, num_warps=4)
+        down = dict(block_n=64, block_k=128, num_warps=8)
+    else:
+        tiles = dict(block_n=64, block_k=128, num_warps=4)
+        down = dict(block_n=64, block_k=128, num_warps=4)
+    return MoEConfig(block_m=16, num_stages=3, **tiles,
+                     down=MoEConfig(block_m=16, num_stages=3, **down))
 
 
 @triton.jit
@@ -166,5 +190,5 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             top_k=k, cfg=cfg)
     out = torch.empty(num_pairs, H, dtype=torch.float32, device=x.device)
     _launch(h, w2, out, weights, align, H, F_, gather=False, silu_mul=False, weighted=True,
-            top_k=k, cfg=cfg)
+            top_k=k, cfg=cfg.down or cfg)
     return out.view(T, k, H).sum(dim=1).to(x.dtype)

@@ -243,10 +243,13 @@ def greedy_model():
 
 
 def test_stop_strings_cut_at_the_first_match_across_tokens_and_strings(greedy_model):
-    engine = Engine(greedy_model, SpecConfig("bole", "ngram", depth=3, topk=2, budget=8),
-                    max_slots=2, max_len=128, tokenizer=PairTokenizer())
+    # drafted by the model itself: rounds emit several tokens, so a match inside a round must
+    # drop the round's tokens after it
+    engine = Engine(greedy_model, SpecConfig("bole", "draft", depth=4, topk=2, budget=8),
+                    max_slots=2, max_len=128, tokenizer=PairTokenizer(), draft_model=greedy_model)
     prompt = [5, 9, 17, 33, 2] * 4
     free = engine.generate([prompt], GenerationParams(max_tokens=40))[0]
+    assert max(free.accepted) >= 3
     text = PairTokenizer().decode(free.token_ids)
     # a string of two letters that straddles a token boundary (an odd offset) and occurs at
     # least twice: the first occurrence must win
@@ -288,6 +291,13 @@ def test_result_text_cuts_before_the_first_of_several_matches():
     assert result_text(tok, res, GenerationParams(stop_strings=("aB",))) == "A"
     assert result_text(tok, res, GenerationParams(stop_strings=("Ca", "aA"))) == "AaB"
     assert result_text(tok, res, GenerationParams(stop_strings=("Q",))) == "AaBaAaBaCa"
+
+    class Cut:                      # a multi-byte character cut in two decodes to U+FFFD
+        def decode(self, ids):
+            return "\ufffdab\ufffd"
+    assert result_text(Cut(), GenerationResult([1], "length"), GenerationParams()) == "\ufffdab"
+    assert result_text(Cut(), GenerationResult([1], "stop"), GenerationParams()) == \
+        "\ufffdab\ufffd"
 
 
 # ---------------------------------------------------------------- scheduling

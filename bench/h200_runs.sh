@@ -154,7 +154,7 @@ case "$part" in
       forward) timeout $(lim 585) python3 bench/model_forward.py --preset "${models[0]}" \
                  --nodes 4 8 16 32 64 --batch-case 8 32 --sweep-batches 8 --out "$out" ;;
       e2e) timeout $(lim 585) python3 bench/e2e.py --models "${models[@]}" --batches ${BATCHES:-1 8} \
-             --chain-depths 3 4 --tree-shapes 4,2,8 6,3,16 8,4,32 "${vocab[@]}" "${policy[@]}" \
+             --chain-depths 3 --tree-shapes 6,3,16 8,4,32 "${vocab[@]}" "${policy[@]}" \
              --out "$out" --tag=-${models[0]}${TAG:-} ;;
       *) need_set moe "forward e2e" ;;
     esac ;;

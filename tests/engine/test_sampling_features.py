@@ -378,7 +378,7 @@ def test_llm_api_takes_the_new_fields():
     output equals plain decoding's with the same parameters."""
     from bole import LLM
     from bole import SamplingParams as ApiParams
-    llm = LLM(max_batch=1, max_len=256)
+    llm = LLM(max_batch=1, max_len=256, dtype="fp32")     # exact comparisons: fp32 on a GPU too
     eos = tuple(llm.model.config.eos_token_id)
     base = llm.generate("def add(a, b):", ApiParams(max_tokens=12))[0]
     stop = base.token_ids[6]

@@ -182,6 +182,9 @@ def test_length(plain, stream):
         check_stream(events, lines, "length", usage=True)
         check_envelope(events, chat=False, stream=True)
         text, use = text_of(events, chat=False), events[-1]["usage"]
+        # the token_ids extension lists each chunk's tokens: together, the whole output
+        assert [t for e in events if e.get("choices")
+                for t in e["choices"][0].get("token_ids") or []] == want[:9]
     else:
         res = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
         assert res["choices"][0]["finish_reason"] == "length"
@@ -235,6 +238,18 @@ def test_chat_length_and_usage(plain, stream):
         text, use = res["choices"][0]["message"]["content"], res["usage"]
     assert len(ids_of(text)) == 6 and use["completion_tokens"] == 6
     assert use["total_tokens"] == use["prompt_tokens"] + 6 and use["prompt_tokens"] > 0
+
+
+def test_one_token_request_has_no_rounds(plain):
+    """max_tokens 1: the prefill's token alone, no round: usage says 0 rounds and a mean of 0."""
+    running, want = plain
+    res = httpx.post(running.url + "/v1/completions", json={
+        "model": NAME, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}, timeout=60).json()
+    assert res["choices"][0]["finish_reason"] == "length"
+    assert ids_of(res["choices"][0]["text"]) == want[:1]
+    use = res["usage"]
+    assert (use["completion_tokens"], use["rounds"], use["accepted_tokens"]) == (1, 0, 0)
+    assert use["mean_accepted_tokens"] == 0.0 and use["total_tokens"] == len(PROMPT) + 1
 
 
 def test_stream_without_usage_ends_in_done(plain):

@@ -28,30 +28,15 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path
                              if Path(p or ".").resolve() not in (ROOT, ROOT / "bench" / "tuning")]
 
 from bench.model_forward import copy_bandwidth  # noqa: E402
+from bole.engine.calibrate import captured_ms  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.ops.moe import align_blocks, fused_moe, moe_reference, pick_moe_config, route  # noqa: E402
 from bole.ops.moe.grouped_gemm import MoEConfig, _launch  # noqa: E402
 
 
-def graph_ms(fn, reps: int = 30) -> float:
+def graph_ms(fn) -> float:
     """Median ms of ``fn`` replayed from a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return captured_ms(fn, torch.device("cuda"), reps=30)
 
 
 def grid(block_ms):

@@ -22,6 +22,9 @@ def _serve_checks(args) -> Path:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is None:
         args.api_key = os.environ.get("BOLE_API_KEY") or None
+    elif not args.api_key:
+        raise UsageError("--api-key is empty (an unset variable?): pass a key, or leave the flag "
+                         "out to serve without one")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must lie in 1..65535, got {args.port}")
     _device(args.device)

@@ -86,3 +86,9 @@ def test_help_shows_defaults(capsys):
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 4)" in text and "--out" in text and "relative to where bole runs" in text
+
+
+def test_an_empty_api_key_is_refused(capsys):
+    """`--api-key "$KEY"` with KEY unset would serve with no key and no warning: refused."""
+    rc, err, _ = run(capsys, "serve", "--api-key", "", "--device", "cpu")
+    assert_clean(rc, err, "--api-key is empty")

@@ -151,6 +151,10 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     text_threads: int = 2
 
+    def __post_init__(self):
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key is empty: pass a key, or None to serve without one")
+
 
 def default_prompt_bytes(max_len: int) -> int:
     """1 MiB, or 32 bytes per token of the context when that is more: far above any prompt the
@@ -506,6 +510,8 @@ async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.
             final = seq.text(server.tokenizer) if finished else None
             lp = None
             if seq.params.logprobs is not None:
+                # the engine thread appends a token, then its entry: read tokens with entries only
+                ids = ids[:len(request.logprobs)]
                 lp = logprobs_body(request.logprobs[counted[i]:len(ids)],
                                    lambda t: server.tokenizer.decode([t]), chat, offset[i])
             out.append((i, streams[i].delta(ids, final), ids, finished, lp))
@@ -525,7 +531,9 @@ async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.
             for i, delta, ids, finished, lp in await loop.run_in_executor(server.text_pool,
                                                                          deltas, ready):
                 seq = by_index[i]
-                if delta or (first[i] and chat):
+                # tokens that add no text (an end-of-sequence token, a stop string's) still
+                # carry their ids and logprobs
+                if delta or (first[i] and chat) or (finished and len(ids) > counted[i]):
                     yield sse(completion_chunk(rid, model, delta, None, chat, first[i],
                                                token_ids=ids[counted[i]:], index=i,
                                                logprobs=lp))
@@ -603,7 +611,7 @@ def serve(server: BoleServer, host: str = "127.0.0.1", port: int = 8000,
 
     import uvicorn
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
-    if server.config.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+    if not server.config.api_key and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach this address can "
                     "use the model (pass --api-key or set BOLE_API_KEY)", host)
     app = create_app(server)

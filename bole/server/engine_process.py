@@ -77,8 +77,14 @@ def engine_main(conn, factory: Callable[..., Any], factory_args: tuple) -> None:
                 msg = conn.recv()
                 if msg[0] == "submit":
                     _, serial, prompt, params, seed = msg
-                    handle = scheduler.submit(prompt, params, seed=seed, on_event=on_event,
-                                              checked=True)
+                    try:
+                        handle = scheduler.submit(prompt, params, seed=seed, on_event=on_event,
+                                                  checked=True)
+                    except Exception:              # fail this request, keep the process
+                        log.exception("a submitted request could not start")
+                        events.append((serial, [], True, 0, [], None, []))
+                        timeout = 0.0
+                        continue
                     serial_of[id(handle)], handles[serial] = serial, handle
                 elif msg[0] == "cancel" and msg[1] in handles:
                     scheduler.cancel(handles[msg[1]])

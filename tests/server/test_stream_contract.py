@@ -88,9 +88,10 @@ def tiny_model(eos: tuple[int, ...]) -> HybridModel:
                        gdn_backend="torch")
 
 
-def serve(model: HybridModel, max_batch: int = 4) -> Running:
-    engine = Engine(model, SpecConfig("bole", "ngram", depth=3, topk=3, budget=10),
-                    max_slots=max_batch, max_len=128, tokenizer=TOKENIZER)
+def serve(model: HybridModel, max_batch: int = 4, mode: str = "bole") -> Running:
+    spec = SpecConfig("ar") if mode == "ar" else SpecConfig(mode, "ngram", depth=3, topk=3,
+                                                             budget=10)
+    engine = Engine(model, spec, max_slots=max_batch, max_len=128, tokenizer=TOKENIZER)
     return Running(BoleServer(engine, NAME, max_queue=1024))
 
 
@@ -211,12 +212,43 @@ def test_stop_string_first_match(plain, stream):
                             {**body, "stream_options": {"include_usage": True}})
         check_stream(events, lines, "stop", usage=True)
         text, use = text_of(events, chat=False), events[-1]["usage"]
+        # the tokens cut with the stop string still stream their ids
+        assert [t for e in events if e.get("choices")
+                for t in e["choices"][0].get("token_ids") or []] == want[:5]
     else:
         res = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
         assert res["choices"][0]["finish_reason"] == "stop"
         text, use = res["choices"][0]["text"], res["usage"]
     assert text == full[:7]
     check_usage(use, len(PROMPT), 5)
+
+
+def test_streamed_ids_and_logprobs_add_up_to_the_whole_response():
+    """Plain decoding (a token an event) cut by a stop string: the streamed token ids and
+    logprob entries are the whole response's, every one of them."""
+    model = tiny_model(eos=())
+    want = greedy_ids(model, 24)
+    full = TOKENIZER.decode(want)
+    with serve(model, max_batch=1, mode="ar") as running:
+        body = {"model": NAME, "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                "stop": [full[7:10]], "logprobs": 1}
+        events, lines = sse(running.url + "/v1/completions", body)
+        whole = httpx.post(running.url + "/v1/completions", json=body, timeout=60).json()
+    check_stream(events, lines, "stop", usage=False)
+    streamed = [t for e in events if e.get("choices")
+                for t in e["choices"][0].get("token_ids") or []]
+    assert streamed == want[:5]
+    entries = [lp for e in events if e.get("choices") and e["choices"][0].get("logprobs")
+               for lp in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert len(entries) == len(whole["choices"][0]["logprobs"]["token_logprobs"]) == 5
+
+
+@pytest.mark.parametrize("seed", [1 << 64, -(1 << 63) - 1])
+def test_a_seed_outside_torchs_range_is_a_400(plain, seed):
+    running, _ = plain
+    res = httpx.post(running.url + "/v1/completions", json={
+        "model": NAME, "prompt": PROMPT, "max_tokens": 2, "seed": seed}, timeout=60)
+    assert res.status_code == 400 and res.json()["error"]["param"] == "seed"
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -67,10 +67,13 @@ PRESETS: dict[str, dict] = {
                             num_experts_per_tok=8, moe_intermediate_size=512,
                             shared_expert_intermediate_size=512,
                             **_gdn(num_hidden_layers=40, key_heads=16, value_heads=32)),
-    # Qwen/Qwen3.5-122B-A10B, text_config of its config.json on the Hugging Face Hub (model_type
-    # qwen3_5_moe): hidden 3072, 48 layers (full attention every 4th), attention 32 / 2 KV heads
-    # of 256, GDN 16 key / 64 value heads of 128 (bole.config.GDN_SHAPES), 256 experts, top 8,
-    # expert FFN 1024, a gated shared expert of 1024, vocabulary 248,320, untied lm_head
+    # Qwen/Qwen3.5-122B-A10B (model_type qwen3_5_moe): hidden 3072, 48 layers (full attention
+    # every 4th), 32 attention heads, 256 experts with 8 routed and 1 shared per token (the model
+    # card, as Vultr's model page restates it); 2 KV heads of 256 and GDN 16 key / 64 value heads
+    # of 128 as bole.config.GDN_SHAPES; expert FFN 1024 and a shared expert of 1024 are not read
+    # from the published config.json but are what the parameter counts imply: 256 experts x 3 x
+    # 3072 x 1024 x 48 layers = 116B of the 122B, and 9 active experts 4.1B of the 10B active;
+    # vocabulary 248,320, untied lm_head
     "qwen3.5-122b-a10b": dict(model_type="qwen3_5_moe_text", vocab_size=248320,
                               hidden_size=3072, num_attention_heads=32, num_key_value_heads=2,
                               num_experts=256, num_experts_per_tok=8,

@@ -100,16 +100,7 @@ def test_penalty_counts_add_counts_the_emitted_tokens():
 
 # ---------------------------------------------------------------- engine: greedy
 
-@pytest.fixture(scope="module")
-def model():
-    m = HybridModel.random(preset_config("tiny"), dtype=torch.float32, seed=3, gdn_backend="torch")
-    m.w["lm_head.weight"] = m.w["lm_head.weight"] * 50       # clear greedy margins
-    return m
-
-
-def prompts():
-    rep = [5, 9, 17, 33, 2] * 4                                # repetitive: n-gram drafts hit
-    return [rep, [7, 7, 8, 9, 1, 2, 3, 7, 7, 8], [100]]
+from tests.test_engine import model, prompts  # noqa: E402,F401  (the tiny model, its prompts)
 
 
 PENALTIES = [dict(repetition_penalty=1.3), dict(repetition_penalty=0.7),

@@ -9,22 +9,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import socket
-import threading
 import time
 
 import pytest
 import torch
 
 httpx = pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
 
 from bole.engine import Engine, SpecConfig  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
-from bole.server.api import BoleServer, create_app  # noqa: E402
+from bole.server.api import BoleServer  # noqa: E402
 from tests.engine.test_user_visible import (  # noqa: E402
     PROMPT, check_fit, reference_levels)
+from tests.server.test_api import Running  # noqa: E402
 
 NAME = "tiny"
 LETTERS, CASES = "ABCDEFGHIJKLMNOP", "abcdefgh"
@@ -48,36 +46,6 @@ TOKENIZER = pair_tokenizer()
 def ids_of(text: str) -> list[int]:
     assert len(text) % 2 == 0
     return TOKENIZER.encode(text).ids
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Running:
-    """A uvicorn server on a thread, on 127.0.0.1 and a free port; stopped and joined after."""
-
-    def __init__(self, server: BoleServer):
-        self.port = _free_port()
-        self.uv = uvicorn.Server(uvicorn.Config(create_app(server), host="127.0.0.1",
-                                                port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.uv.run, daemon=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.uv.started:
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.uv.should_exit = True
-        self.thread.join(timeout=30)
-        assert not self.thread.is_alive()
 
 
 def tiny_model(eos: tuple[int, ...]) -> HybridModel:

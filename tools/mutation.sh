@@ -3,6 +3,8 @@
 # committed tree (mutmut writes its mutants/ folder there, never into bole/ in place).
 #   tools/mutation.sh [WORKDIR]            run, then print the results
 #   MUTMUT_ONLY="*bole/engine/scheduler.py" tools/mutation.sh   one module (fnmatch pattern)
+#   MUTMUT_NAMES="bole.server.protocol.x_logprobs_body*" ...     only these mutants (mutmut's
+#                                        names, fnmatch patterns, space-separated)
 # Needs the `mutation` extra (pip install -e .[test,mutation]). OMP_NUM_THREADS=1 keeps torch
 # from oversubscribing a small machine (each mutant's tests run in a forked process).
 set -euo pipefail
@@ -21,7 +23,10 @@ open("pyproject.toml", "w").write(text)
 PY
 fi
 export OMP_NUM_THREADS=1
-mutmut run --max-children "${MUTMUT_CHILDREN:-2}" || true
+# shellcheck disable=SC2086  (MUTMUT_NAMES: patterns, split on spaces, not globbed here)
+set -f
+mutmut run --max-children "${MUTMUT_CHILDREN:-2}" ${MUTMUT_NAMES:-} || true
+set +f
 mutmut results --all true > results.txt || mutmut results > results.txt
 echo "mutation results in $work/results.txt"
 grep -c ": killed" results.txt || true

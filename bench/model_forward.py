@@ -47,6 +47,7 @@ from bole.engine.runner import ModelRunner  # noqa: E402
 from bole.ops import attention  # noqa: E402
 from bole.forest import DenseForest  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
+from bole.models.moe_layer import ALL_GATE_UP  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.tree import DraftTree, PackedForest  # noqa: E402
 
@@ -91,17 +92,18 @@ def weight_bytes(model: HybridModel, prefix: str = "") -> tuple[int, int]:
 def touched_expert_bytes(model: HybridModel, fwd) -> tuple[int, float, int]:
     """(bytes of the expert weights one call of ``fwd`` reads, mean experts touched per MoE
     layer, parameters of one expert summed over the MoE layers): every MoE layer's routing
-    marks its experts on the device, read back once after the call."""
-    from bole.models.weights import FUSED_DOWN, FUSED_GATE_UP
-    E = model.config.num_experts
-    if not E:
+    marks its experts on the device, read back once after the call. A shared expert merged
+    into the kernels' tensors (:mod:`bole.models.moe_layer`) is one of them, touched always."""
+    from bole.models.moe_layer import expert_weights
+    if not model.config.num_experts:
         return 0, 0.0, 0
     hits: list[tuple[str, torch.Tensor]] = []
     routing = model.moe_routing
 
     def counting(x, p):
         weights, ids, shared = routing(x, p)
-        hit = torch.zeros(E, dtype=torch.int64, device=ids.device)
+        hit = torch.zeros(expert_weights(model.w, p)[0].shape[0], dtype=torch.int64,
+                          device=ids.device)
         hits.append((p, hit.scatter_(0, ids.reshape(-1).long(), 1)))
         return weights, ids, shared
     model.moe_routing = counting
@@ -112,8 +114,9 @@ def touched_expert_bytes(model: HybridModel, fwd) -> tuple[int, float, int]:
     counts = torch.stack([h for _, h in hits]).sum(1).tolist()
     total, params = 0, 0
     for (p, _), n in zip(hits, counts):
-        per_expert = model.w[p + FUSED_GATE_UP][0].numel() + model.w[p + FUSED_DOWN][0].numel()
-        total += n * per_expert * model.w[p + FUSED_DOWN].element_size()
+        w13, w2 = expert_weights(model.w, p)
+        per_expert = w13[0].numel() + w2[0].numel()
+        total += n * per_expert * w2.element_size()
         params += per_expert
     return total, sum(counts) / max(len(counts), 1), params
 
@@ -131,8 +134,9 @@ def events_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def kernel_profile(fn) -> tuple[float, int]:
-    """(GPU kernel ms, kernel count) of one call of ``fn``."""
+def kernel_profile(fn, top: int = 12) -> tuple[float, int, list]:
+    """(GPU kernel ms, kernel count, the ``top`` kernel names by summed time as [name, us,
+    launches]) of one call of ``fn``."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -140,7 +144,14 @@ def kernel_profile(fn) -> tuple[float, int]:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"
                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    return sum(e.device_time for e in kernels) / 1e3, len(kernels)
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:80], [e.name[:80], 0.0, 0])
+        entry[1] += e.device_time
+        entry[2] += 1
+    ranked = sorted(by_name.values(), key=lambda r: -r[1])[:top]
+    return sum(e.device_time for e in kernels) / 1e3, len(kernels), \
+        [[n, round(us, 1), c] for n, us, c in ranked]
 
 
 def forward_case(runner: ModelRunner, name: str, trees: list[DraftTree], slots: list[int],
@@ -161,7 +172,7 @@ def forward_case(runner: ModelRunner, name: str, trees: list[DraftTree], slots: 
     moe_bytes, touched, expert_params = touched_expert_bytes(runner.model, fwd)
     records = []
     eager_ms = events_ms(fwd, reps)
-    k_ms, k_n = kernel_profile(fwd)
+    k_ms, k_n, _ = kernel_profile(fwd)
     records.append(dict(case=name, captured=False, total_ms=eager_ms, kernel_ms=k_ms, kernels=k_n))
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -173,11 +184,14 @@ def forward_case(runner: ModelRunner, name: str, trees: list[DraftTree], slots: 
         fwd()
     torch.cuda.synchronize()
     cap_ms = events_ms(graph.replay, reps)
-    k_ms, k_n = kernel_profile(graph.replay)
-    records.append(dict(case=name, captured=True, total_ms=cap_ms, kernel_ms=k_ms, kernels=k_n))
+    k_ms, k_n, top = kernel_profile(graph.replay)
+    records.append(dict(case=name, captured=True, total_ms=cap_ms, kernel_ms=k_ms, kernels=k_n,
+                        top_kernels=top))
     nodes = dense.num_nodes
     # every node multiplies the 2-D weights and, per MoE layer, top-k experts' weights
-    matmul_params = floor["params"] + runner.model.config.num_experts_per_tok * expert_params
+    merged = any(n.endswith(ALL_GATE_UP) for n in runner.model.w)      # + the shared expert
+    slots = runner.model.config.num_experts_per_tok + merged
+    matmul_params = floor["params"] + slots * expert_params
     for r in records:
         r.update(nodes=nodes, batch=len(slots),
                  weight_floor_ms=floor["weights_ms"] + moe_bytes / floor["bandwidth"] * 1e3,

@@ -9,6 +9,13 @@ the measured copy bandwidth. Prints, per T, the best configuration of each GEMM 
 layer (routing and alignment included) with the current pick and the best pair.
 
     python bench/tuning/moe_configs.py [--preset qwen3.5-35b-a3b] [--tokens 1 8 32 64 256]
+
+``--gemv``: the few-token path instead (bole.ops.moe.gemv), with the shared expert merged as
+the model runs it (E + 1 experts, k + 1 slots): each kernel's best tiles per T, and the whole
+layer (routing included) through the matrix-vector kernels with their defaults and through the
+grouped GEMMs' pick, side by side, which sets ``GEMV_MAX_PAIRS``:
+
+    python bench/tuning/moe_configs.py --gemv --tokens 1 2 3 4 6 8
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from bench.model_forward import copy_bandwidth  # noqa: E402
 from bole.engine.calibrate import captured_ms  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.ops.moe import align_blocks, fused_moe, moe_reference, pick_moe_config, route  # noqa: E402
+from bole.ops.moe import GEMV_MAX_PAIRS, gemv  # noqa: E402
 from bole.ops.moe.grouped_gemm import MoEConfig, _launch  # noqa: E402
 
 
@@ -45,11 +53,77 @@ def grid(block_ms):
         yield MoEConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
 
 
+def gemv_grid():
+    for bn, bk, w in itertools.product((8, 16, 32), (128, 256, 512), (2, 4, 8)):
+        yield bn, bk, w
+
+
+def tune_gemv(c, tokens, dev, bw) -> list[dict]:
+    """Best tiles of each matrix-vector kernel per T, and the layer through each path."""
+    import triton
+    E, k, H, F = c.num_experts + 1, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randn(E, 2 * F, H, device=dev, dtype=torch.bfloat16, generator=gen) * H ** -0.5
+    w2 = torch.randn(E, H, F, device=dev, dtype=torch.bfloat16, generator=gen) * F ** -0.5
+    records = []
+    for T in tokens:
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=gen)
+        logits = torch.randn(T, E, device=dev, generator=gen)
+        weights, ids = route(logits, k, True, shared=True)
+        touched = int((torch.bincount(ids.reshape(-1).long(), minlength=E) > 0).sum())
+        floor_ms = touched * 3 * H * F * 2 / bw * 1e3
+        want = moe_reference(x.float(), w13.float(), w2.float(), weights, ids)
+        flat_ids, flat_w = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
+        h = torch.empty(T * (k + 1), F, dtype=x.dtype, device=dev)
+        y = torch.empty(T, H, dtype=x.dtype, device=dev)
+        best = {}
+        for bn, bk, w in gemv_grid():
+            cfg = gemv.GemvConfig(block_n=bn, block_k=bk, num_warps=w, down_block_n=bn,
+                                  down_block_k=bk, down_num_warps=w)
+            got = gemv.moe_gemv(x, w13, w2, weights, ids, cfg).float()
+            err = ((got - want).norm() / want.norm()).item()
+            if err > 2e-2:
+                print(f"T={T} {cfg}: relative error {err:.2e}, skipped", file=sys.stderr)
+                continue
+            up = graph_ms(lambda: gemv._gate_up_kernel[(T * (k + 1), triton.cdiv(F, bn))](
+                x, w13, flat_ids, h, F, H, x.stride(0), w13.stride(0), w13.stride(1),
+                h.stride(0), TOP_K=k + 1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3))
+            down = graph_ms(lambda: gemv._down_sum_kernel[(T, triton.cdiv(H, bn))](
+                h, w2, flat_ids, flat_w, y, H, F, h.stride(0), w2.stride(0), w2.stride(1),
+                y.stride(0), TOP_K=k + 1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3))
+            for name, ms in (("gate_up", up), ("down", down)):
+                if name not in best or ms < best[name][0]:
+                    best[name] = (ms, dict(block_n=bn, block_k=bk, num_warps=w))
+        tuned = gemv.GemvConfig(**best["gate_up"][1], **{
+            "down_" + key: v for key, v in best["down"][1].items()})
+        layer = {}
+        grouped = pick_moe_config(max(T * (k + 1), GEMV_MAX_PAIRS + 1), E, dev)
+        for name, cfg in (("gemv_default", gemv.GemvConfig()), ("gemv_tuned", tuned),
+                          ("grouped_pick", grouped)):
+            layer[name] = graph_ms(lambda: fused_moe(
+                x, w13, w2, *route(logits, k, True, impl="triton", shared=True),
+                impl="triton", config=cfg))
+        rec = dict(tokens=T, pairs=T * (k + 1), touched_experts=touched, floor_ms=floor_ms,
+                   best_gate_up_ms=best["gate_up"][0], best_gate_up=best["gate_up"][1],
+                   best_down_ms=best["down"][0], best_down=best["down"][1],
+                   **{f"layer_ms_{n}": v for n, v in layer.items()})
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    print(f"{'T':>3} {'experts':>7} {'floor':>7} {'up+down':>8} {'gemv dflt':>9} "
+          f"{'gemv tuned':>10} {'grouped':>8}  (ms)")
+    for r in records:
+        print(f"{r['tokens']:>3} {r['touched_experts']:>7} {r['floor_ms']:>7.4f} "
+              f"{r['best_gate_up_ms'] + r['best_down_ms']:>8.4f} {r['layer_ms_gemv_default']:>9.4f} "
+              f"{r['layer_ms_gemv_tuned']:>10.4f} {r['layer_ms_grouped_pick']:>8.4f}")
+    return records
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3.5-35b-a3b")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 256])
     ap.add_argument("--out", default="")
+    ap.add_argument("--gemv", action="store_true", help="tune the few-token kernels instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_configs.py times compiled kernels: it needs a GPU", file=sys.stderr)
@@ -61,6 +135,12 @@ def main(argv=None) -> int:
     w13 = torch.randn(E, 2 * F, H, device=dev, dtype=torch.bfloat16, generator=gen) * H ** -0.5
     w2 = torch.randn(E, H, F, device=dev, dtype=torch.bfloat16, generator=gen) * F ** -0.5
     bw = copy_bandwidth(dev)
+    if args.gemv:
+        records = tune_gemv(c, args.tokens, dev, bw)
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(preset=args.preset, records=records),
+                                                 indent=1))
+        return 0
     records = []
     for T in args.tokens:
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=gen)

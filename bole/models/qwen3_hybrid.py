@@ -16,10 +16,9 @@ on the first ``head_dim * partial_rotary_factor`` dims, GDN conv + SiLU over [q 
 ``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``, q/k l2-normalised, gated RMSNorm of
 the GDN output with silu(z). Projections that read the same input run as one matrix product
 (their checkpoint tensors become views of the fused weight); norms, gates and the conv are single
-kernels on the GPU (:mod:`bole.ops.fused`). MoE experts are stacked at load time into
-``experts.gate_up_proj [E, 2F, H]`` / ``experts.down_proj [E, H, F]``, the layout the fused
-kernels read (:mod:`bole.ops.moe`); the router, the shared expert's gate and its gate/up
-projections read the same input and run as one product.
+kernels on the GPU (:mod:`bole.ops.fused`). MoE experts are stacked at load time in the
+layout the fused kernels read, with the gated shared expert as one more expert
+(:mod:`bole.models.moe_layer`).
 """
 
 from __future__ import annotations
@@ -37,11 +36,11 @@ import torch.nn.functional as F
 from bole.cache import CacheShape, HybridCache
 from bole.distributed import TensorParallel, TPShard
 from bole.models.batch import GDN_BACKENDS, ForwardBatch, ForwardOutput
+from bole.models import moe_layer
 from bole.models.config import HybridConfig
 from bole.models.loader import load_checkpoint
 from bole.models.sharding import check_divisible, shard_tensors
-from bole.models.weights import (FP32_SUFFIXES, FUSED_DOWN, FUSED_GATE_UP, mtp_specs,
-                                 text_model_specs)
+from bole.models.weights import FP32_SUFFIXES, FUSED_GATE_UP, mtp_specs, text_model_specs
 from bole.ops import fused, rope
 from bole.ops.attention import prefill_attention, tree_attention
 from bole.ops.gdn.closed_form import TreeFactors
@@ -49,7 +48,6 @@ from bole.ops.gdn.common import gates_from_raw
 from bole.ops.gdn.decode import gdn_decode_inplace
 from bole.ops.gdn.dense import tree_gdn_closed_form_dense, tree_gdn_serial_dense
 from bole.ops.linear import linear
-from bole.ops.moe import fused_moe, route
 from bole.ops.triton_utils import check_kernel_device
 
 __all__ = ["HybridModel", "SectionTimer", "GDN_BACKENDS", "MOE_BACKENDS"]
@@ -118,8 +116,9 @@ _FUSED_GROUPS = {
     "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                 "self_attn.v_proj.bias"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    # router logits, the shared expert's gate, then its gate / up projections
-    "mlp.moe_in_proj.weight": ("mlp.gate.weight", "mlp.shared_expert_gate.weight",
+    # router logits, the shared expert's gate, then its gate / up projections (a shared expert
+    # of another width than the experts': the others are merged, bole.models.moe_layer)
+    "mlp." + moe_layer.MOE_IN_PROJ: ("mlp.gate.weight", "mlp.shared_expert_gate.weight",
                                "mlp.shared_expert.gate_proj.weight",
                                "mlp.shared_expert.up_proj.weight"),
 }
@@ -177,7 +176,8 @@ class HybridModel:
         self.timer: SectionTimer | None = None
         #: chunked chain kernel for prefill: fla's chunk_gated_delta_rule on the GPU when installed
         self.prefill_gdn = _fla_chunk() if self.device.type == "cuda" else None
-        self._stack_experts()
+        moe_layer.stack_experts(self.w, config.num_experts)
+        moe_layer.merge_shared_experts(self.w)
         self._fuse_projections()
 
     # ---- construction ----
@@ -223,30 +223,6 @@ class HybridModel:
             check_divisible(config, tp.world)
             tensors = shard_tensors(config, tensors, tp.shard)
         return cls(config, tensors, gdn_backend, tp, moe_backend)
-
-    def _stack_experts(self) -> None:
-        """Per-expert MoE tensors (``mlp.experts.{e}.gate_proj.weight`` ...) into the fused
-        ``mlp.experts.gate_up_proj [E, 2F, H]`` and ``mlp.experts.down_proj [E, H, F]``; the
-        per-expert entries are dropped (fused checkpoints arrive stacked already)."""
-        suffix = "experts.0.gate_proj.weight"
-        prefixes = sorted(n[: -len(suffix)] for n in self.w if n.endswith("mlp." + suffix))
-        E = self.config.num_experts
-        for p in prefixes:
-            names = [f"{p}experts.{e}.{proj}.weight" for e in range(E)
-                     for proj in ("gate_proj", "up_proj", "down_proj")]
-            missing = [n for n in names if n not in self.w]
-            if missing:
-                raise ValueError(f"MoE layer {p[:-1]} lacks {len(missing)} expert tensors "
-                                 f"(first: {missing[0]}); a MoE layer needs all {E} experts")
-            gate = self.w[names[0]]
-            F_, H = gate.shape
-            w13 = torch.empty(E, 2 * F_, H, dtype=gate.dtype, device=gate.device)
-            w2 = torch.empty(E, H, F_, dtype=gate.dtype, device=gate.device)
-            for e in range(E):
-                w13[e, :F_] = self.w.pop(names[3 * e])
-                w13[e, F_:] = self.w.pop(names[3 * e + 1])
-                w2[e] = self.w.pop(names[3 * e + 2])
-            self.w[p + FUSED_GATE_UP], self.w[p + FUSED_DOWN] = w13, w2
 
     def _fuse_projections(self) -> None:
         """One weight per group of projections that read the same input; the parts become row
@@ -435,31 +411,16 @@ class HybridModel:
         return self.tp.all_reduce(self.dense_mlp(x, p))
 
     def moe_routing(self, x: torch.Tensor, p: str):
-        """``(topk_weights [N, k] fp32, topk_ids [N, k] int32, shared [N, H] or None)``: the
-        routing of MoE layer ``p`` and its gated shared expert's output, from one product."""
-        c, w = self.config, self.w
-        E = c.num_experts
-        joint = w.get(p + "moe_in_proj.weight")
-        shared = None
-        if joint is not None:
-            logits, s_gate, gate_up = torch.split(linear(x, joint),
-                                                  [E, 1, joint.shape[0] - E - 1], dim=-1)
-            shared = torch.sigmoid(s_gate) * linear(fused.silu_mul(gate_up),
-                                                    w[p + "shared_expert.down_proj.weight"])
-        else:
-            logits = linear(x, w[p + "gate.weight"])
-        weights, ids = route(logits, c.num_experts_per_tok, c.norm_topk_prob,
-                             impl=self.moe_backend)
-        return weights, ids, shared
+        """``(topk_weights [N, k'] fp32, topk_ids [N, k'] int32, shared [N, H] or None)``: the
+        routing of MoE layer ``p`` (:func:`bole.models.moe_layer.moe_routing`: with the shared
+        expert merged, k' = k + 1 and its slot last)."""
+        return moe_layer.moe_routing(self.w, p, x, self.config, self.moe_backend)
 
     def moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
         """Mixture of experts (and a gated shared expert) under prefix ``p`` (``...mlp.``): the
         routing on the device, then the fused kernels (``moe_backend="triton"``: no host sync)
         or the torch loop over the experts used (``"torch"``, the reference)."""
-        weights, ids, shared = self.moe_routing(x, p)
-        y = fused_moe(x, self.w[p + FUSED_GATE_UP], self.w[p + FUSED_DOWN], weights, ids,
-                      impl=self.moe_backend)
-        return y if shared is None else y + shared
+        return moe_layer.moe_forward(self.w, p, x, self.moe_routing(x, p), self.moe_backend)
 
     @property
     def graph_safe(self) -> bool:

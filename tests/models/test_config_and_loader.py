@@ -20,8 +20,10 @@ from bole.models.weights import IGNORED_PREFIXES, mtp_specs, text_model_specs  #
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
              linear_key_head_dim=8, linear_value_head_dim=8)
+#: the shared expert as wide as the experts, as in every published Qwen MoE hybrid (bole merges
+#: it into the expert kernels); "qwen3_next_wide_shared" keeps a wider one apart
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-           shared_expert_intermediate_size=24)
+           shared_expert_intermediate_size=16)
 VISION = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
 
 
@@ -42,6 +44,9 @@ def build(kind):
         return Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**SMALL, **MOE))
     if kind == "qwen3_next":
         return Qwen3NextForCausalLM(Qwen3NextConfig(**SMALL, **MOE, intermediate_size=48))
+    if kind == "qwen3_next_wide_shared":
+        return Qwen3NextForCausalLM(Qwen3NextConfig(
+            **SMALL, **{**MOE, "shared_expert_intermediate_size": 24}, intermediate_size=48))
     raise ValueError(kind)
 
 

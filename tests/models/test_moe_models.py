@@ -28,7 +28,7 @@ from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.models.weights import FUSED_DOWN, FUSED_GATE_UP, mtp_specs  # noqa: E402
 from tests.models.test_config_and_loader import build  # noqa: E402
 
-MOE_KINDS = ["qwen3_5_moe_text", "qwen3_next"]
+MOE_KINDS = ["qwen3_5_moe_text", "qwen3_next", "qwen3_next_wide_shared"]
 PROMPTS = [[3, 14, 15, 9, 26, 5], [7, 7, 1]]
 MAX_TOKENS = 10
 MODES = ("ar", "chain", "tree-serial", "bole")
@@ -152,15 +152,22 @@ def test_greedy_output_equals_transformers_in_all_four_modes(checkpoint, layout,
         assert got == want, (mode, kind, layout, moe_backend)
 
 
-def test_fused_kernels_equal_the_expert_loop_in_a_verify_forward(checkpoint):
-    """One tree-verify forward through the kernels (interpreted on CPU, compiled on a GPU)
-    against the torch loop."""
+def test_fused_kernels_equal_the_expert_loop_in_a_verify_forward(checkpoint, monkeypatch):
+    """One tree-verify forward through the kernels (interpreted on CPU, compiled on a GPU),
+    the grouped GEMMs and the matrix-vector kernels, against the torch loop."""
+    from bole.ops.moe import GemvConfig, grouped_gemm
     from bole.tree import DraftTree, PackedForest
     kind, _, _, fused = checkpoint
     logits = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "gemv"):
+        if backend == "gemv":
+            tiles = GemvConfig(block_n=8, block_k=16, num_warps=1, num_stages=1,
+                               down_block_n=16, down_block_k=8, down_num_warps=1)
+            monkeypatch.setattr(grouped_gemm, "pick_moe_config", lambda *a: tiles)
         model = HybridModel.from_pretrained(fused, dtype=torch.float32, device=KERNEL_DEVICE,
-                                            moe_backend=backend)
+                                            moe_backend="torch" if backend == "torch" else "triton")
+        merged = any(n.endswith("experts.all_gate_up_proj") for n in model.w)
+        assert merged == (kind != "qwen3_next_wide_shared")
         runner = ModelRunner(model, model.new_cache(2, 64), "torch")
         slots = [runner.cache.allocate(32) for _ in PROMPTS]
         for s, p in zip(slots, PROMPTS):
@@ -170,6 +177,7 @@ def test_fused_kernels_equal_the_expert_loop_in_a_verify_forward(checkpoint):
         _, out = runner.verify(slots, forest, tokens)
         logits[backend] = out.logits.cpu()
     assert torch.allclose(logits["triton"], logits["torch"], atol=1e-5, rtol=1e-5)
+    assert torch.allclose(logits["gemv"], logits["torch"], atol=1e-5, rtol=1e-5)
 
 
 # ---- malformed MoE checkpoints: the error names the tensor ----
@@ -307,7 +315,7 @@ def test_tensor_parallel_slices_of_both_layouts_agree(checkpoint, rank):
             assert torch.equal(w2[e], a[f"{p}experts.{e}.down_proj.weight"])
 
 
-@pytest.mark.parametrize("kind", MOE_KINDS)
+@pytest.mark.parametrize("kind", ["qwen3_5_moe_text", "qwen3_next"])
 def test_router_renormalisation_follows_transformers(kind, tmp_path):
     """Qwen3-Next renormalises the top-k weights only with norm_topk_prob; transformers'
     Qwen3.5-MoE router always does, whatever the config says."""

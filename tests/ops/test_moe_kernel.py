@@ -8,8 +8,8 @@ empty but one, top-k ties, a lone decode token; sizes that are not multiples of 
 import pytest
 import torch
 
-from bole.ops.moe import (MoEConfig, align_blocks, fused_moe, max_blocks, moe_reference,
-                          pick_moe_config, route)
+from bole.ops.moe import (GEMV_MAX_PAIRS, GemvConfig, MoEConfig, align_blocks, fused_moe,
+                          max_blocks, moe_gemv, moe_reference, pick_moe_config, route)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -61,6 +61,51 @@ def test_fused_moe_equals_the_expert_loop(case):
         assert torch.allclose(tw, torch.full_like(tw, 1 / k))
     if kind == "all_but_one_empty":
         assert (ids == E - 1).all()
+
+
+GEMV_TILES = [GemvConfig(block_n=16, block_k=16, num_warps=1, num_stages=1, down_block_n=16,
+                         down_block_k=16, down_num_warps=1),
+              GemvConfig(block_n=8, block_k=32, num_warps=1, num_stages=1, down_block_n=32,
+                         down_block_k=8, down_num_warps=1)]
+
+
+@pytest.mark.parametrize("tiles", [0, 1])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-T{c[1]}" for c in CASES])
+def test_matrix_vector_kernels_equal_the_expert_loop(case, tiles):
+    """moe_gemv (the few-token path) on every routing kind, sizes off the tiles."""
+    kind, T, E, k, H, F = case
+    w13, w2 = weights(E, H, F)
+    tw, ids = routing(kind, T, E, k)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(DEV)
+    want = moe_reference(x.double(), w13.double(), w2.double(), tw.double(), ids)
+    got = fused_moe(x, w13, w2, tw, ids, impl="triton", config=GEMV_TILES[tiles])
+    assert got.dtype == x.dtype and got.shape == (T, H)
+    assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-4), (got.double() - want).abs().max()
+    assert torch.equal(got, moe_gemv(x, w13, w2, tw, ids, GEMV_TILES[tiles]))
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_the_shared_expert_as_expert_E_equals_the_gated_shared_mlp(T):
+    """Routing with ``shared=True`` over E + 1 stacked experts gives the routed experts' sum
+    plus sigmoid(gate) times the shared MLP, computed apart (both kernels, the loop)."""
+    E, k, H, F = 6, 2, 32, 16
+    w13, w2 = weights(E + 1, H, F, seed=7)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(T, H, generator=g).to(DEV)
+    logits = torch.randn(T, E + 1, generator=g).to(DEV)
+    tw, ids = route(logits, k, shared=True)
+    assert ids.shape == (T, k + 1) and (ids[:, k] == E).all() and (ids[:, :k] < E).all()
+    xd = x.double()
+    routed_w, routed_i = route(logits[:, :E], k)
+    gate, up = (xd @ w13[E].double().T).split(F, -1)
+    shared = torch.sigmoid(logits[:, E:].double()) * ((torch.nn.functional.silu(gate) * up)
+                                                       @ w2[E].double().T)
+    want = moe_reference(xd, w13.double(), w2.double(), routed_w.double(), routed_i) + shared
+    for cfg in (GEMV_TILES[0], MoEConfig(block_m=16, block_n=16, block_k=16, num_warps=1,
+                                         num_stages=1)):
+        got = fused_moe(x, w13, w2, tw, ids, impl="triton", config=cfg)
+        assert torch.allclose(got.double(), want, atol=2e-5, rtol=1e-4)
+    assert torch.allclose(moe_reference(xd, w13.double(), w2.double(), tw.double(), ids), want)
 
 
 def test_strided_tokens_and_a_larger_tile():
@@ -149,6 +194,23 @@ def test_triton_routing_equals_torch(T, E, k, renormalize):
         assert torch.allclose(w_t, w, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("k,renormalize", [(2, True), (3, False), (8, True)])
+def test_routing_with_the_shared_gate(k, renormalize):
+    """``shared=True``: the first E columns routed as without it, slot k = (E, sigmoid of the
+    last column), in both implementations."""
+    T, E = 4, 11
+    logits = torch.randn(T, E + 1, generator=torch.Generator().manual_seed(k)).to(DEV)
+    w0, i0 = route(logits[:, :E], k, renormalize)
+    for impl in ("torch", "triton"):
+        w, ids = route(logits, k, renormalize, impl=impl, shared=True)
+        assert w.shape == ids.shape == (T, k + 1) and ids.dtype == torch.int32
+        assert torch.equal(ids[:, :k], i0) and (ids[:, k] == E).all()
+        assert torch.allclose(w[:, :k], w0, atol=1e-6, rtol=1e-5)
+        assert torch.allclose(w[:, k], torch.sigmoid(logits[:, E].float()), atol=1e-6)
+    with pytest.raises(ValueError, match=r"logits \[T, E \+ 1\]"):
+        route(logits[:, :k], k, shared=True)
+
+
 def test_triton_routing_breaks_ties_to_the_lower_expert():
     logits = torch.zeros(3, 6, device=DEV)
     logits[1, 4] = 1.0                             # one clear winner, then a five-way tie
@@ -178,9 +240,13 @@ def test_torch_impl_is_the_reference_and_bad_inputs_are_named():
 
 
 def test_picked_tiles_are_tl_dot_sized():
+    assert isinstance(pick_moe_config(GEMV_MAX_PAIRS, 256, torch.device("cuda")), GemvConfig)
     for pairs in (8, 64, 512, 2048, 8192):
         for dev in ("cpu", "cuda"):
             cfg = pick_moe_config(pairs, 256, torch.device(dev))
+            if isinstance(cfg, GemvConfig):
+                assert dev == "cuda" and pairs <= GEMV_MAX_PAIRS
+                continue
             for c in (cfg, cfg.down or cfg):
                 assert min(c.block_m, c.block_n, c.block_k) >= 16 and c.block_m == cfg.block_m
 
@@ -219,8 +285,9 @@ def test_bf16_on_the_gpu(T):
 
 
 @gpu
-def test_no_host_sync_and_cuda_graph_capture():
-    E, H, F, k, T = 16, 64, 32, 4, 24
+@pytest.mark.parametrize("T", [2, 24])                 # matrix-vector kernels, grouped GEMMs
+def test_no_host_sync_and_cuda_graph_capture(T):
+    E, H, F, k = 16, 64, 32, 4
     w13, w2 = weights(E, H, F)
     x = torch.randn(T, H, device=DEV)
     logits = torch.randn(T, E, device=DEV)

@@ -20,11 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
+from bole.ops.moe.gemv import GemvConfig, moe_gemv
 from bole.ops.moe.reference import moe_reference
 from bole.ops.moe.routing import align_blocks
 from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index, interpreting
 
-__all__ = ["fused_moe", "MoEConfig", "pick_moe_config"]
+__all__ = ["fused_moe", "MoEConfig", "pick_moe_config", "GEMV_MAX_PAIRS"]
 
 fix_interpreter_scalar_index()
 
@@ -50,21 +51,27 @@ class MoEConfig:
                              f"the gate/up GEMM's ({self.block_m}): both read one alignment")
 
 
-def pick_moe_config(num_pairs: int, num_experts: int, device: torch.device) -> MoEConfig:
-    """Tiles for ``num_pairs`` routed pairs, from bench/tuning/moe_configs.py on an H200
-    (Qwen3.5-35B-A3B's layer, H 2048, F 512, 256 experts, top 8): 16-row blocks with narrow,
+#: at most this many routed pairs, a CUDA forward takes the matrix-vector kernels
+#: (:mod:`bole.ops.moe.gemv`): a decode token, or a few verify tokens, of a top-8 model
+GEMV_MAX_PAIRS = 18
+
+
+def pick_moe_config(num_pairs: int, num_experts: int, device: torch.device
+                    ) -> MoEConfig | GemvConfig:
+    """Kernels and tiles for ``num_pairs`` routed pairs, from bench/tuning/moe_configs.py on an
+    H200 (Qwen3.5-35B-A3B's layer, H 2048, F 512, 256 experts, top 8): up to
+    :data:`GEMV_MAX_PAIRS` pairs the matrix-vector kernels; then 16-row blocks with narrow,
     deep tiles while experts see few rows each (decode, verify; more programs stream the
     experts' weights), 64-row blocks for long prefill chunks; small tiles under the
     interpreter."""
     if device.type != "cuda":
         return MoEConfig(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
+    if num_pairs <= GEMV_MAX_PAIRS:
+        return GemvConfig()
     rows_per_expert = num_pairs / max(num_experts, 1)
     if rows_per_expert >= 32:
         return MoEConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    if num_pairs <= 8:                                            # one decode token
-        tiles = dict(block_n=32, block_k=256, num_warps=4)
-        down = dict(block_n=32, block_k=256, num_warps=4)
-    elif num_pairs <= 64:
+    if num_pairs <= 64:
         tiles = dict(block_n=32, block_k=256, num_warps=4)
         down = dict(block_n=128, block_k=64, num_warps=4)
     elif rows_per_expert < 4:
@@ -164,11 +171,13 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> None:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, impl: str = "auto",
-              config: MoEConfig | None = None) -> torch.Tensor:
+              config: MoEConfig | GemvConfig | None = None) -> torch.Tensor:
     """The experts' weighted sum per token (module docstring). x [T, H]; w13 [E, 2F, H] (gate
     rows, then up rows); w2 [E, H, F]; topk_weights [T, k]; topk_ids [T, k] (in 0..E-1).
     Returns [T, H] in x's dtype. ``impl``: "triton" (the kernels; CUDA, or CPU under
-    TRITON_INTERPRET=1), "torch" (:func:`moe_reference`), "auto" (triton on CUDA)."""
+    TRITON_INTERPRET=1), "torch" (:func:`moe_reference`), "auto" (triton on CUDA).
+    ``config``: a :class:`MoEConfig` (the grouped GEMMs), a :class:`GemvConfig` (the
+    matrix-vector kernels) or None (:func:`pick_moe_config`)."""
     _check(x, w13, w2, topk_weights, topk_ids)
     if impl == "auto":
         impl = "triton" if x.device.type == "cuda" else "torch"
@@ -182,6 +191,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     F_, k = F2 // 2, topk_ids.shape[1]
     num_pairs = T * k
     cfg = config or pick_moe_config(num_pairs, E, x.device)
+    if isinstance(cfg, GemvConfig):
+        return moe_gemv(x, w13, w2, topk_weights, topk_ids, cfg)
     align = align_blocks(topk_ids, E, cfg.block_m, impl=cfg.align_impl)
     x = x if x.stride(1) == 1 else x.contiguous()
     weights = topk_weights.reshape(-1).contiguous()

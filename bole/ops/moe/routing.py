@@ -28,9 +28,11 @@ fix_interpreter_scalar_index()
 
 @triton.jit
 def _route_kernel(logits_ptr, stride_t, E, w_ptr, ids_ptr, K: tl.constexpr, K_P: tl.constexpr,
-                  E_P: tl.constexpr, RENORMALIZE: tl.constexpr):
-    """Token ``program_id(0)``: softmax over its E logits, k arg-max passes, renormalisation."""
+                  E_P: tl.constexpr, RENORMALIZE: tl.constexpr, SHARED: tl.constexpr):
+    """Token ``program_id(0)``: softmax over its E logits, k arg-max passes, renormalisation;
+    with SHARED, slot k is expert E weighted by the sigmoid of logit E."""
     t = tl.program_id(0)
+    K_OUT: tl.constexpr = K + SHARED
     cols = tl.arange(0, E_P)
     valid = cols < E
     lg = tl.load(logits_ptr + t * stride_t + cols, mask=valid, other=float("-inf"))
@@ -47,39 +49,53 @@ def _route_kernel(logits_ptr, stride_t, E, w_ptr, ids_ptr, K: tl.constexpr, K_P:
         idx = tl.where(slots == j, best.to(tl.int32), idx)
         p = tl.where(cols == best, -1.0, p)
     if RENORMALIZE:
-        vals = vals / tl.sum(vals, 0)
-    tl.store(w_ptr + t * K + slots, vals, mask=slots < K)
-    tl.store(ids_ptr + t * K + slots, idx, mask=slots < K)
+        vals = vals / tl.sum(tl.where(slots < K, vals, 0.0), 0)
+    if SHARED:
+        gate = tl.load(logits_ptr + t * stride_t + E).to(tl.float32)
+        vals = tl.where(slots == K, tl.sigmoid(gate), vals)
+        idx = tl.where(slots == K, E, idx)
+    tl.store(w_ptr + t * K_OUT + slots, vals, mask=slots < K_OUT)
+    tl.store(ids_ptr + t * K_OUT + slots, idx, mask=slots < K_OUT)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool = True, *, impl: str = "torch"
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool = True, *, impl: str = "torch",
+          shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts (fp32), the top ``top_k`` and, with ``renormalize``, their weights
     divided by their sum. logits [T, E] -> (weights [T, k] fp32, ids [T, k] int32), in
-    descending weight. ``impl``: "torch" (``torch.softmax`` and ``torch.topk``, transformers'
-    operations) or "triton" (one launch, a program per token; among equal probabilities the
-    lower expert first; weights equal torch's to rounding)."""
-    if logits.dim() != 2 or not 1 <= top_k <= logits.shape[1]:
-        raise ValueError(f"route takes logits [T, E] and 1 <= top_k <= E, got shape "
-                         f"{tuple(logits.shape)} and top_k={top_k}")
+    descending weight. ``shared``: logits are [T, E + 1], the last column the shared expert's
+    gate; the result gains slot k = (expert E, sigmoid of that logit): the shared expert as one
+    more expert of every token. ``impl``: "torch" (``torch.softmax`` and ``torch.topk``,
+    transformers' operations) or "triton" (one launch, a program per token; among equal
+    probabilities the lower expert first; weights equal torch's to rounding)."""
+    E = logits.shape[-1] - int(shared) if logits.dim() == 2 else 0
+    if logits.dim() != 2 or not 1 <= top_k <= E:
+        raise ValueError(f"route takes logits [T, E{' + 1' if shared else ''}] and "
+                         f"1 <= top_k <= E, got shape {tuple(logits.shape)} and top_k={top_k}")
     if impl == "triton":
         check_kernel_device(logits.device, "route(impl='triton')")
-        T, E = logits.shape
+        T = logits.shape[0]
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
-        weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-        ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+        k_out = top_k + int(shared)
+        weights = torch.empty(T, k_out, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(T, k_out, dtype=torch.int32, device=logits.device)
         if T:
             _route_kernel[(T,)](logits, logits.stride(0), E, weights, ids, K=top_k,
-                                K_P=triton.next_power_of_2(top_k),
-                                E_P=triton.next_power_of_2(E), RENORMALIZE=renormalize)
+                                K_P=triton.next_power_of_2(k_out),
+                                E_P=triton.next_power_of_2(E), RENORMALIZE=renormalize,
+                                SHARED=int(shared))
         return weights, ids
     if impl != "torch":
         raise ValueError(f"route impl must be 'torch' or 'triton', got {impl!r}")
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    probs = torch.softmax(logits[:, :E], dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
+    ids = ids.to(torch.int32)
+    if shared:
+        gate = torch.sigmoid(logits[:, E:].float())
+        weights = torch.cat([weights, gate], dim=1)
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], E)], dim=1)
+    return weights, ids
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:

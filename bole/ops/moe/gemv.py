@@ -1,0 +1,119 @@
+"""The mixture of experts for a few tokens: two matrix-vector kernels, no block alignment.
+
+    gate/up   h[p] = silu(w13[e, :F] x[t]) * (w13[e, F:] x[t])     p = t k + j, e = ids[p]
+    down+sum  y[t] = sum_j weight[t k + j] * (w2[e_j] h[t k + j])    in fp32, j in slot order
+
+With one or a few tokens every expert serves about one pair, so the grouped GEMM's 16-row blocks
+would hold one real row each. Here each program streams one expert's weight tile and multiplies
+it with one vector: the gate/up kernel runs a program per (pair, column tile), the down kernel a
+program per (token, column tile) that adds its token's k slots in order, so the [T k, H] partial
+outputs are never stored and the sum is deterministic. Sizes depend on T, k and the tiles only:
+no host sync, CUDA-graph safe. Products accumulate in fp32 (fp32 inputs are multiplied in fp32,
+no TF32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from bole.ops.triton_utils import fix_interpreter_scalar_index
+
+__all__ = ["GemvConfig", "moe_gemv"]
+
+fix_interpreter_scalar_index()
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tiles of the two kernels: ``block_n`` output columns a program, ``block_k`` of the
+    reduced dimension a step (powers of two); warps and pipeline stages."""
+
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    down_block_n: int = 16
+    down_block_k: int = 256
+    down_num_warps: int = 4
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, F, H, stride_xt, stride_we, stride_wn,
+                    stride_hp, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """h[p, n] = silu(gate_n . x[t]) * (up_n . x[t]) for pair ``program_id(0)``'s expert."""
+    p = tl.program_id(0)
+    t = p // TOP_K
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < F
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = k0 + offs_k < H
+        xv = tl.load(x_ptr + t * stride_xt + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        m = n_ok[:, None] & k_ok[None, :]
+        wg = tl.load(rows + k0 + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+        wu = tl.load(rows + F * stride_wn + k0 + offs_k[None, :], mask=m, other=0.0)
+        acc_g += tl.sum(wg * xv[None, :], 1)
+        acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], 1)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(h_ptr + p * stride_hp + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _down_sum_kernel(h_ptr, w_ptr, ids_ptr, wt_ptr, y_ptr, H, F, stride_hp, stride_we,
+                     stride_wn, stride_yt, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """y[t, n] = sum_j weight[p_j] (w2[e_j, n] . h[p_j]) for token ``program_id(0)``."""
+    t = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in range(TOP_K):
+        p = t * TOP_K + j
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        wt = tl.load(wt_ptr + p).to(tl.float32)
+        rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, F, BLOCK_K):
+            k_ok = k0 + offs_k < F
+            hv = tl.load(h_ptr + p * stride_hp + k0 + offs_k, mask=k_ok, other=0.0)
+            wv = tl.load(rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                         other=0.0)
+            part += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], 1)
+        acc += wt * part
+    tl.store(y_ptr + t * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """The experts' weighted sum per token (module docstring), checked inputs as
+    :func:`bole.ops.moe.fused_moe` takes them: x [T, H], w13 [E, 2F, H], w2 [E, H, F],
+    topk_weights / topk_ids [T, k]. Returns [T, H] in x's dtype."""
+    cfg = config or GemvConfig()
+    T, H = x.shape
+    F_, k = w2.shape[2], topk_ids.shape[1]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    wts = topk_weights.reshape(-1).contiguous()
+    h = torch.empty(T * k, F_, dtype=x.dtype, device=x.device)
+    y = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return y
+    _gate_up_kernel[(T * k, triton.cdiv(F_, cfg.block_n))](
+        x, w13, ids, h, F_, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
+        TOP_K=k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    _down_sum_kernel[(T, triton.cdiv(H, cfg.down_block_n))](
+        h, w2, ids, wts, y, H, F_, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        TOP_K=k, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+        num_warps=cfg.down_num_warps, num_stages=cfg.num_stages)
+    return y

@@ -4,7 +4,7 @@ For each mode (ar, chain, tree-serial, bole) on the bundled model with its MTP d
 default tree, a ``bole serve --mode M --max-batch 32`` starts as a subprocess on 127.0.0.1 and a
 free port (its own process group, stopped with it whatever happens). Once /health answers, a
 short warm-up load runs (prefill shapes compiled, nothing of it measured), then the load
-generator (bole/server/loadgen.py) sends --requests streaming greedy completions of the bundled
+generator (bole/bench/loadgen.py) sends --requests streaming greedy completions of the bundled
 code prompts from --concurrency closed-loop clients, --max-tokens each. Per mode: TTFT, TPOT and
 ITL (mean, p50, p90, p99), output tokens/s, goodput under the TPOT SLO, the speculative
 statistics of /metrics over the measured load alone (rounds, accepted tokens per request and
@@ -49,7 +49,7 @@ from bench.harness import add_output_args, results_path, run_label, save_png  # 
 
 from bole.assets import code_prompts  # noqa: E402
 from bole.engine.engine import MODES  # noqa: E402
-from bole.server.loadgen import LoadConfig, Prompt, format_table, run_load  # noqa: E402
+from bole.bench.loadgen import LoadConfig, Prompt, format_table, run_load  # noqa: E402
 
 ALL_MODES = ("ar", "chain", "tree-serial", "bole")
 assert set(ALL_MODES) == set(MODES)

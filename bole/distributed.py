@@ -119,3 +119,13 @@ def quiet_unless_rank0(rank: int) -> contextlib.ExitStack:
         quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
         quiet.enter_context(contextlib.redirect_stderr(io.StringIO()))
     return quiet
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (a no-op elsewhere)."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -14,7 +14,7 @@ Layers, lowest first (a module may import its own layer and any layer below it):
 6. engine      -- ``bole.engine``
 7. api         -- ``bole`` itself, ``llm``, ``bench``, ``demo``, ``generation_demo``
 8. server      -- ``bole.server``
-9. cli         -- ``bole.cli``
+9. cli         -- ``bole.cli``, ``bole.__main__``
 
 And no file under ``bole/`` is over 500 lines, no function over 80 lines (a ``@triton.jit``
 kernel's body is exempt, its Python wrapper is not). The allowlists below name what is not yet
@@ -36,10 +36,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("bole.models",)),
     ("speculative", ("bole.speculative",)),
     ("engine", ("bole.engine",)),
-    ("api", ("bole", "bole.llm", "bole.bench", "bole.benchmark", "bole.demo",
-             "bole.generation_demo")),
+    ("api", ("bole", "bole.llm", "bole.bench", "bole.demo", "bole.generation_demo")),
     ("server", ("bole.server",)),
-    ("cli", ("bole.cli", "bole.cli_serve")),
+    ("cli", ("bole.cli", "bole.__main__")),
 ]
 
 MAX_FILE_LINES = 500
@@ -47,22 +46,12 @@ MAX_FUNCTION_LINES = 80
 
 # (importer, imported) edges that close an import cycle, not yet broken
 CYCLE_EDGES_ALLOWED: set[tuple[str, str]] = {
-    ("bole.cli_serve", "bole.cli"),
-    ("bole.server.engine_process", "bole.cli_serve"),
-    ("bole.server.loadgen", "bole.cli"),
     ("bole.engine.scheduler", "bole.engine.engine"),
-    ("bole.speculative.accept_kernel", "bole.speculative.accept_device"),
-    ("bole.speculative.rank_kernel", "bole.speculative.budget"),
-    ("bole.speculative.width_kernel", "bole.speculative.budget"),
 }
 # (importer, imported) edges from a lower layer to a higher one, not yet removed
-UPWARD_EDGES_ALLOWED: set[tuple[str, str]] = {
-    ("bole.server.engine_process", "bole.cli_serve"),
-    ("bole.server.loadgen", "bole.cli"),
-}
+UPWARD_EDGES_ALLOWED: set[tuple[str, str]] = set()
 # files (relative to the repository) over MAX_FILE_LINES
 LONG_FILES_ALLOWED: set[str] = {
-    "bole/cli.py",
     "bole/engine/engine.py",
     "bole/engine/round.py",
     "bole/engine/selection.py",
@@ -70,12 +59,9 @@ LONG_FILES_ALLOWED: set[str] = {
     "bole/server/api.py",
     "bole/speculative/budget.py",
     "bole/speculative/calibration.py",
-    "bole/models/qwen3_hybrid.py",
 }
 # "file::qualified.name" of functions over MAX_FUNCTION_LINES
 LONG_FUNCTIONS_ALLOWED: set[str] = {
-    "bole/cli.py::_build_parser",
-    "bole/cli.py::_generate",
     "bole/engine/round.py::RoundRunner.run",
     "bole/ops/gdn/triton_commit.py::commit_factored_triton",
     "bole/ops/gdn/triton_verify.py::tree_gdn_verify_triton",

@@ -5,7 +5,8 @@ import argparse
 import pytest
 import torch
 
-from bole.cli import _load_model, main
+from bole.cli import main
+from bole.cli.common import load_model
 from bole.engine import Engine, SpecConfig
 from bole.speculative.budget import spread_width
 from bole.speculative.calibration import BudgetProfile
@@ -35,7 +36,7 @@ def test_calibrate_writes_the_profile_of_its_tree_and_engines_find_it(tmp_path, 
         n = int(r[2])
         assert r[3] == "-" if n == 0 else int(r[3]) == spread_width(b, n, 8) in (2, 4, 8)
     # an engine with the same tree and policy loads it without measuring again
-    model, _, _ = _load_model(argparse.Namespace(preset=None, model=None), "cpu", torch.float32)
+    model, _, _ = load_model(argparse.Namespace(preset=None, model=None), "cpu", torch.float32)
     spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=8, budget_policy="goodput")
     engine = Engine(model, spec, max_slots=2)
     assert engine.rounds.policy.profile == profile

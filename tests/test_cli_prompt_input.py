@@ -102,11 +102,12 @@ def test_a_missing_file_and_two_sources_are_errors(capsys, tmp_path):
 
 
 def test_the_demo_reads_its_prompt_the_same_ways(tmp_path, monkeypatch):
-    from bole.cli import _build_parser, _read_prompt
+    from bole.cli.common import read_prompt
+    from bole.cli.parser import build_parser
     file = tmp_path / "prompt.txt"
     file.write_text(PROMPT)
-    parser = _build_parser()
-    assert _read_prompt(parser.parse_args(["demo", "--prompt-file", str(file)])) == PROMPT
+    parser = build_parser()
+    assert read_prompt(parser.parse_args(["demo", "--prompt-file", str(file)])) == PROMPT
     _stdin(monkeypatch, PROMPT.encode())
-    assert _read_prompt(parser.parse_args(["demo", "--prompt", "-"])) == PROMPT
-    assert _read_prompt(parser.parse_args(["demo"])) is None      # the bundled prompt
+    assert read_prompt(parser.parse_args(["demo", "--prompt", "-"])) == PROMPT
+    assert read_prompt(parser.parse_args(["demo"])) is None      # the bundled prompt

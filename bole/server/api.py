@@ -13,7 +13,7 @@ over ``--max-prompt-bytes`` is refused before it is tokenized. A request with se
 ``n`` > 1 runs one sequence per choice through the scheduler. The first SIGTERM drains: new
 requests get 503, in-flight ones get ``--shutdown-timeout`` seconds, then the rest end with
 finish_reason ``abort``. Under tensor parallelism this
-is rank 0; the other ranks step in lockstep with it (:mod:`bole.server.lockstep`).
+is rank 0; the other ranks step in lockstep with it (:mod:`bole.engine.lockstep`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from bole.server.chat import ChatTemplate
 from bole.server.engine_process import EngineClient
 from bole.server.errors import error
 from bole.server.gate import Gate
-from bole.server.lockstep import Channel, LockstepScheduler
+from bole.engine.lockstep import Channel, LockstepScheduler
 from bole.server.metrics import RequestTimer, ServerMetrics
 from bole.server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError,
                                   check_supported, choice_seed, completion_body,

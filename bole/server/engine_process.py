@@ -47,8 +47,8 @@ class RequestView:
 def engine_main(conn, factory: Callable[..., Any], factory_args: tuple) -> None:
     """The engine process: build the engine (``factory(*factory_args)``), report ready with its
     :class:`EngineInfo` (or the error that stopped the build), then serve the pipe."""
-    from bole.cli_serve import _die_with_parent
-    _die_with_parent()
+    from bole.distributed import die_with_parent
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, format="[bole engine] %(message)s")
     try:
         engine = factory(*factory_args)

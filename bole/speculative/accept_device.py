@@ -431,8 +431,10 @@ def accept(logits: torch.Tensor, tokens: torch.Tensor, forest: DenseForest, batc
     if batch.all_greedy and tokens.is_cuda:       # one launch (accept_kernel.py; a row holds
         # one tree rooted at slot 0, as every forest the engine builds does)
         from bole.speculative.accept_kernel import greedy_accept_fused
-        return greedy_accept_fused(logits.argmax(-1), tokens, forest.parents, forest.valid,
-                                   forest.max_depth, forced)
+        accepted, path, path_len, bonus, emitted = greedy_accept_fused(
+            logits.argmax(-1), tokens, forest.parents, forest.valid, forest.max_depth, forced,
+            EMITTED_PAD)
+        return DeviceAcceptance(accepted, path, path_len, bonus, emitted, path_len)
     if batch.any_greedy or batch.all_greedy:
         argmax = logits.argmax(-1)
         if forced is not None:

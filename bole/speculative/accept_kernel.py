@@ -2,7 +2,8 @@
 :func:`bole.speculative.accept_device.accept` for all-greedy batches).
 
     greedy_accept_fused(argmax [R, T], tokens [R, T], parents [R, T], valid [R, T], max_depth,
-                        forced [R, T] | None) -> DeviceAcceptance
+                        forced [R, T] | None, pad)
+        -> (accepted [R], path [R, D], path_len [R], bonus [R], emitted [R, D]), D = max_depth + 1
 
 The torch reference (``_greedy_walk`` then ``_finish`` in ``accept_device.py``) marks every node
 whose path follows the argmax through [R, T, T] ancestor masks, then gathers the path and the
@@ -17,8 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from bole.speculative.accept_device import EMITTED_PAD, DeviceAcceptance
 
 __all__ = ["greedy_accept_fused"]
 
@@ -69,11 +68,13 @@ def _greedy_accept_kernel(argmax, forced, tokens, parents, valid,
 
 def greedy_accept_fused(argmax: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
                         valid: torch.Tensor, max_depth: int,
-                        forced: torch.Tensor | None = None) -> DeviceAcceptance:
+                        forced: torch.Tensor | None = None, pad: int = -1,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy acceptance of R trees of T node slots (root at slot 0, parents before children),
     ``argmax [R, T]`` the target's choice after each node, ``forced [R, T]`` overriding it where
-    >= 0. Paths are ``[R, max_depth + 1]``, padded with the accepted node; CUDA tensors, or the
-    CPU interpreter."""
+    >= 0. Paths are ``[R, max_depth + 1]``, padded with the accepted node; emitted rows are the
+    path's tokens below the root, the bonus token, then ``pad``. CUDA tensors, or the CPU
+    interpreter."""
     R, T = tokens.shape
     D = int(max_depth) + 1
     dev = tokens.device
@@ -87,5 +88,5 @@ def greedy_accept_fused(argmax: torch.Tensor, tokens: torch.Tensor, parents: tor
             argmax, f, tokens.to(torch.int64).contiguous(), parents.contiguous(),
             valid.contiguous().view(torch.uint8), accepted, path, path_len, bonus, emitted, T,
             D=D, TB=triton.next_power_of_2(T), DB=triton.next_power_of_2(D),
-            HAS_FORCED=forced is not None, PAD=EMITTED_PAD, num_warps=1)
-    return DeviceAcceptance(accepted, path, path_len, bonus, emitted, path_len)
+            HAS_FORCED=forced is not None, PAD=pad, num_warps=1)
+    return accepted, path, path_len, bonus, emitted

@@ -255,8 +255,8 @@ def rank_dense(rho: Tensor, forest: DenseForest, root_floor: int = 1,
         raise ValueError(f"rho {tuple(rho.shape)} must match the forest's [R, T] = {[R, T]}")
     if rho.device.type == "cuda" and os.environ.get("BOLE_RANK_KERNEL", "1") != "0":
         from bole.speculative.rank_kernel import rank_dense_triton
-        return rank_dense_triton(rho, forest.parents, forest.valid, active, root_floor,
-                                 forest.max_depth)
+        return Ranking(*rank_dense_triton(rho, forest.parents, forest.valid, active, root_floor,
+                                          forest.max_depth))
     parents, request = dense_inputs(forest, active)
     return rank_nodes(rho.reshape(-1), parents, request, root_floor, max_depth=forest.max_depth)
 
@@ -567,8 +567,10 @@ def width_fill_choice(rank: Ranking, rows: int, widths: Tensor, t_ver: Tensor, *
     this torch code there too."""
     if rank.order.device.type == "cuda" and os.environ.get("BOLE_WIDTH_KERNEL", "1") != "0":
         from bole.speculative.width_kernel import width_fill_choice_triton
-        return width_fill_choice_triton(rank, rows, widths, t_ver, _estimates(rank, acceptance),
-                                        max_width=max_width, round_overhead_ms=round_overhead_ms)
+        return WidthChoice(*width_fill_choice_triton(
+            rank.order, rank.eligible, rank.root, rank.floor, rows, widths, t_ver,
+            _estimates(rank, acceptance), max_width=max_width,
+            round_overhead_ms=round_overhead_ms))
     fill = RowFill.of(rank, rows, acceptance)
     taken = fill.take(widths)                                                     # [Wn, R]
     curve = width_fill_curve(rank, rows, widths, fill=fill, taken=taken)

@@ -105,10 +105,11 @@ def _order_kernel(score, depth, draft, floor, order, eligible, N, BI: tl.constex
 
 def rank_dense_triton(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
                       active: torch.Tensor | None, root_floor: int, max_depth: int):
-    """:func:`bole.speculative.budget.rank_dense`'s :class:`Ranking` of a dense forest
+    """The fields of :func:`bole.speculative.budget.rank_dense`'s ranking of a dense forest
     (``rho``, local ``parents`` and ``valid`` ``[R, T]``; ``active`` ``[R]`` bool or None), in
-    two launches, equal to the torch ranking for forests no deeper than ``max_depth``."""
-    from bole.speculative.budget import Ranking
+    two launches, equal to the torch ranking for forests no deeper than ``max_depth``:
+    ``(order [N] int64, eligible [N] bool, root [N] bool, floor [N] bool, score [N] float64)``,
+    ``N = R * T``."""
     if rho.dim() != 2 or parents.shape != rho.shape or valid.shape != rho.shape:
         raise ValueError(f"rho {tuple(rho.shape)}, parents {tuple(parents.shape)} and valid "
                          f"{tuple(valid.shape)} must all be [R, T]")
@@ -136,4 +137,4 @@ def rank_dense_triton(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Ten
         _order_kernel[(triton.cdiv(N, bi),)](score, depth, flags[1], flags[2], order, eligible,
                                              N, BI=bi, BJ=32, num_warps=4)
     bools = flags.view(torch.bool)
-    return Ranking(order, eligible.view(torch.bool), bools[0], bools[2], score)
+    return order, eligible.view(torch.bool), bools[0], bools[2], score

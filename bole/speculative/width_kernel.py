@@ -2,11 +2,12 @@
 :func:`bole.speculative.budget.width_fill_choice`, whose torch code is the reference
 (``BOLE_WIDTH_KERNEL=0`` in the environment keeps the torch code on CUDA too).
 
-    width_fill_choice_triton(rank, rows, widths [Wn], t_ver [Wn], est [N], *, max_width,
-                             round_overhead_ms) -> WidthChoice
+    width_fill_choice_triton(order [N], eligible [N], root [N], floor [N], rows, widths [Wn],
+                             t_ver [Wn], est [N], *, max_width, round_overhead_ms)
+        -> (width, keep [rows, T], kept [rows], could_widen)
 
 1. One program per block of rank places writes each node's place in the rank order (the
-   inverse of ``rank.order``).
+   inverse of ``order``).
 2. One program for the batch walks its rows twice. First pass: each eligible node's position
    among its row's eligible nodes in rank order (the count of those before it), and at every
    width the estimates of the row's first ``min(W - 1 - floors, eligible)`` of them, summed into
@@ -110,14 +111,18 @@ def _as_int8(flags: torch.Tensor) -> torch.Tensor:
     return flags.contiguous().view(torch.int8)
 
 
-def width_fill_choice_triton(rank, rows: int, widths: torch.Tensor, t_ver: torch.Tensor,
-                             est: torch.Tensor, *, max_width: int | None = None,
-                             round_overhead_ms: float | torch.Tensor = 0.0):
-    """:func:`bole.speculative.budget.width_fill_choice` from a :class:`Ranking` of the
-    ``rows x T`` dense layout and its nodes' acceptance estimates ``est [N]`` (float64, as
-    ``_estimates`` gives them), in two launches. No synchronisation."""
-    from bole.speculative.budget import WidthChoice
-    N = rank.order.shape[0]
+def width_fill_choice_triton(order: torch.Tensor, eligible: torch.Tensor, root: torch.Tensor,
+                             floor: torch.Tensor, rows: int, widths: torch.Tensor,
+                             t_ver: torch.Tensor, est: torch.Tensor, *,
+                             max_width: int | None = None,
+                             round_overhead_ms: float | torch.Tensor = 0.0,
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fields of :func:`bole.speculative.budget.width_fill_choice` from a ranking of the
+    ``rows x T`` dense layout (``order``, ``eligible`` in rank order, ``root`` and ``floor`` per
+    node, all ``[N]``) and its nodes' acceptance estimates ``est [N]`` (float64, as
+    ``_estimates`` gives them), in two launches. No synchronisation. Returns
+    ``(width 0-d int64, keep [rows, T] bool, kept [rows] int64, could_widen 0-d bool)``."""
+    N = order.shape[0]
     if rows < 1 or N % rows:
         raise ValueError(f"{N} ranked nodes do not split into {rows} rows")
     if widths.dim() != 1 or t_ver.shape != widths.shape or widths.numel() < 1:
@@ -125,7 +130,7 @@ def width_fill_choice_triton(rank, rows: int, widths: torch.Tensor, t_ver: torch
                          f"the same non-empty [Wn]")
     if est.shape != (N,):
         raise ValueError(f"est {tuple(est.shape)} must be [N] = [{N}]")
-    dev = rank.order.device
+    dev = order.device
     check_kernel_device(dev, "width_fill_choice_triton")
     T = N // rows
     overhead = torch.as_tensor(round_overhead_ms, dtype=torch.float64, device=dev).reshape(1)
@@ -135,13 +140,12 @@ def width_fill_choice_triton(rank, rows: int, widths: torch.Tensor, t_ver: torch
     widen = torch.empty((), dtype=torch.int8, device=dev)
     place = torch.empty(N, dtype=torch.int64, device=dev)
     block = 256
-    _place_kernel[(triton.cdiv(N, block),)](rank.order.contiguous(), place, N, BLOCK=block,
+    _place_kernel[(triton.cdiv(N, block),)](order.contiguous(), place, N, BLOCK=block,
                                            num_warps=4)
     cap = T if max_width is None else int(max_width)
-    _choice_kernel[(1,)](place, _as_int8(rank.eligible), _as_int8(rank.root),
-                         _as_int8(rank.floor),
+    _choice_kernel[(1,)](place, _as_int8(eligible), _as_int8(root), _as_int8(floor),
                          est.to(torch.float64).contiguous(), widths.contiguous(),
                          t_ver.to(torch.float64).contiguous(), overhead, width, keep, kept,
                          widen, rows, T, widths.numel(), cap, TB=triton.next_power_of_2(T),
                          WB=triton.next_power_of_2(widths.numel()), num_warps=4)
-    return WidthChoice(width, keep.view(torch.bool), kept, widen.view(torch.bool))
+    return width, keep.view(torch.bool), kept, widen.view(torch.bool)

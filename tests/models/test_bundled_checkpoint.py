@@ -57,8 +57,8 @@ def test_transformers_and_bole_logits_agree(models):
 
 
 def test_cli_defaults_to_the_bundled_model():
-    from bole.cli import _build_parser
-    args = _build_parser().parse_args(["generate", "--prompt", "x"])
+    from bole.cli.parser import build_parser
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
     assert args.model == str(BUNDLED_MODEL)
 
 

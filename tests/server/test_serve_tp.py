@@ -16,7 +16,7 @@ from bole.distributed import free_port  # noqa: E402
 from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
-from bole.server.lockstep import LockstepScheduler, StepEvents  # noqa: E402
+from bole.engine.lockstep import LockstepScheduler, StepEvents  # noqa: E402
 from bole.speculative.sampling import SamplingParams  # noqa: E402
 from tests.server.served import Served, offline  # noqa: E402
 

@@ -21,8 +21,8 @@ from scipy.stats import chisquare
 from bole.forest import DenseForest
 from bole.speculative.accept import accept_forest
 from bole.speculative.accept_device import (
-    EMITTED_PAD, SamplingBatch, accept, accept_greedy, accept_sampled, children_slots,
-    draw_uniforms, sample_rows, target_probs_rows)
+    EMITTED_PAD, DeviceAcceptance, SamplingBatch, accept, accept_greedy, accept_sampled,
+    children_slots, draw_uniforms, sample_rows, target_probs_rows)
 from bole.speculative.sampling import SamplingParams, target_probs
 from bole.tree import DraftTree, PackedForest
 from tests.strategies import forests, padded
@@ -142,9 +142,10 @@ def test_fused_greedy_kernel_equals_the_torch_walk(forest, extra, seed, use_forc
     want = accept_greedy(argmax if forced is None else torch.where(forced >= 0, forced, argmax),
                          tokens, dense)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    got = greedy_accept_fused(argmax.to(dev), tokens.to(dev), dense.parents.to(dev),
-                              dense.valid.to(dev), dense.max_depth,
-                              None if forced is None else forced.to(dev))
+    accepted, path, path_len, bonus, emitted = greedy_accept_fused(
+        argmax.to(dev), tokens.to(dev), dense.parents.to(dev), dense.valid.to(dev),
+        dense.max_depth, None if forced is None else forced.to(dev), EMITTED_PAD)
+    got = DeviceAcceptance(accepted, path, path_len, bonus, emitted, path_len)
     for name in ("accepted", "path", "path_len", "bonus", "emitted", "num_emitted"):
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from bole.forest import DenseForest
-from bole.speculative.budget import _keep, expected_accepted_curve, rank_nodes, dense_inputs
+from bole.speculative.budget import (Ranking, _keep, dense_inputs, expected_accepted_curve,
+                                     rank_nodes)
 from bole.speculative.rank_kernel import rank_dense_triton
 from bole.tree import DraftTree, PackedForest
 from tests.kernel_utils import DEV
@@ -40,8 +41,8 @@ def test_the_kernels_rank_as_the_torch_code(seed, root_floor):
     dense, rho, active = _case(seed)
     for act in (None, active):
         want = _torch_ranking(rho, dense, root_floor, act)
-        got = rank_dense_triton(rho, dense.parents, dense.valid, act, root_floor,
-                                dense.max_depth)
+        got = Ranking(*rank_dense_triton(rho, dense.parents, dense.valid, act, root_floor,
+                                         dense.max_depth))
         for field in FIELDS:
             assert torch.equal(getattr(got, field), getattr(want, field)), field
         # and so every budget keeps the same nodes and estimates the same tokens

@@ -8,12 +8,18 @@ import pytest
 import torch
 
 from bole.forest import DenseForest
-from bole.speculative.budget import (RowFill, _estimates, goodput_best, rank_dense,
+from bole.speculative.budget import (RowFill, WidthChoice, _estimates, goodput_best, rank_dense,
                                      width_fill_choice, width_fill_curve)
 from bole.speculative.calibration import AcceptanceCalibrator
-from bole.speculative.width_kernel import width_fill_choice_triton
+from bole.speculative.width_kernel import width_fill_choice_triton as _width_kernel
 from bole.tree import DraftTree, PackedForest
 from tests.kernel_utils import DEV
+
+
+def width_fill_choice_triton(rank, rows, *args, **kwargs) -> WidthChoice:
+    """The kernel on a :class:`Ranking`, its result as a :class:`WidthChoice`."""
+    return WidthChoice(*_width_kernel(rank.order, rank.eligible, rank.root, rank.floor, rows,
+                                      *args, **kwargs))
 
 
 def _case(seed: int, T: int | None = None):

@@ -1,5 +1,5 @@
 """`bole serve`: one process, or under ``--tp N`` rank 0 serving in this process and ranks
-1..N-1 spawned as followers that step in lockstep with it (bole/server/lockstep.py)."""
+1..N-1 spawned as followers that step in lockstep with it (bole/engine/lockstep.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import os
 from pathlib import Path
 
 from bole.assets import BUNDLED_MODEL
-from bole.cli import (UsageError, _build_parser, _checkpoint, _device, _positive,
-                      _set_rank_device, _spec, _tokenizer)
+from bole.cli.common import (UsageError, check_positive, checkpoint_folder, load_tokenizer,
+                             pick_device, set_rank_device, spec_from_args)
+from bole.cli.parser import build_parser
 
 __all__ = ["serve", "serve_tp"]
 
@@ -16,7 +17,7 @@ __all__ = ["serve", "serve_tp"]
 def _serve_checks(args) -> Path:
     """serve's arguments checked, nothing loaded; the checkpoint folder."""
     from bole.models.config import HybridConfig
-    _positive(max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len,
+    check_positive(max_batch=args.max_batch, max_queue=args.max_queue, max_len=args.max_len,
               max_prompt_bytes=args.max_prompt_bytes)
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
@@ -27,9 +28,9 @@ def _serve_checks(args) -> Path:
                          "out to serve without one")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must lie in 1..65535, got {args.port}")
-    _device(args.device)
-    folder = _checkpoint(args.model, need_tokenizer=True)
-    _spec(args, args.drafter or "ngram")
+    pick_device(args.device)
+    folder = checkpoint_folder(args.model, need_tokenizer=True)
+    spec_from_args(args, args.drafter or "ngram")
     context = HybridConfig.from_pretrained(folder).max_position_embeddings
     if args.max_len > context:
         raise UsageError(f"--max-len {args.max_len} exceeds the model's context of {context}")
@@ -42,13 +43,13 @@ def _serve_engine(args, folder: Path, tp=None):
 
     from bole.engine import Engine, default_drafter
     from bole.models.qwen3_hybrid import HybridModel
-    tokenizer = _tokenizer(folder)
-    device = _device(args.device)
+    tokenizer = load_tokenizer(folder)
+    device = pick_device(args.device)
     default = torch.bfloat16 if device.startswith("cuda") else torch.float32
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
         getattr(args, "dtype", None), default)
     model = HybridModel.from_pretrained(folder, dtype=dtype, device=device, tp=tp)
-    spec = _spec(args, args.drafter or default_drafter(model))
+    spec = spec_from_args(args, args.drafter or default_drafter(model))
     engine = Engine(model, spec, max_slots=args.max_batch, max_len=args.max_len,
                     tokenizer=tokenizer, progress=True)
     if device.startswith("cuda"):             # compile the admission path before any request
@@ -64,7 +65,7 @@ def _serve_server(args, folder: Path, engine, channel=None, client=None):
                           shutdown_timeout=args.shutdown_timeout)
     return BoleServer(engine, name, max_queue=args.max_queue, max_batch=args.max_batch,
                       chat_template=ChatTemplate.for_checkpoint(folder), channel=channel,
-                      client=client, tokenizer=_tokenizer(folder) if client else None,
+                      client=client, tokenizer=load_tokenizer(folder) if client else None,
                       config=config)
 
 
@@ -104,7 +105,7 @@ def serve_tp(args, argv: list[str]) -> int:
 
     from bole import distributed
     from bole.server.api import serve as run_server
-    from bole.server.lockstep import Channel
+    from bole.engine.lockstep import Channel
 
     folder = _serve_checks(args)
     logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
@@ -114,7 +115,7 @@ def serve_tp(args, argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _interrupt)           # shut down in order on SIGTERM too
     channel = None
     try:
-        _set_rank_device(args, 0)
+        set_rank_device(args, 0)
         tp = distributed.init(0, args.tp, port, args.device or "cpu")
         channel = Channel(tp)
         server = _serve_server(args, folder, _serve_engine(args, folder, tp), channel)
@@ -154,12 +155,12 @@ def _serve_follower(i: int, world: int, port: int, argv: list[str]) -> None:
     import signal
 
     from bole import distributed
-    from bole.server.lockstep import Channel, LockstepScheduler
+    from bole.engine.lockstep import Channel, LockstepScheduler
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    distributed.die_with_parent()
     rank = i + 1
-    args = _build_parser().parse_args(argv)
-    _set_rank_device(args, rank)
+    args = build_parser().parse_args(argv)
+    set_rank_device(args, rank)
     tp = distributed.init(rank, world, port, args.device or "cpu")
     try:
         channel = Channel(tp)
@@ -168,13 +169,3 @@ def _serve_follower(i: int, world: int, port: int, argv: list[str]) -> None:
             LockstepScheduler(engine, channel, max_queue=args.max_queue).follow()
     finally:
         distributed.shutdown()
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (a no-op elsewhere)."""
-    import ctypes
-    import signal
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass

@@ -1,4 +1,4 @@
-"""``bole bench-serve`` (bole/server/loadgen.py) against a fake OpenAI-compatible server.
+"""``bole bench-serve`` (bole/bench/loadgen.py) against a fake OpenAI-compatible server.
 
 The fake server (FastAPI, served by uvicorn on a thread, 127.0.0.1 and a free port) streams a
 known token sequence with known delays, so the measured TTFT, TPOT and ITL can be checked against
@@ -26,9 +26,10 @@ uvicorn = pytest.importorskip("uvicorn")
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
-from bole.server import loadgen  # noqa: E402
-from bole.server.loadgen import (LoadgenError, Prompt, load_prompts, poisson_arrivals,  # noqa: E402
+from bole.bench import loadgen  # noqa: E402
+from bole.bench.loadgen import (LoadgenError, Prompt, load_prompts, poisson_arrivals,  # noqa: E402
                                  retry_after, run_load)
+from bole.cli.parser import add_bench_serve  # noqa: E402
 
 TTFT, ITL = 0.12, 0.04        # the fake server's delays: first delta, then per token
 TOL = 0.02                    # timing tolerance, s (loopback, client and server in one process)
@@ -140,9 +141,9 @@ def _free_port() -> int:
 
 
 def _cli(argv: list[str]) -> int:
-    """Run ``bench-serve`` as ``bole`` would: the parser from add_parser, then main."""
+    """Run ``bench-serve`` as ``bole`` would: the parser from add_bench_serve, then main."""
     parser = argparse.ArgumentParser(prog="bole")
-    loadgen.add_parser(parser.add_subparsers(dest="command", required=True))
+    add_bench_serve(parser.add_subparsers(dest="command", required=True))
     return loadgen.main(parser.parse_args(["bench-serve", *argv]))
 
 

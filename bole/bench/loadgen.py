@@ -405,26 +405,6 @@ def format_table(report: LoadReport) -> str:
         f"{s['count_sources'] or '-'}"])
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``bench-serve``: an option per LoadConfig field, and inputs and outputs."""
-    from bole.cli import HelpFormatter
-    p = subparsers.add_parser(
-        "bench-serve", formatter_class=HelpFormatter,
-        help="load a running OpenAI-compatible server with streaming completions: TTFT, TPOT, "
-             "ITL, tokens/s and goodput; JSON and a plot under --out")
-    for f in fields(LoadConfig):                    # f.type is a string such as "int | None"
-        kind = {"int": int, "float": float}.get(f.type.split(" ")[0], str)
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default,
-                       help=f.metadata["help"])
-    p.add_argument("--prompts", help='JSONL file, one {"prompt": ..., "max_tokens": ... '
-                   "(optional)} a line, cycled; None: the bundled code prompts")
-    p.add_argument("--tokenizer", help="tokenizer.json or its folder, to count a delta's tokens "
-                   "when the server's chunks carry no counts; None: a delta counts as one")
-    p.add_argument("--out", default="bench/results", help="folder of the JSON and the plot")
-    p.add_argument("--tag", default="", help="mode in the file names if the server reports none")
-    return p
-
-
 def _tokenizer(path: str) -> Any:
     """A ``tokenizers.Tokenizer`` from a tokenizer.json or a folder holding one."""
     from tokenizers import Tokenizer

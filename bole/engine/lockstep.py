@@ -20,7 +20,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from bole.distributed import TensorParallel
-from bole.engine import Engine, GenerationParams
+from bole.engine.engine import Engine, GenerationParams
 from bole.engine.scheduler import EventFn, Handle, QueueFull, Scheduler
 
 log = logging.getLogger("bole.server")

@@ -1,0 +1,7 @@
+"""``python -m bole.cli``: the ``bole`` command."""
+
+import sys
+
+from bole.cli.main import main
+
+sys.exit(main())

@@ -62,7 +62,7 @@ MAX_BOLE_ERR = 4e-3              # bf16 output: 1.8e-3 measured, 2.0e-3 is bf16'
 
 def config_switches() -> list[str]:
     """The verification kernel's on/off switches: every boolean field of ``VerifyConfig``."""
-    from bole.ops.gdn.triton_verify import VerifyConfig
+    from bole.ops.gdn.verify.kernel import VerifyConfig
     return [f.name for f in dataclasses.fields(VerifyConfig) if f.type in ("bool", bool)]
 
 
@@ -144,7 +144,7 @@ def verify_inputs(x: dict, meta, *, impl=None, **kw):
     :func:`make_inputs` as Qwen3.5 runs it (raw a/b gates, q/k l2-normalised in the kernel, the
     set's slots as ``state_indices``); ``kw`` as the wrapper takes them (config, ...)."""
     if impl is None:
-        from bole.ops.gdn.triton_verify import tree_gdn_verify_triton as impl
+        from bole.ops.gdn.verify.kernel import tree_gdn_verify_triton as impl
     kw.setdefault("state_indices", x["slots"])
     return impl(x["q"], x["k"], x["v"], meta, initial_state=x["initial_state"], a=x["a"],
                 b=x["b"], A_log=x["A_log"], dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True,
@@ -338,7 +338,7 @@ def _compile_one(model: str, nodes: int, config_fields: dict, variants: tuple) -
     """One worker of :func:`precompile`: launch the config once per variant (as in
     SHAPE_VARIANTS) on a batch-1 forest of ``nodes`` nodes (same strides and alignment as every
     batch, so the same Triton cache entries); the error text, or None."""
-    from bole.ops.gdn.triton_verify import VerifyConfig
+    from bole.ops.gdn.verify.kernel import VerifyConfig
     try:
         dev = torch.device("cuda")
         forest, meta = bench_forest(nodes, 1, nodes, dev)
@@ -375,7 +375,7 @@ def precompile(model: str, jobs: list, workers: int, variants: tuple = SHAPE_VAR
 
 def sweep_configs(level: str, block_nodes: int):
     """Verification-kernel configurations timed besides the one pick_config chooses."""
-    from bole.ops.gdn.triton_verify import VerifyConfig
+    from bole.ops.gdn.verify.kernel import VerifyConfig
     if level == "picked":
         return []
     if level == "small":
@@ -396,7 +396,7 @@ def run_shape(model: str, batch: int, nodes: int, dev, fla_fn, quick: bool, bw: 
     from bole.ops.gdn.closed_form import tree_gdn_closed_form
     from bole.ops.gdn.triton_commit import commit_factored_triton
     from bole.ops.gdn.triton_serial import commit_from_snapshots_triton, serial_default_config
-    from bole.ops.gdn.triton_verify import pick_config
+    from bole.ops.gdn.verify.kernel import pick_config
 
     shape = gdn_shape(model)
     forest, meta = bench_forest(nodes, batch, batch * 1000 + nodes, dev)
@@ -626,7 +626,7 @@ def plot(path: Path) -> Path:
 
 def precompile_model(model: str, batches, nodes, sweep: str, workers: int) -> None:
     """:func:`precompile` every verification launch that run_shape makes for ``model``."""
-    from bole.ops.gdn.triton_verify import pick_config
+    from bole.ops.gdn.verify.kernel import pick_config
     shape = gdn_shape(model)
     picked, others = [], []
     for t in nodes:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bole.forest_kernel import forest_structure
+from bole.ops.forest.kernel import forest_structure
 from bole.tree import ForestMeta, PackedForest
 
 __all__ = ["DenseForest", "ancestors_from_parents", "depths_from_parents"]
@@ -78,7 +78,7 @@ class DenseForest:
             raise TypeError(f"parents must be int64 and valid bool, got {parents.dtype} and "
                             f"{valid.dtype}")
         parents = torch.where(valid, parents, -1)
-        if parents.is_cuda:              # one launch (bole/forest_kernel.py) instead of ~3 per level
+        if parents.is_cuda:              # one launch (bole/ops/forest/kernel.py) instead of ~3 per level
             return cls(parents, valid, *forest_structure(parents, max_depth), int(max_depth))
         return cls(parents, valid, depths_from_parents(parents, max_depth),
                    ancestors_from_parents(parents, max_depth), int(max_depth))

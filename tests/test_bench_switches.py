@@ -5,7 +5,7 @@ verify / commit launch helpers (kernel_probe.py, verify_configs.py, commit_confi
 import argparse
 
 from bench import harness as kb
-from bole.ops.gdn.triton_verify import VerifyConfig
+from bole.ops.gdn.verify.kernel import VerifyConfig
 
 
 def test_switches_are_the_boolean_fields():

@@ -54,10 +54,10 @@ def test_positions_and_global_index():
        cut=st.integers(0, 3))
 @settings(max_examples=40)
 def test_structure_kernel_equals_the_torch_propagation(forest, extra, cut):
-    """bole/forest_kernel.py (one launch; the CPU interpreter here) against the reference
+    """bole/ops/forest/kernel.py (one launch; the CPU interpreter here) against the reference
     propagation, also with a max_depth below the trees' depth (both truncate alike)."""
     from bole.forest import ancestors_from_parents, depths_from_parents
-    from bole.forest_kernel import forest_structure
+    from bole.ops.forest.kernel import forest_structure
     T = int(forest.sizes().max()) + extra
     dense = DenseForest.from_packed(forest, T)
     parents = torch.where(dense.valid, dense.parents, -1)
@@ -71,7 +71,7 @@ def test_structure_kernel_over_several_row_blocks():
     """T = 130 (several row blocks a request): a long chain and a wide star, both truncated and
     not."""
     from bole.forest import ancestors_from_parents, depths_from_parents
-    from bole.forest_kernel import forest_structure
+    from bole.ops.forest.kernel import forest_structure
     chain = torch.arange(-1, 129)
     star = torch.tensor([-1] + [0] * 64 + list(range(1, 66)))
     parents = torch.stack([chain, star])

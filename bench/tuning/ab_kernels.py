@@ -1,7 +1,7 @@
 """Side-by-side timing of the verification kernel against another version of it (H200 METHOD.md).
 
-``--base FILE`` is a copy of ``bole/ops/gdn/triton_verify.py`` from another revision (say
-``git show f467084:bole/ops/gdn/triton_verify.py > .run/tv_base.py``); it is imported as its own
+``--base FILE`` is a copy of ``bole/ops/gdn/verify/kernel.py`` from another revision (say
+``git show f467084:bole/ops/gdn/verify/kernel.py > .run/tv_base.py``); it is imported as its own
 module, so both kernels compile and run in one process, and each round times the two in turn
 (the order alternating round to round) on the same inputs, as bench/harness.py times them
 (CUDA-graph replay over rotating input sets, median per call, pick_config's launch).
@@ -79,7 +79,7 @@ def plot(path: Path) -> Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--base", default=None,
-                    help="a copy of triton_verify.py to time against the tree's (none: the tree's "
+                    help="a copy of bole/ops/gdn/verify/kernel.py to time against the tree's (none: the tree's "
                          "kernel and the launch overheads only)")
     ap.add_argument("--model", default="qwen3.5-9b")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     import triton
     import triton.language as tl
 
-    from bole.ops.gdn import triton_verify as tv
+    from bole.ops.gdn.verify import kernel as tv
 
     @triton.jit
     def _empty(x_ptr):

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     import triton
     import triton.language as tl
 
-    from bole.ops.gdn import triton_verify as tv
+    from bole.ops.gdn.verify import kernel as tv
 
     @triton.jit
     def _empty(x_ptr):

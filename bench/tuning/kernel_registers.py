@@ -43,7 +43,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from bench import harness as kb  # noqa: E402  (bench/harness.py: the VerifyConfig switch flags)
 
 from bole.config import gdn_shape  # noqa: E402
-from bole.ops.gdn import triton_verify as tv  # noqa: E402
+from bole.ops.gdn.verify import kernel as tv  # noqa: E402
 
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*bf16",
             "beta_ptr": "*bf16", "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32",

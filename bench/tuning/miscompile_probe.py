@@ -36,7 +36,7 @@ def main(argv=None) -> int:
         return 0
     import test_gdn_triton_verify as t          # the tests' inputs, reference and launcher
 
-    from bole.ops.gdn import triton_verify as tv
+    from bole.ops.gdn.verify import kernel as tv
     from bole.tree import DraftTree, PackedForest
 
     tv._refuse_known_miscompile = lambda *a, **k: None     # show the launch it refuses

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
 
         from bench.tuning import kernel_registers as kr
         from bole.config import gdn_shape
-        from bole.ops.gdn.triton_verify import VerifyConfig
+        from bole.ops.gdn.verify.kernel import VerifyConfig
         compiled = kr.compile_verify(gdn_shape(args.model), args.block_nodes,
                                      VerifyConfig(**json.loads(args.config)))
         lines = kr.sass_source_lines(compiled)

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("verify_configs needs a CUDA device (it checks compiled kernels)")
         return 0
-    from bole.ops.gdn.triton_verify import VerifyConfig, pick_config
+    from bole.ops.gdn.verify.kernel import VerifyConfig, pick_config
 
     dev = torch.device("cuda")
     shape = gdn_shape(args.model)

@@ -365,7 +365,7 @@ class HybridModel:
         elif batch.gdn in ("triton", "triton-serial"):
             # Bole's closed-form kernel (factors) or the tree-serial kernel (a snapshot per node)
             if batch.gdn == "triton":
-                from bole.ops.gdn.triton_verify import tree_gdn_verify_triton as kernel
+                from bole.ops.gdn.verify.kernel import tree_gdn_verify_triton as kernel
             else:
                 from bole.ops.gdn.triton_serial import tree_gdn_serial_triton as kernel
             extra = {}

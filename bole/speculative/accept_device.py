@@ -428,9 +428,9 @@ def accept(logits: torch.Tensor, tokens: torch.Tensor, forest: DenseForest, batc
     if forced is not None and forced.shape != (R, T):
         raise ValueError(f"forced must be [R, T] = [{R}, {T}], got {tuple(forced.shape)}")
     argmax = None
-    if batch.all_greedy and tokens.is_cuda:       # one launch (accept_kernel.py; a row holds
+    if batch.all_greedy and tokens.is_cuda:       # one launch (bole/ops/accept/kernel.py; a row holds
         # one tree rooted at slot 0, as every forest the engine builds does)
-        from bole.speculative.accept_kernel import greedy_accept_fused
+        from bole.ops.accept.kernel import greedy_accept_fused
         accepted, path, path_len, bonus, emitted = greedy_accept_fused(
             logits.argmax(-1), tokens, forest.parents, forest.valid, forest.max_depth, forced,
             EMITTED_PAD)

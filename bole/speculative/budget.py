@@ -248,13 +248,13 @@ def rank_dense(rho: Tensor, forest: DenseForest, root_floor: int = 1,
                active: Tensor | None = None) -> Ranking:
     """:func:`rank_nodes` over the dense layout (inputs as in :func:`select_dense`), for callers
     that both select and estimate (the goodput policy ranks once for both). On CUDA it runs as
-    two Triton launches (:mod:`bole.speculative.rank_kernel`), equal to this torch code;
+    two Triton launches (:mod:`bole.ops.rank.kernel`), equal to this torch code;
     ``BOLE_RANK_KERNEL=0`` in the environment keeps the torch code there too."""
     R, T = forest.parents.shape
     if rho.shape != (R, T):
         raise ValueError(f"rho {tuple(rho.shape)} must match the forest's [R, T] = {[R, T]}")
     if rho.device.type == "cuda" and os.environ.get("BOLE_RANK_KERNEL", "1") != "0":
-        from bole.speculative.rank_kernel import rank_dense_triton
+        from bole.ops.rank.kernel import rank_dense_triton
         return Ranking(*rank_dense_triton(rho, forest.parents, forest.valid, active, root_floor,
                                           forest.max_depth))
     parents, request = dense_inputs(forest, active)
@@ -563,10 +563,10 @@ def width_fill_choice(rank: Ranking, rows: int, widths: Tensor, t_ver: Tensor, *
     this round's forward was built for: its best nodes in rank order, not the first slots that
     compaction would leave), each row's count at the chosen width, and
     :func:`width_fill_could_widen`. No synchronisation. On CUDA it runs as two Triton launches
-    (:mod:`bole.speculative.width_kernel`); ``BOLE_WIDTH_KERNEL=0`` in the environment keeps
+    (:mod:`bole.ops.width.kernel`); ``BOLE_WIDTH_KERNEL=0`` in the environment keeps
     this torch code there too."""
     if rank.order.device.type == "cuda" and os.environ.get("BOLE_WIDTH_KERNEL", "1") != "0":
-        from bole.speculative.width_kernel import width_fill_choice_triton
+        from bole.ops.width.kernel import width_fill_choice_triton
         return WidthChoice(*width_fill_choice_triton(
             rank.order, rank.eligible, rank.root, rank.floor, rows, widths, t_ver,
             _estimates(rank, acceptance), max_width=max_width,

@@ -24,8 +24,8 @@ from bole.ops import fused
 from bole.ops.attention import tree_attention
 from bole.ops.linear import linear
 from bole.ops.topk_softmax import topk_softmax
-from bole.speculative.mtp_inputs import frontier_inputs
-from bole.speculative.observe_inputs import observe_inputs
+from bole.ops.inputs.frontier import frontier_inputs
+from bole.ops.inputs.observe import observe_inputs
 from bole.speculative.tree_growth import step_slots
 
 MTP_LAYER = "mtp.layers.0."
@@ -119,7 +119,7 @@ class MTPDrafter:
         """:meth:`observe` of each request's accepted path straight from the verify forward:
         node p of ``path [R, P]`` is token ``tree_tokens[r, path[r, p]]`` with hidden state
         ``hidden[path_global[r, p]]`` (``hidden [N, H]``); the inputs in one launch on CUDA
-        (:mod:`bole.speculative.observe_inputs`)."""
+        (:mod:`bole.ops.inputs.observe`)."""
         inp = observe_inputs(tree_tokens, path, path_global, hidden, self.last_hidden, slots,
                              start, count, self.junk_row)
         self._qkv(self._input(inp.tokens, inp.prev), inp.positions, slots, inp.rows)

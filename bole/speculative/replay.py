@@ -38,7 +38,7 @@ node's its slot in the growth's node table. So a node's draw depends neither on 
 the same seed, and a chain (top-1) draws at its on-path nodes exactly what a tree draws at the same
 depths. Everything in :meth:`ReplayDrafter.step_fn` is fixed-shape tensor code without host
 synchronisation (CUDA-graph capturable, like the MTP step it wraps). On CUDA each step adds one
-launch to the head's step (:mod:`bole.speculative.replay_kernel`, which hashes every node's key
+launch to the head's step (:mod:`bole.ops.replay.kernel`, which hashes every node's key
 itself); the torch code (CPU, or ``BOLE_REPLAY_KERNEL=0``) hashes the round's keys once, at step
 0, and adds about thirty small element-wise operations a step.
 
@@ -375,7 +375,7 @@ class ReplayDrafter:
             head_step(step_index, frontier, table)           # the real head's cost, discarded
             if frontier.device.type == "cuda" and \
                     os.environ.get("BOLE_REPLAY_KERNEL", "1") != "0":
-                from bole.speculative.replay_kernel import propose_triton      # one launch
+                from bole.ops.replay.kernel import propose_triton      # one launch
                 tokens = propose_triton(self.continuation, row, ctx, self.stream, slots_l,
                                         self._seed_key, frontier, table.tokens, table.depth,
                                         self.cum, topk, self.vocab, self.max_len)
@@ -405,7 +405,7 @@ class ReplayDrafter:
         ``tokens [R, K, topk]`` int64 and ``probs [R, K, topk]`` float32 (``q`` per rank).
         Rows of -1 frontier entries hold arbitrary (valid) values, which the growth ignores.
         ``keys``: :meth:`_round_keys`. This is the torch code (the reference): on CUDA the step
-        of :meth:`step_fn` runs one Triton launch instead (:mod:`bole.speculative.replay_kernel`,
+        of :meth:`step_fn` runs one Triton launch instead (:mod:`bole.ops.replay.kernel`,
         which hashes the keys itself; ``BOLE_REPLAY_KERNEL=0`` keeps this code there)."""
         R, K = frontier.shape
         C = table.capacity

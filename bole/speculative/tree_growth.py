@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from bole.forest import DenseForest
-from bole.speculative.tree_growth_triton import grow_step, rerank
+from bole.ops.growth.kernel import grow_step, rerank
 
 __all__ = ["NodeTable", "DraftForest", "StepFn", "TreeGrowth", "node_capacity", "step_slots"]
 
@@ -156,7 +156,7 @@ class TreeGrowth:
     def __init__(self, num_requests: int, topk: int, depth: int, budget: int, device=None,
                  impl: str = "auto"):
         """``impl``: how each step updates the table: "torch" (the reference below), "triton"
-        (one launch per step, ``tree_growth_triton.py``: CUDA, or the CPU interpreter) or
+        (one launch per step, ``bole/ops/growth/kernel.py``: CUDA, or the CPU interpreter) or
         "auto" (the kernel on CUDA)."""
         if num_requests < 1 or topk < 1 or depth < 0 or budget < 1:
             raise ValueError(f"need num_requests >= 1, topk >= 1, depth >= 0 and budget >= 1; got "

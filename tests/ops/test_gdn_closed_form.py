@@ -205,7 +205,7 @@ def test_deep_chains_of_near_parallel_keys_stay_finite_in_fp32():
     assert float((o.double() - o64).abs().max()) < 1e-5
     with pytest.raises(ValueError, match="squaring"):
         solve_unit_lower(torch.zeros(40, 40), torch.ones(40, 2), 39, "squaring")
-    from bole.ops.gdn.triton_verify import tree_gdn_verify_triton
+    from bole.ops.gdn.verify.kernel import tree_gdn_verify_triton
     from tests.kernel_utils import DEV
     deep = PackedForest.pack([DraftTree.chain(NEUMANN_MAX_DEPTH_FP32 + 2)])
     with pytest.raises(ValueError, match="overflow"):

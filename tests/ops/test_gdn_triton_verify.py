@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 
 from bole.ops.gdn.closed_form import commit_factored, tree_gdn_closed_form  # noqa: E402
 from bole.ops.gdn.reference import tree_gdn_serial  # noqa: E402
-from bole.ops.gdn.triton_verify import (  # noqa: E402
+from bole.ops.gdn.verify.kernel import (  # noqa: E402
     CONFIG_TABLE, INTERPRET_CONFIG, NARROW_TILE, VerifyConfig, _interpreting, pick_config,
     tree_gdn_verify_triton)
 from bole.tree import DraftTree, PackedForest  # noqa: E402
@@ -596,7 +596,7 @@ def test_transposed_fp16_sweeps(shape):
 def test_transposed_sweeps_where_they_apply():
     """The transposed form only where U^T's rows fill the warpgroups' tiles (BV >= 16 per warp)
     and the sweeps are fp16 (the form verified compiled on the H200)."""
-    from bole.ops.gdn.triton_verify import kernel_switches
+    from bole.ops.gdn.verify.kernel import kernel_switches
     kw = dict(dtype=torch.bfloat16, precision="tf32", raw_gates=True, l2norm=True, max_depth=8,
               interpret=False, d_k=128)
 
@@ -647,7 +647,7 @@ def test_whole_head(variant, d_v):
 def test_known_miscompile_is_refused():
     """The launch Triton 3.6 miscompiled on the H200 (BT 64, BV 128, 8 warps, 3 stages, 16-bit
     inputs, unsplit tf32 state products) is refused with what to do; its neighbours are not."""
-    from bole.ops.gdn.triton_verify import _refuse_known_miscompile, kernel_switches
+    from bole.ops.gdn.verify.kernel import _refuse_known_miscompile, kernel_switches
     bad = VerifyConfig(BV=128, BK=32, num_warps=8, num_stages=3)
 
     def check(config, block_nodes=64, dtype=torch.bfloat16, precision="tf32"):
@@ -794,7 +794,7 @@ def test_malformed_inputs_raise():
 def test_ptxas_failure_under_register_cap_is_a_clear_error(monkeypatch):
     """A ptxas failure of a launch with ``maxnreg`` becomes a ValueError that names the cap (Triton
     3.6 cannot fit BT = 256 in 128 registers); without a cap the error passes through unchanged."""
-    from bole.ops.gdn import triton_verify as tv
+    from bole.ops.gdn.verify import kernel as tv
 
     class FailingLaunch:
         def __getitem__(self, grid):
@@ -815,7 +815,7 @@ def test_launch_too_large_for_the_gpu_is_a_clear_error(monkeypatch):
     """A launch that needs more shared memory than the GPU has (on the H200: BV 64, 3 stages and
     no split_gram at BT = 256) becomes a ValueError that says what to change, raised before
     anything is written."""
-    from bole.ops.gdn import triton_verify as tv
+    from bole.ops.gdn.verify import kernel as tv
 
     class FailingLaunch:
         def __getitem__(self, grid):
@@ -835,7 +835,7 @@ def test_launch_too_large_for_the_gpu_is_a_clear_error(monkeypatch):
 def test_cpu_tensors_without_the_interpreter_are_a_clear_error(monkeypatch):
     """Compiled (no TRITON_INTERPRET), the kernels take CUDA tensors only: CPU tensors get a
     ValueError that says what to do, not Triton's "Pointer argument (at 0)" from the launcher."""
-    from bole.ops.gdn import triton_verify as tv
+    from bole.ops.gdn.verify import kernel as tv
     from bole.ops.triton_utils import check_kernel_device
     with pytest.raises(ValueError, match=r"on cpu, but the compiled Triton kernels need CUDA.*"
                                          r"TRITON_INTERPRET=1"):

@@ -7,8 +7,8 @@ from dataclasses import asdict
 
 import torch
 
-from bole.ops.gdn import triton_verify
-from bole.ops.gdn.verify_configs import H200_SMS, device_sms, pick_config
+from bole.ops.gdn.verify import kernel as triton_verify
+from bole.ops.gdn.verify.configs import H200_SMS, device_sms, pick_config
 
 #: sha256 of every pick on the grid below for the H200 (132 SMs), as measured and tuned there;
 #: a change of the table or the rules changes it (recompute with ``_h200_picks`` on purpose only)

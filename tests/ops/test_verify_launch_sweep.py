@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bole.ops.gdn.closed_form import NEUMANN_MAX_DEPTH_FP32, tree_gdn_closed_form
-from bole.ops.gdn.triton_verify import pick_config, tree_gdn_verify_triton
+from bole.ops.gdn.verify.kernel import pick_config, tree_gdn_verify_triton
 from bole.tree import DraftTree, PackedForest
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),

@@ -119,10 +119,10 @@ def test_greedy_matches_accept_forest(forest, extra, seed):
 @given(forest=forests(max_requests=4, max_nodes=24), extra=st.integers(0, 3),
        seed=st.integers(0, 2**31 - 1), use_forced=st.booleans())
 def test_fused_greedy_kernel_equals_the_torch_walk(forest, extra, seed, use_forced):
-    """bole/speculative/accept_kernel.py (one launch; the CPU interpreter here) against
+    """bole/ops/accept/kernel.py (one launch; the CPU interpreter here) against
     _greedy_walk + _finish: same accepted node, path (padding included), length, bonus and
     emitted row, with and without forced targets."""
-    from bole.speculative.accept_kernel import greedy_accept_fused
+    from bole.ops.accept.kernel import greedy_accept_fused
     forest = with_single_node_request(forest)
     dense = DenseForest.from_packed(forest, int(forest.sizes().max()) + extra)
     R, T = dense.parents.shape

@@ -24,10 +24,10 @@ the GPU without it. Inputs may be fp16/bf16/fp32; gates, state and accumulation 
 ``precision`` selects tl.dot's ``input_precision`` for fp32 operands ("tf32", "tf32x3" or
 "ieee"). In "tf32" the table's launches replace tf32 (whose fp32 operands the tensor cores
 truncate) wherever it cost accuracy or time: split bf16 state products, ``C U`` in three bf16
-products and fp16 sweeps (:class:`~bole.ops.gdn.verify_configs.VerifyConfig`).
+products and fp16 sweeps (:class:`~bole.ops.gdn.verify.configs.VerifyConfig`).
 
-The steps are in :mod:`bole.ops.gdn.verify_blocks`, the launch configurations in
-:mod:`bole.ops.gdn.verify_configs` (re-exported here). This module knows nothing of models or
+The steps are in :mod:`bole.ops.gdn.verify.blocks`, the launch configurations in
+:mod:`bole.ops.gdn.verify.configs` (re-exported here). This module knows nothing of models or
 requests beyond :class:`bole.tree.ForestMeta`.
 """
 
@@ -39,11 +39,11 @@ import triton.language as tl
 
 from bole.ops.gdn.closed_form import NEUMANN_MAX_DEPTH_FP32, TreeFactors
 from bole.ops.gdn.common import check_gdn_tensors
-from bole.ops.gdn.verify_blocks import (
+from bole.ops.gdn.verify.blocks import (
     _dot, _gates, _load_ancestors, _load_dk_tiles, _load_gate_columns, _neumann, _output,
     _pad_tail, _state_products, _store_node_factors, _store_o_u, _stream_dk, _stream_state,
     _tree_decay, _tree_matrices, _tree_rows)
-from bole.ops.gdn.verify_configs import (  # noqa: F401  (re-exported: the kernel's public names)
+from bole.ops.gdn.verify.configs import (  # noqa: F401  (re-exported: the kernel's public names)
     CONFIG_TABLE, F16_SWEEP_MAX_DEPTH, INTERPRET_CONFIG, MIN_PROGRAMS, NARROW_TILE, ONE_WAVE,
     ONE_WAVE_PROGRAMS, PRECISIONS, WAVE_SLOTS, WHOLE_HEAD_COST, VerifyConfig,
     _refuse_known_miscompile, _whole_head_pays, device_sms, kernel_switches, pick_config)

@@ -69,7 +69,7 @@ def _greedy_accept_kernel(argmax, forced, tokens, parents, valid,
 def greedy_accept_fused(argmax: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
                         valid: torch.Tensor, max_depth: int,
                         forced: torch.Tensor | None = None, pad: int = -1,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        ) -> tuple[torch.Tensor, ...]:
     """Greedy acceptance of R trees of T node slots (root at slot 0, parents before children),
     ``argmax [R, T]`` the target's choice after each node, ``forced [R, T]`` overriding it where
     >= 0. Paths are ``[R, max_depth + 1]``, padded with the accepted node; emitted rows are the

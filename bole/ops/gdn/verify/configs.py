@@ -1,4 +1,4 @@
-"""Launch configurations of the tree-verification kernel (:mod:`bole.ops.gdn.triton_verify`).
+"""Launch configurations of the tree-verification kernel (:mod:`bole.ops.gdn.verify.kernel`).
 
 :class:`VerifyConfig` is one launch's compile-time tiling and switches; :func:`pick_config`
 chooses one per launch shape from :data:`CONFIG_TABLE` (by the tree block ``BT``), shrinking the

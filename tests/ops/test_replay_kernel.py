@@ -1,4 +1,4 @@
-"""The replay drafter's one-launch proposals (bole/speculative/replay_kernel.py; the CPU
+"""The replay drafter's one-launch proposals (bole/ops/replay/kernel.py; the CPU
 interpreter here, compiled on a GPU) against its torch code, on every step of grown trees:
 on- and off-path nodes, unknown continuations, wrap-around near the vocabulary's end, several
 top-k and profiles."""
@@ -10,7 +10,7 @@ from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.mtp import MTPDrafter
 from bole.speculative.replay import AcceptanceProfile, ReplayDrafter
-from bole.speculative.replay_kernel import propose_triton
+from bole.ops.replay.kernel import propose_triton
 from bole.speculative.tree_growth import TreeGrowth, node_capacity
 from tests.kernel_utils import DEV
 

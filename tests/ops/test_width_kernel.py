@@ -1,4 +1,4 @@
-"""Goodput's width choice in Triton (bole/speculative/width_kernel.py; the CPU interpreter here,
+"""Goodput's width choice in Triton (bole/ops/width/kernel.py; the CPU interpreter here,
 compiled on a GPU) against the torch choice (budget.width_fill_choice): random forests with
 tied, NaN and non-monotone rho, padding, inactive rows, several floors, acceptance maps,
 verify curves of every slope and forward widths narrower than the choice."""
@@ -11,7 +11,7 @@ from bole.forest import DenseForest
 from bole.speculative.budget import (RowFill, WidthChoice, _estimates, goodput_best, rank_dense,
                                      width_fill_choice, width_fill_curve)
 from bole.speculative.calibration import AcceptanceCalibrator
-from bole.speculative.width_kernel import width_fill_choice_triton as _width_kernel
+from bole.ops.width.kernel import width_fill_choice_triton as _width_kernel
 from bole.tree import DraftTree, PackedForest
 from tests.kernel_utils import DEV
 
@@ -120,7 +120,7 @@ def test_width_fill_choice_takes_the_kernel_when_asked(monkeypatch):
     monkeypatch.setenv("BOLE_WIDTH_KERNEL", "0")
     want = width_fill_choice(rank, R, widths, t_ver, round_overhead_ms=0.5)
     monkeypatch.setenv("BOLE_WIDTH_KERNEL", "1")
-    import bole.speculative.width_kernel as wk
+    import bole.ops.width.kernel as wk
     calls = []
     real = wk.width_fill_choice_triton
     monkeypatch.setattr(wk, "width_fill_choice_triton",

@@ -1,10 +1,10 @@
-"""The MTP head's frontier inputs in one launch (bole/speculative/mtp_inputs.py) against the
+"""The MTP head's frontier inputs in one launch (bole/ops/inputs/frontier.py) against the
 torch reference: random node tables, frontiers with missing entries, roots and deep nodes."""
 
 import pytest
 import torch
 
-from bole.speculative.mtp_inputs import frontier_inputs, frontier_inputs_torch
+from bole.ops.inputs.frontier import frontier_inputs, frontier_inputs_torch
 from bole.speculative.tree_growth import NodeTable, TreeGrowth, step_slots
 from tests.kernel_utils import DEV
 

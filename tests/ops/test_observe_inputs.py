@@ -1,11 +1,11 @@
-"""The MTP head's inputs for accepted paths in one launch (bole/speculative/observe_inputs.py)
+"""The MTP head's inputs for accepted paths in one launch (bole/ops/inputs/observe.py)
 against the torch reference: paths of every length (0 for padding rows, which share the dummy
 slot), the remembered hidden states updated in place only where a path was committed."""
 
 import pytest
 import torch
 
-from bole.speculative.observe_inputs import observe_inputs, observe_inputs_torch
+from bole.ops.inputs.observe import observe_inputs, observe_inputs_torch
 from tests.kernel_utils import DEV
 
 

@@ -1,4 +1,4 @@
-"""Building blocks of the tree-verification kernel (:mod:`bole.ops.gdn.triton_verify`).
+"""Building blocks of the tree-verification kernel (:mod:`bole.ops.gdn.verify.kernel`).
 
 Each ``@triton.jit`` function here is one step of a program's work on one request's tree
 (``BT`` node rows), one value head and one tile of ``BV`` value columns: locating the tree,

@@ -1,4 +1,4 @@
-"""The dense ranking's Triton kernels (bole/speculative/rank_kernel.py; the CPU interpreter here,
+"""The dense ranking's Triton kernels (bole/ops/rank/kernel.py; the CPU interpreter here,
 compiled on a GPU) against the torch ranking, field for field: random forests with tied, NaN
 and non-monotone rho, padding, inactive rows, several floors."""
 
@@ -9,7 +9,7 @@ import torch
 from bole.forest import DenseForest
 from bole.speculative.budget import (Ranking, _keep, dense_inputs, expected_accepted_curve,
                                      rank_nodes)
-from bole.speculative.rank_kernel import rank_dense_triton
+from bole.ops.rank.kernel import rank_dense_triton
 from bole.tree import DraftTree, PackedForest
 from tests.kernel_utils import DEV
 

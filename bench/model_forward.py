@@ -48,6 +48,7 @@ from bole.ops import attention  # noqa: E402
 from bole.forest import DenseForest  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.models.moe_layer import ALL_GATE_UP  # noqa: E402
+from bole.ops.fp8 import Fp8Weight, StackedWeight  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.tree import DraftTree, PackedForest  # noqa: E402
 
@@ -71,21 +72,35 @@ def copy_bandwidth(device) -> float:
     return 2 * x.numel() * 10 / (start.elapsed_time(end) / 1e3)
 
 
+def _is_view(t) -> bool:
+    return (t.q if isinstance(t, Fp8Weight) else t)._base is not None
+
+
+def _bytes_params(t) -> tuple[int, int]:
+    if isinstance(t, Fp8Weight):
+        return t.nbytes(), t.q.numel()
+    return t.numel() * t.element_size(), t.numel()
+
+
 def weight_bytes(model: HybridModel, prefix: str = "") -> tuple[int, int]:
     """(bytes, matrix parameters) of the weights a forward reads: every 2-D weight once
-    (the fused projections, not their views), the embedding only as the tied lm_head. Stacked
-    MoE experts (3-D) are left out: :func:`touched_expert_bytes` counts the ones a forward
-    reads."""
+    (the fused projections, not their views; FP8 weights at one byte plus their scales), the
+    embedding only as the tied lm_head. Stacked MoE experts (3-D) are left out:
+    :func:`touched_expert_bytes` counts the ones a forward reads."""
     total, params = 0, 0
     embed = f"{model.config.weight_prefix}embed_tokens.weight"
     for name, t in model.w.items():
-        # a fused projection's parts are views of it: count the fused weight once
-        if not name.startswith(prefix) or t.dim() != 2 or t._base is not None:
+        if not name.startswith(prefix):
             continue
         if name == embed and not model.config.tie_word_embeddings:
             continue
-        total += t.numel() * t.element_size()
-        params += t.numel()
+        # a fused projection's parts are views of it: count the fused weight once
+        for part in (t.parts if isinstance(t, StackedWeight) else [t]):
+            if part.dim() != 2 or _is_view(part):
+                continue
+            b, n = _bytes_params(part)
+            total += b
+            params += n
     return total, params
 
 
@@ -115,9 +130,11 @@ def touched_expert_bytes(model: HybridModel, fwd) -> tuple[int, float, int]:
     total, params = 0, 0
     for (p, _), n in zip(hits, counts):
         w13, w2 = expert_weights(model.w, p)
-        per_expert = w13[0].numel() + w2[0].numel()
-        total += n * per_expert * w2.element_size()
-        params += per_expert
+        b13, n13 = _bytes_params(w13)
+        b2, n2 = _bytes_params(w2)
+        E = w13.shape[0]
+        total += n * (b13 + b2) // E
+        params += (n13 + n2) // E
     return total, sum(counts) / max(len(counts), 1), params
 
 
@@ -305,7 +322,11 @@ def main(argv=None) -> int:
         del engine
     import triton
     meta = dict(preset=args.preset, device=torch.cuda.get_device_name(dev), torch=torch.__version__,
-                triton=triton.__version__, dtype="bfloat16", date=_dt.date.today().isoformat(),
+                triton=triton.__version__,
+                dtype="bfloat16" if config.fp8_block is None else
+                f"fp8 e4m3 weights ({config.fp8_block[0]}x{config.fp8_block[1]} block scales), "
+                "bf16 activations",
+                date=_dt.date.today().isoformat(),
                 context=args.context, prefill_s=prefill_s,
                 prefill_kernel="fla" if model.prefill_gdn is not None else "bole tree path",
                 copy_bandwidth_tb_s=bw / 1e12, weight_gb=wbytes / 1e9,

@@ -25,6 +25,36 @@ SUPPORTED_MODEL_TYPES: dict[str, tuple[str, str | None]] = {
 LAYER_TYPES = ("full_attention", "linear_attention")
 
 
+def fp8_block(quant: dict | None) -> tuple[int, int] | None:
+    """The weight block of a ``quantization_config`` Bole can load (None without one): FP8 e4m3
+    with block scales and dynamic activations, as Qwen's FP8 releases are. Anything else is a
+    ValueError that says what is supported."""
+    if quant is None:
+        return None
+    supported = ("Bole loads unquantized checkpoints and FP8 ones with block scales "
+                 "(quant_method 'fp8', fmt 'e4m3', weight_block_size [rows, columns], "
+                 "activation_scheme 'dynamic'), as Qwen publishes them")
+    if not isinstance(quant, dict):
+        raise ValueError(f"quantization_config must be an object; {supported}")
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported: "
+                         f"{supported}")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"quantization_config.fmt {quant.get('fmt')!r} is not supported: "
+                         f"{supported}")
+    if quant.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"quantization_config.activation_scheme "
+                         f"{quant.get('activation_scheme')!r} (static activation scales) is not "
+                         f"supported: {supported}")
+    block = quant.get("weight_block_size")
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size is {block!r}; per-tensor FP8 "
+                         f"is not supported: {supported}")
+    return int(block[0]), int(block[1])
+
+
 class _ReadOrder(dict):
     """A config section that remembers the field read last: the one a failed conversion of
     ``int(t["field"])`` was reading."""
@@ -85,6 +115,9 @@ class HybridConfig:
     mtp_num_hidden_layers: int = 0
     weight_prefix: str = "model."
     eos_token_id: tuple[int, ...] = field(default=())
+    #: FP8 weights with one scale per (rows, columns) block (``quantization_config`` with
+    #: ``quant_method: fp8``, ``weight_block_size``); None: unquantized
+    fp8_block: tuple[int, int] | None = None
 
     # ---- derived ----
     def is_full_attention(self, layer: int) -> bool:
@@ -198,7 +231,8 @@ class HybridConfig:
             tie_word_embeddings=bool(outer.get("tie_word_embeddings",
                                                t.get("tie_word_embeddings", False))),
             mtp_num_hidden_layers=int(t.get("mtp_num_hidden_layers", 0)),
-            weight_prefix=prefix, eos_token_id=eos)
+            weight_prefix=prefix, eos_token_id=eos,
+            fp8_block=fp8_block(outer.get("quantization_config", t.get("quantization_config"))))
         cfg.validate()
         return cfg
 

@@ -5,7 +5,9 @@ A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or sh
 :mod:`bole.models.weights` expects for the config, converts them to the requested dtype (gate
 parameters stay fp32) and fails with one :class:`CheckpointError` that names every missing,
 mis-shaped or unexpected tensor and the file it was looked for in; a truncated or corrupt file is
-named too. The MTP head (``mtp.*``) is optional: loaded and checked when present. MoE experts are
+named too. FP8 checkpoints (``quantization_config`` with block scales): every weight stored with a
+``<name>_scale_inv`` tensor is read as an :class:`~bole.ops.fp8.Fp8Weight` (FP8 values kept,
+scales in fp32); the others in the requested dtype. The MTP head (``mtp.*``) is optional: loaded and checked when present. MoE experts are
 read in the layout the checkpoint holds (per expert, or fused ``experts.gate_up_proj`` /
 ``experts.down_proj``: :mod:`bole.models.weights`); the model stacks per-expert tensors into the
 fused layout once (:class:`bole.models.qwen3_hybrid.HybridModel`).
@@ -23,8 +25,9 @@ from safetensors import SafetensorError, safe_open
 from bole.distributed import TPShard
 from bole.models.config import HybridConfig
 from bole.models.sharding import shard_plan, zero_on_other_ranks
-from bole.models.weights import (FP32_SUFFIXES, IGNORED_PREFIXES, has_fused_experts, mtp_specs,
-                                 text_model_specs)
+from bole.models.weights import (FP32_SUFFIXES, IGNORED_PREFIXES, SCALE_SUFFIX,
+                                 has_fused_experts, mtp_specs, text_model_specs)
+from bole.ops.fp8 import FP8_DTYPE, Fp8Weight
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -114,6 +117,9 @@ def load_checkpoint(folder: str | Path, config: HybridConfig | None = None, *,
         raise ValueError(f"dtype must be bf16, fp16 or fp32, got {dtype}")
     folder = Path(folder)
     config = config or HybridConfig.from_pretrained(folder)
+    if config.fp8_block is not None and shard is not None and shard.world > 1:
+        raise CheckpointError(f"{folder} holds FP8 weights: tensor parallelism over FP8 "
+                              "checkpoints is not supported yet; load it on one GPU (--tp 1)")
     where = checkpoint_files(folder)
     report = LoadReport(folder=str(folder), files=sorted(set(where.values())))
     # the text model's and the MTP head's experts may come in different layouts
@@ -125,8 +131,14 @@ def load_checkpoint(folder: str | Path, config: HybridConfig | None = None, *,
         expected.update(mtp_specs(config, num_layers=len(layers),
                                   fused_experts=has_fused_experts(present_mtp)))
         report.has_mtp = True
+    scales = {n[: -len(SCALE_SUFFIX)]: n for n in where
+              if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in expected}
+    if config.fp8_block is None and scales:
+        report.unexpected.append(f"FP8 scale tensors ({next(iter(scales.values()))}, ...) but "
+                                 f"config.json has no quantization_config")
+        scales = {}
     for name in sorted(where):
-        if name in expected:
+        if name in expected or name in scales.values():
             continue
         if name.startswith(IGNORED_PREFIXES) or (name.startswith("mtp.") and not load_mtp):
             report.ignored += 1
@@ -163,8 +175,21 @@ def load_checkpoint(folder: str | Path, config: HybridConfig | None = None, *,
                 except (SafetensorError, RuntimeError) as exc:
                     raise CheckpointError(
                         f"{folder / fname} is truncated or corrupt at tensor {name}: {exc}") from None
+                if name in scales:
+                    if t.dtype != FP8_DTYPE:
+                        report.mis_shaped.append(f"tensor {name} in {fname} has a scale "
+                                                 f"{scales[name]} but is {t.dtype}, not "
+                                                 f"{FP8_DTYPE}")
+                        continue
+                    tensors[name] = t.to(device=device)
+                    continue
+                if t.dtype == FP8_DTYPE:
+                    report.mis_shaped.append(f"tensor {name} in {fname} is {t.dtype} without "
+                                             f"a scale tensor {name}{SCALE_SUFFIX}")
+                    continue
                 keep32 = name.endswith(FP32_SUFFIXES)
                 tensors[name] = t.to(device=device, dtype=torch.float32 if keep32 else dtype)
+    _attach_scales(folder, where, scales, tensors, config, report, device)
     report.loaded = len(tensors)
     if report.problems:
         lines = "\n  ".join(report.problems[:50])
@@ -172,3 +197,30 @@ def load_checkpoint(folder: str | Path, config: HybridConfig | None = None, *,
         raise CheckpointError(
             f"checkpoint {folder} ({config.model_type}) does not match its config:\n  {lines}{more}")
     return tensors, report
+
+
+def _attach_scales(folder: Path, where: dict[str, str], scales: dict[str, str],
+                   tensors: dict, config: HybridConfig, report: LoadReport, device) -> None:
+    """Replace each FP8 tensor read by the loader with an Fp8Weight of it and its scale."""
+    by_file: dict[str, list[str]] = {}
+    for name, scale_name in scales.items():
+        if name in tensors:
+            by_file.setdefault(where[scale_name], []).append(name)
+    for fname, names in sorted(by_file.items()):
+        with _open(folder / fname) as f:
+            keys = set(f.keys())
+            for name in names:
+                if scales[name] not in keys:
+                    report.missing.append(f"missing tensor {scales[name]}: the index maps it to "
+                                          f"{fname}, which does not hold it")
+                    del tensors[name]
+                    continue
+                try:
+                    scale = f.get_tensor(scales[name]).to(device=device, dtype=torch.float32)
+                    tensors[name] = Fp8Weight(tensors[name], scale, config.fp8_block)
+                except ValueError as exc:            # the scale's shape does not fit the blocks
+                    report.mis_shaped.append(f"{scales[name]} in {fname}: {exc}")
+                    del tensors[name]
+                except (SafetensorError, RuntimeError) as exc:
+                    raise CheckpointError(f"{folder / fname} is truncated or corrupt at tensor "
+                                          f"{scales[name]}: {exc}") from None

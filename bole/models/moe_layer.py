@@ -23,6 +23,7 @@ import torch
 from bole.models.config import HybridConfig
 from bole.models.weights import FUSED_DOWN, FUSED_GATE_UP
 from bole.ops import fused
+from bole.ops.fp8 import Fp8Weight
 from bole.ops.linear import linear
 from bole.ops.moe import fused_moe, route
 
@@ -40,10 +41,33 @@ _SHARED = ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
            "shared_expert.down_proj.weight")
 
 
-def stack_experts(w: dict[str, torch.Tensor], num_experts: int) -> None:
+def _cat_rows(parts: list) -> torch.Tensor | Fp8Weight:
+    """Row-wise concatenation of tensors, or of FP8 weights (whole row blocks but the last)."""
+    if isinstance(parts[0], Fp8Weight):
+        if not all(isinstance(p, Fp8Weight) for p in parts):
+            raise ValueError("an MoE layer's expert tensors must be all FP8 or all unquantized")
+        return Fp8Weight.cat(parts)
+    return torch.cat(parts, -2)
+
+
+def _stack(parts: list) -> torch.Tensor | Fp8Weight:
+    """[E, ...] from E equal-shaped tensors or FP8 weights."""
+    if isinstance(parts[0], Fp8Weight):
+        return Fp8Weight(torch.stack([p.q for p in parts]), torch.stack([p.scale for p in parts]),
+                         parts[0].block)
+    return torch.stack(parts)
+
+
+def _head(w: torch.Tensor | Fp8Weight, n: int) -> torch.Tensor | Fp8Weight:
+    """The first ``n`` experts as a view."""
+    return Fp8Weight(w.q[:n], w.scale[:n], w.block) if isinstance(w, Fp8Weight) else w[:n]
+
+
+def stack_experts(w: dict, num_experts: int) -> None:
     """Per-expert MoE tensors (``mlp.experts.{e}.gate_proj.weight`` ...) into the fused
-    ``mlp.experts.gate_up_proj [E, 2F, H]`` and ``mlp.experts.down_proj [E, H, F]``, in place;
-    the per-expert entries are dropped (fused checkpoints arrive stacked already)."""
+    ``mlp.experts.gate_up_proj [E, 2F, H]`` and ``mlp.experts.down_proj [E, H, F]``, in place
+    (FP8 weights with their scales alike); the per-expert entries are dropped (fused
+    checkpoints arrive stacked already)."""
     suffix = "experts.0.gate_proj.weight"
     prefixes = sorted(n[: -len(suffix)] for n in w if n.endswith("mlp." + suffix))
     E = num_experts
@@ -54,37 +78,46 @@ def stack_experts(w: dict[str, torch.Tensor], num_experts: int) -> None:
         if missing:
             raise ValueError(f"MoE layer {p[:-1]} lacks {len(missing)} expert tensors "
                              f"(first: {missing[0]}); a MoE layer needs all {E} experts")
-        gate = w[names[0]]
-        F_, H = gate.shape
-        w13 = torch.empty(E, 2 * F_, H, dtype=gate.dtype, device=gate.device)
-        w2 = torch.empty(E, H, F_, dtype=gate.dtype, device=gate.device)
-        for e in range(E):
-            w13[e, :F_] = w.pop(names[3 * e])
-            w13[e, F_:] = w.pop(names[3 * e + 1])
-            w2[e] = w.pop(names[3 * e + 2])
+        try:
+            w13 = _stack([_cat_rows([w.pop(names[3 * e]), w.pop(names[3 * e + 1])])
+                          for e in range(E)])
+        except ValueError as exc:
+            raise ValueError(f"MoE layer {p[:-1]}: {exc}") from None
+        w2 = _stack([w.pop(names[3 * e + 2]) for e in range(E)])
         w[p + FUSED_GATE_UP], w[p + FUSED_DOWN] = w13, w2
 
 
-def merge_shared_experts(w: dict[str, torch.Tensor]) -> None:
-    """In place, for every MoE layer whose gated shared expert is as wide as its experts: the
-    shared expert as expert E of ``experts.all_*`` and the router with the shared gate as
-    ``router_proj`` (module docstring); the stacked experts and the router become views, the
-    shared expert's own tensors are dropped. One layer's experts are copied at a time."""
+def merge_shared_experts(w: dict) -> None:
+    """In place, for every MoE layer whose gated shared expert is as wide as its experts (and
+    stored alike, FP8 or not): the shared expert as expert E of ``experts.all_*`` and the router
+    with the shared gate as ``router_proj`` (module docstring); the stacked experts and the
+    router become views, the shared expert's own tensors are dropped. One layer's experts are
+    copied at a time."""
     for p in sorted(n[: -len(FUSED_GATE_UP)] for n in w if n.endswith("mlp." + FUSED_GATE_UP)):
         if not all(p + s in w for s in _SHARED) or p + "shared_expert_gate.weight" not in w:
             continue
         w13, w2 = w[p + FUSED_GATE_UP], w[p + FUSED_DOWN]
         E, F2, _ = w13.shape
-        if w[p + _SHARED[0]].shape[0] != F2 // 2:
+        shared = [w[p + s] for s in _SHARED]
+        fp8 = isinstance(w13, Fp8Weight)
+        if shared[0].shape[0] != F2 // 2 or any(isinstance(t, Fp8Weight) != fp8 for t in shared):
             continue
-        all13 = torch.cat([w13, torch.cat([w.pop(p + _SHARED[0]), w.pop(p + _SHARED[1])])[None]])
-        del w13
-        all2 = torch.cat([w2, w.pop(p + _SHARED[2])[None]])
-        del w2
+        if fp8 and (F2 // 2) % w13.block[0]:
+            continue                                   # gate / up rows would split a block
+        for s in _SHARED:
+            del w[p + s]
+        all13 = _stack([*_unstack(w13), _cat_rows(shared[:2])])
+        all2 = _stack([*_unstack(w2), shared[2]])
         w[p + ALL_GATE_UP], w[p + ALL_DOWN] = all13, all2
-        w[p + FUSED_GATE_UP], w[p + FUSED_DOWN] = all13[:E], all2[:E]
+        w[p + FUSED_GATE_UP], w[p + FUSED_DOWN] = _head(all13, E), _head(all2, E)
         router = torch.cat([w[p + "gate.weight"], w.pop(p + "shared_expert_gate.weight")])
         w[p + ROUTER], w[p + "gate.weight"] = router, router[:E]
+
+
+def _unstack(w: torch.Tensor | Fp8Weight) -> list:
+    if isinstance(w, Fp8Weight):
+        return [Fp8Weight(q, s, w.block) for q, s in zip(w.q, w.scale)]
+    return list(w)
 
 
 def expert_weights(w: dict[str, torch.Tensor], p: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,9 +97,22 @@ PRESETS: dict[str, dict] = {
 }
 
 
+#: a preset name's suffix for its FP8 twin: weights quantized as Qwen's FP8 releases are (e4m3,
+#: one scale per 128 x 128 block; bole.models.weights.fp8_quantized says which)
+FP8_SUFFIX = "-fp8"
+
+
 def preset_config(name: str) -> HybridConfig:
+    """The config of preset ``name``; ``<preset>-fp8`` is its FP8 twin (:data:`FP8_SUFFIX`)."""
+    key = name.lower()
+    fp8 = key.endswith(FP8_SUFFIX)
     try:
-        raw = PRESETS[name.lower()]
+        raw = PRESETS[key[: -len(FP8_SUFFIX)] if fp8 else key]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)} (each also as "
+                         f"<name>{FP8_SUFFIX})") from None
+    if fp8:
+        raw = {**raw, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                              "activation_scheme": "dynamic",
+                                              "weight_block_size": [128, 128]}}
     return HybridConfig.from_dict(raw, source=f"preset {name}")

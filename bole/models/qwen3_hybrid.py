@@ -38,15 +38,18 @@ from bole.distributed import TensorParallel, TPShard
 from bole.models.batch import GDN_BACKENDS, ForwardBatch, ForwardOutput
 from bole.models import moe_layer
 from bole.models.config import HybridConfig
+from bole.models.fusion import fuse_projections
 from bole.models.loader import load_checkpoint
 from bole.models.sharding import check_divisible, shard_tensors
-from bole.models.weights import FP32_SUFFIXES, FUSED_GATE_UP, mtp_specs, text_model_specs
+from bole.models.weights import (FP32_SUFFIXES, FUSED_GATE_UP, fp8_quantized, mtp_specs,
+                                 text_model_specs)
 from bole.ops import fused, rope
 from bole.ops.attention import prefill_attention, tree_attention
 from bole.ops.gdn.closed_form import TreeFactors
 from bole.ops.gdn.common import gates_from_raw
 from bole.ops.gdn.decode import gdn_decode_inplace
 from bole.ops.gdn.dense import tree_gdn_closed_form_dense, tree_gdn_serial_dense
+from bole.ops.fp8 import quantize_blockwise
 from bole.ops.linear import linear
 from bole.ops.triton_utils import check_kernel_device
 
@@ -103,27 +106,6 @@ def _fla_chunk():
     return chunk_gated_delta_rule
 
 
-#: (fused name, parts) per layer prefix: projections that read the same input.
-_FUSED_GROUPS = {
-    "linear_attn.in_proj_all.weight": ("linear_attn.in_proj_qkv.weight",
-                                       "linear_attn.in_proj_z.weight",
-                                       "linear_attn.in_proj_b.weight",
-                                       "linear_attn.in_proj_a.weight"),
-    "linear_attn.in_proj_qkvzba.weight": ("linear_attn.in_proj_qkvz.weight",
-                                          "linear_attn.in_proj_ba.weight"),
-    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                  "self_attn.v_proj.weight"),
-    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
-                                "self_attn.v_proj.bias"),
-    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    # router logits, the shared expert's gate, then its gate / up projections (a shared expert
-    # of another width than the experts': the others are merged, bole.models.moe_layer)
-    "mlp." + moe_layer.MOE_IN_PROJ: ("mlp.gate.weight", "mlp.shared_expert_gate.weight",
-                               "mlp.shared_expert.gate_proj.weight",
-                               "mlp.shared_expert.up_proj.weight"),
-}
-
-
 class HybridModel:
     """A hybrid text model held as tensors by checkpoint name (plus fused projections)."""
 
@@ -146,6 +128,9 @@ class HybridModel:
         self.tp = tp or TensorParallel(TPShard(0, 1))
         world = self.tp.world
         check_divisible(c, world)
+        if world > 1 and c.fp8_block is not None:
+            raise ValueError("tensor parallelism over FP8 weights is not supported yet: run an "
+                             "FP8 model on one GPU (tp 1)")
         #: this rank's heads and channels (all of them without tensor parallelism)
         self.n_heads, self.n_kv = c.num_attention_heads // world, c.num_key_value_heads // world
         self.gdn_hk = c.linear_num_key_heads // world
@@ -178,7 +163,7 @@ class HybridModel:
         self.prefill_gdn = _fla_chunk() if self.device.type == "cuda" else None
         moe_layer.stack_experts(self.w, config.num_experts)
         moe_layer.merge_shared_experts(self.w)
-        self._fuse_projections()
+        fuse_projections(self.w)
 
     # ---- construction ----
     @classmethod
@@ -199,7 +184,9 @@ class HybridModel:
     def random(cls, config: HybridConfig, *, dtype=torch.bfloat16, device="cpu",
                seed: int = 0, gdn_backend: str = "auto", mtp: bool = False,
                tp: TensorParallel | None = None, moe_backend: str = "auto") -> "HybridModel":
-        """Random weights of the right shapes (benchmarks; no checkpoint needed); ``mtp`` adds
+        """Random weights of the right shapes (benchmarks; no checkpoint needed; a config with
+        ``fp8_block``, the ``-fp8`` presets, quantizes the projections Qwen's FP8 releases
+        store in FP8, :func:`bole.models.weights.fp8_quantized`); ``mtp`` adds
         a one-layer MTP head, so that drafting costs what a real checkpoint's would. Under
         tensor parallelism every rank draws the whole model and keeps its slices, so the
         weights equal the single-process ones."""
@@ -218,29 +205,14 @@ class HybridModel:
                     torch.ones(shape, device=device)
             else:
                 t = torch.randn(shape, device=device, generator=gen) * 0.02
-            tensors[name] = t.to(torch.float32 if name.endswith(FP32_SUFFIXES) else dtype)
+            if config.fp8_block is not None and fp8_quantized(name):
+                tensors[name] = quantize_blockwise(t, config.fp8_block)
+            else:
+                tensors[name] = t.to(torch.float32 if name.endswith(FP32_SUFFIXES) else dtype)
         if tp is not None and tp.world > 1:
             check_divisible(config, tp.world)
             tensors = shard_tensors(config, tensors, tp.shard)
         return cls(config, tensors, gdn_backend, tp, moe_backend)
-
-    def _fuse_projections(self) -> None:
-        """One weight per group of projections that read the same input; the parts become row
-        views of it (no second copy is kept)."""
-        prefixes = {name[: name.index(part)] for name in self.w
-                    for parts in _FUSED_GROUPS.values() for part in parts if name.endswith(part)}
-        for prefix in sorted(prefixes):
-            for fused_name, parts in _FUSED_GROUPS.items():
-                names = [prefix + p for p in parts]
-                if prefix + fused_name in self.w or not all(n in self.w for n in names):
-                    continue
-                whole = torch.cat([self.w[n] for n in names])
-                self.w[prefix + fused_name] = whole
-                row = 0
-                for n in names:
-                    rows = self.w[n].shape[0]
-                    self.w[n] = whole[row: row + rows]
-                    row += rows
 
     @property
     def has_mtp_head(self) -> bool:

@@ -25,6 +25,21 @@ FUSED_DOWN = "experts.down_proj"
 #: Checkpoint prefixes of parts Bole does not run (the vision tower of Qwen3.5 VL checkpoints).
 IGNORED_PREFIXES = ("model.visual.", "visual.")
 
+#: the projections Qwen's FP8 releases store in FP8 (the rest stays bf16: embeddings, the LM
+#: head, norms, the GDN's b / a projections, conv and gates, the MoE router and the shared
+#: expert's gate, the MTP head's fc): the random ``-fp8`` presets quantize these
+FP8_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                   "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_qkvz.weight",
+                   "out_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight",
+                   FUSED_GATE_UP, FUSED_DOWN)
+#: the checkpoint's scale tensor of FP8 weight ``name`` is ``name + SCALE_SUFFIX``
+SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_quantized(name: str) -> bool:
+    """Whether a published FP8 checkpoint holds tensor ``name`` in FP8."""
+    return name.endswith(FP8_PROJECTIONS) and not name.startswith("mtp.fc")
+
 
 def _attention(c: HybridConfig, p: str) -> dict[str, Shape]:
     H, hd = c.hidden_size, c.head_dim

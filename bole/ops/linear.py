@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from bole.ops.fp8 import Fp8Weight, StackedWeight, fp8_linear, stacked_linear
 from bole.ops.triton_utils import check_kernel_device
 
 __all__ = ["LinearConfig", "pick_linear_config", "linear", "linear_triton", "MAX_ROWS",
@@ -155,7 +156,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *
     bf16, ``x`` of at most :data:`MAX_ROWS` rows (:data:`WIDE_ROWS` for the weights named
     there; leading dimensions flattened), contiguous weights and bias (else cuBLAS). ``out``
     (2-D ``x`` only): a ``[M, N]`` tensor the product is written into (cuBLAS's ``mm`` /
-    ``addmm``, the products ``F.linear`` runs), e.g. one layer's slice of a stacked buffer."""
+    ``addmm``, the products ``F.linear`` runs), e.g. one layer's slice of a stacked buffer.
+    ``w`` may be an :class:`~bole.ops.fp8.Fp8Weight` (:func:`~bole.ops.fp8.fp8_linear`) or a
+    :class:`~bole.ops.fp8.StackedWeight` (each part by this function, side by side)."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear(x, w, bias, out=out)
+    if isinstance(w, StackedWeight):
+        if bias is not None:
+            raise ValueError("linear: a StackedWeight takes no bias")
+        return stacked_linear(x, w, linear, out=out)
     if out is not None:
         if x.dim() != 2:
             raise ValueError(f"linear(out=...) takes x [M, K], got shape {tuple(x.shape)}")

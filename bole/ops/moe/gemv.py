@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bole.ops.fp8 import Fp8Weight
 from bole.ops.triton_utils import fix_interpreter_scalar_index
 
 __all__ = ["GemvConfig", "moe_gemv"]
@@ -42,10 +43,12 @@ class GemvConfig:
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, F, H, stride_xt, stride_we, stride_wn,
-                    stride_hp, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, F, H, stride_xt, stride_we, stride_wn,
+                    stride_se, stride_sn, stride_hp, TOP_K: tl.constexpr, FP8: tl.constexpr,
+                    QBN: tl.constexpr, QBK: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
-    """h[p, n] = silu(gate_n . x[t]) * (up_n . x[t]) for pair ``program_id(0)``'s expert."""
+    """h[p, n] = silu(gate_n . x[t]) * (up_n . x[t]) for pair ``program_id(0)``'s expert (FP8:
+    e4m3 rows times their scales s[e, row // QBN, k // QBK], each K step inside one block)."""
     p = tl.program_id(0)
     t = p // TOP_K
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -53,24 +56,34 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, F, H, stride_xt, stride_we, st
     n_ok = offs_n < F
     offs_k = tl.arange(0, BLOCK_K)
     rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    s_gate = s_ptr + e * stride_se + (offs_n // QBN) * stride_sn
+    s_up = s_ptr + e * stride_se + ((F + offs_n) // QBN) * stride_sn
     acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = k0 + offs_k < H
-        xv = tl.load(x_ptr + t * stride_xt + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + t * stride_xt + k0 + offs_k, mask=k_ok, other=0.0)
         m = n_ok[:, None] & k_ok[None, :]
         wg = tl.load(rows + k0 + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
         wu = tl.load(rows + F * stride_wn + k0 + offs_k[None, :], mask=m, other=0.0)
-        acc_g += tl.sum(wg * xv[None, :], 1)
-        acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], 1)
+        wu = wu.to(tl.float32)
+        if FP8:   # the dequantized weight's values: q * scale rounded to x's dtype
+            sg = tl.load(s_gate + k0 // QBK, mask=n_ok, other=0.0)
+            su = tl.load(s_up + k0 // QBK, mask=n_ok, other=0.0)
+            wg = (wg * sg[:, None]).to(xv.dtype).to(tl.float32)
+            wu = (wu * su[:, None]).to(xv.dtype).to(tl.float32)
+        xf = xv.to(tl.float32)
+        acc_g += tl.sum(wg * xf[None, :], 1)
+        acc_u += tl.sum(wu * xf[None, :], 1)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     tl.store(h_ptr + p * stride_hp + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
-def _down_sum_kernel(h_ptr, w_ptr, ids_ptr, wt_ptr, y_ptr, H, F, stride_hp, stride_we,
-                     stride_wn, stride_yt, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+def _down_sum_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, wt_ptr, y_ptr, H, F, stride_hp, stride_we,
+                     stride_wn, stride_se, stride_sn, stride_yt, TOP_K: tl.constexpr,
+                     FP8: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[t, n] = sum_j weight[p_j] (w2[e_j, n] . h[p_j]) for token ``program_id(0)``."""
     t = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,22 +95,34 @@ def _down_sum_kernel(h_ptr, w_ptr, ids_ptr, wt_ptr, y_ptr, H, F, stride_hp, stri
         e = tl.load(ids_ptr + p).to(tl.int64)
         wt = tl.load(wt_ptr + p).to(tl.float32)
         rows = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        s_rows = s_ptr + e * stride_se + (offs_n // QBN) * stride_sn
         part = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, F, BLOCK_K):
             k_ok = k0 + offs_k < F
             hv = tl.load(h_ptr + p * stride_hp + k0 + offs_k, mask=k_ok, other=0.0)
             wv = tl.load(rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                         other=0.0)
-            part += tl.sum(wv.to(tl.float32) * hv.to(tl.float32)[None, :], 1)
+                         other=0.0).to(tl.float32)
+            if FP8:
+                sc = tl.load(s_rows + k0 // QBK, mask=n_ok, other=0.0)
+                wv = (wv * sc[:, None]).to(hv.dtype).to(tl.float32)
+            part += tl.sum(wv * hv.to(tl.float32)[None, :], 1)
         acc += wt * part
     tl.store(y_ptr + t * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def _parts(w) -> tuple[torch.Tensor, torch.Tensor, bool, int, int, int, int]:
+    """(values, scales, FP8?, QBN, QBK, scale strides) of an expert tensor or FP8 weight."""
+    if isinstance(w, Fp8Weight):
+        return w.q, w.scale, True, *w.block, w.scale.stride(0), w.scale.stride(1)
+    return w, w, False, 1, 1, 0, 0
+
+
+def moe_gemv(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+             config: GemvConfig | None = None) -> torch.Tensor:
     """The experts' weighted sum per token (module docstring), checked inputs as
-    :func:`bole.ops.moe.fused_moe` takes them: x [T, H], w13 [E, 2F, H], w2 [E, H, F],
-    topk_weights / topk_ids [T, k]. Returns [T, H] in x's dtype."""
+    :func:`bole.ops.moe.fused_moe` takes them: x [T, H], w13 [E, 2F, H], w2 [E, H, F] (tensors
+    of x's dtype, or FP8 weights), topk_weights / topk_ids [T, k]. Returns [T, H] in x's
+    dtype."""
     cfg = config or GemvConfig()
     T, H = x.shape
     F_, k = w2.shape[2], topk_ids.shape[1]
@@ -108,12 +133,16 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
+    q13, s13, fp8, qbn, qbk, sse13, ssn13 = _parts(w13)
+    q2, s2, _, _, _, sse2, ssn2 = _parts(w2)
+    up_k = min(cfg.block_k, qbk) if fp8 else cfg.block_k
+    down_k = min(cfg.down_block_k, qbk) if fp8 else cfg.down_block_k
     _gate_up_kernel[(T * k, triton.cdiv(F_, cfg.block_n))](
-        x, w13, ids, h, F_, H, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0),
-        TOP_K=k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        x, q13, s13, ids, h, F_, H, x.stride(0), q13.stride(0), q13.stride(1), sse13, ssn13,
+        h.stride(0), TOP_K=k, FP8=fp8, QBN=qbn, QBK=qbk, BLOCK_N=cfg.block_n, BLOCK_K=up_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _down_sum_kernel[(T, triton.cdiv(H, cfg.down_block_n))](
-        h, w2, ids, wts, y, H, F_, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        TOP_K=k, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        num_warps=cfg.down_num_warps, num_stages=cfg.num_stages)
+        h, q2, s2, ids, wts, y, H, F_, h.stride(0), q2.stride(0), q2.stride(1), sse2, ssn2,
+        y.stride(0), TOP_K=k, FP8=fp8, QBN=qbn, QBK=qbk, BLOCK_N=cfg.down_block_n,
+        BLOCK_K=down_k, num_warps=cfg.down_num_warps, num_stages=cfg.num_stages)
     return y

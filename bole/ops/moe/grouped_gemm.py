@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bole.ops.fp8 import Fp8Weight
 from bole.ops.moe.gemv import GemvConfig, moe_gemv
 from bole.ops.moe.reference import moe_reference
 from bole.ops.moe.routing import align_blocks
@@ -85,16 +86,18 @@ def pick_moe_config(num_pairs: int, num_experts: int, device: torch.device
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_pairs, block_expert,
+def _grouped_gemm_kernel(a_ptr, b_ptr, s_ptr, c_ptr, w_ptr, sorted_pairs, block_expert,
                          NUM_PAIRS, NUM_EXPERTS, N, K,
                          stride_am, stride_ak, stride_be, stride_bn, stride_bk,
-                         stride_cm, stride_cn,
+                         stride_se, stride_sn, stride_cm, stride_cn,
                          TOP_K: tl.constexpr, GATHER_TOKENS: tl.constexpr,
                          SILU_MUL: tl.constexpr, WEIGHTED: tl.constexpr,
+                         FP8: tl.constexpr, QBN: tl.constexpr, QBK: tl.constexpr,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """c[p, n] = (silu-mul of) a[row(p)] @ b[e, n(, N + n)].T (times w[p]) for the pairs p of
-    block ``program_id(0)``; row(p) = p // TOP_K when GATHER_TOKENS, else p."""
+    block ``program_id(0)``; row(p) = p // TOP_K when GATHER_TOKENS, else p. FP8: b holds e4m3
+    values with scales s[e, row // QBN, k // QBK], each K step inside one scale block."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert + pid_m)
@@ -115,14 +118,22 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, w_ptr, sorted_pairs, block_expert,
                   + offs_k[:, None] * stride_bk)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        s_rows = s_ptr + e.to(tl.int64) * stride_se + (offs_n // QBN) * stride_sn
+        s_up = s_ptr + e.to(tl.int64) * stride_se + ((N + offs_n) // QBN) * stride_sn
         for k0 in range(0, K, BLOCK_K):
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if FP8:
+                sc = tl.load(s_rows + k0 // QBK, mask=n_ok, other=0.0)
+                b = (b.to(tl.float32) * sc[None, :]).to(a.dtype)
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             if SILU_MUL:
                 b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :],
                                other=0.0)
+                if FP8:
+                    sc_up = tl.load(s_up + k0 // QBK, mask=n_ok, other=0.0)
+                    b_up = (b_up.to(tl.float32) * sc_up[None, :]).to(a.dtype)
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
@@ -140,13 +151,18 @@ def _launch(a, b, c, weights, align, n: int, k: int, *, gather: bool, silu_mul: 
             weighted: bool, top_k: int, cfg: MoEConfig) -> None:
     grid = (align.num_blocks, triton.cdiv(n, cfg.block_n))
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
+    fp8 = isinstance(b, Fp8Weight)
+    q, s = (b.q, b.scale) if fp8 else (b, b)
+    qbn, qbk = b.block if fp8 else (1, 1)
+    block_k = min(cfg.block_k, qbk) if fp8 else cfg.block_k
     _grouped_gemm_kernel[grid](
-        a, b, c, weights, align.sorted_pairs, align.block_expert,
+        a, q, s, c, weights, align.sorted_pairs, align.block_expert,
         align.num_pairs, align.num_experts, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
-        c.stride(0), c.stride(1),
+        a.stride(0), a.stride(1), q.stride(0), q.stride(1), q.stride(2),
+        s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, c.stride(0), c.stride(1),
         TOP_K=top_k, GATHER_TOKENS=gather, SILU_MUL=silu_mul, WEIGHTED=weighted,
-        PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        FP8=fp8, QBN=qbn, QBK=qbk,
+        PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -156,24 +172,33 @@ def _check(x, w13, w2, topk_weights, topk_ids) -> None:
                          f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
     T, H = x.shape
     E, F2, H13 = w13.shape
-    if H13 != H or w2.shape != (E, H, F2 // 2) or F2 % 2:
+    if H13 != H or tuple(w2.shape) != (E, H, F2 // 2) or F2 % 2:
         raise ValueError(f"fused_moe: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not "
                          f"match x [T, {H}] as [E, 2F, H] and [E, H, F]")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights "
                          f"{tuple(topk_weights.shape)} must both be [T={T}, k]")
-    if w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"fused_moe: x, w13 and w2 must share a dtype, got {x.dtype}, "
-                         f"{w13.dtype}, {w2.dtype}")
-    if w13.stride(2) != 1 or w2.stride(2) != 1:
+    fp8 = [isinstance(w, Fp8Weight) for w in (w13, w2)]
+    if fp8[0] != fp8[1] or (not fp8[0] and (w13.dtype != x.dtype or w2.dtype != x.dtype)):
+        raise ValueError(f"fused_moe: w13 and w2 must both be FP8 weights or share x's dtype, "
+                         f"got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if fp8[0]:
+        qbk = w13.block[1]
+        if w13.block != w2.block or qbk < 16 or qbk & (qbk - 1):
+            raise ValueError(f"fused_moe: FP8 experts need one block size whose width is a "
+                             f"power of two >= 16, got blocks {w13.block} and {w2.block}")
+    q13, q2 = (w13.q, w2.q) if fp8[0] else (w13, w2)
+    if q13.stride(2) != 1 or q2.stride(2) != 1:
         raise ValueError("fused_moe: w13 and w2 need unit stride along their last dim")
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+def fused_moe(x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight,
+              topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, impl: str = "auto",
               config: MoEConfig | GemvConfig | None = None) -> torch.Tensor:
     """The experts' weighted sum per token (module docstring). x [T, H]; w13 [E, 2F, H] (gate
-    rows, then up rows); w2 [E, H, F]; topk_weights [T, k]; topk_ids [T, k] (in 0..E-1).
+    rows, then up rows); w2 [E, H, F] (both tensors of x's dtype, or both FP8 weights with
+    block scales, :class:`~bole.ops.fp8.Fp8Weight`); topk_weights [T, k]; topk_ids [T, k].
     Returns [T, H] in x's dtype. ``impl``: "triton" (the kernels; CUDA, or CPU under
     TRITON_INTERPRET=1), "torch" (:func:`moe_reference`), "auto" (triton on CUDA).
     ``config``: a :class:`MoEConfig` (the grouped GEMMs), a :class:`GemvConfig` (the

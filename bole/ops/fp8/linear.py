@@ -1,0 +1,116 @@
+"""``y = x @ w.T`` with ``w`` held in FP8 with block scales, read as FP8.
+
+At decode and verify widths (at most :data:`KERNEL_ROWS` rows) one program computes
+``BLOCK_N`` output columns: it streams its FP8 rows in ``[BLOCK_N, BLOCK_K]`` tiles, each step
+inside one scale block along K (``BLOCK_K`` divides the block's width), dequantizes the tile
+in fp32 with the step's per-row scales, rounds it to x's dtype (the dequantized weight's own
+values) and multiplies with tensor cores, the rows of x padded to 16. Bytes read: one per
+weight, against two in bf16. Wider inputs (prefill chunks) dequantize the weight into x's dtype
+and run cuBLAS: the product then costs its compute, not its read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from bole.ops.fp8.blockwise import Fp8Weight, StackedWeight
+from bole.ops.triton_utils import fix_interpreter_scalar_index, interpreting
+
+__all__ = ["fp8_linear", "stacked_linear", "KERNEL_ROWS"]
+
+fix_interpreter_scalar_index()
+
+#: the most rows the kernel takes (more: dequantize, then cuBLAS)
+KERNEL_ROWS = 64
+
+
+@triton.jit
+def _fp8_linear_kernel(x, q, s, bias, y, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+                       QBN: tl.constexpr, QBK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    n_ok = n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        xt = tl.load(x + m[:, None] * stride_xm + k[None, :], mask=(m < M)[:, None] & k_ok[None, :],
+                     other=0.0)
+        wt = tl.load(q + n[:, None].to(tl.int64) * stride_qn + k[None, :],
+                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        st = tl.load(s + (n // QBN) * stride_sn + k0 // QBK, mask=n_ok, other=0.0)
+        wd = (wt.to(tl.float32) * st[:, None]).to(xt.dtype)
+        acc = tl.dot(xt, tl.trans(wd), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y + m[:, None] * stride_ym + n[None, :], acc.to(y.dtype.element_ty),
+             mask=(m < M)[:, None] & n_ok[None, :])
+
+
+def _kernel_tiles(w: Fp8Weight) -> tuple[int, int] | None:
+    """(BLOCK_N, BLOCK_K) for ``w``'s blocks, or None where the kernel cannot step inside one
+    scale block (a block width that is not a power of two of at least 16)."""
+    bk = w.block[1]
+    if bk < 16 or bk & (bk - 1):
+        return None
+    return 64, min(bk, 128)
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None, kernel: bool | None = None) -> torch.Tensor:
+    """``x [..., K] @ dequantize(w).T (+ bias)`` in x's dtype. ``kernel``: the FP8 kernel (CUDA,
+    or the interpreter on CPU), default where it applies (at most :data:`KERNEL_ROWS` rows);
+    otherwise the weight is dequantized into x's dtype for ``F.linear``. ``out``: an [M, N]
+    tensor of x's dtype to write into (2-D x)."""
+    if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"fp8_linear takes x [..., K] and a 2-D weight [N, K], got "
+                         f"{tuple(x.shape)} and {tuple(w.shape)}")
+    rows = x.reshape(-1, x.shape[-1])
+    M, N = rows.shape[0], w.shape[0]
+    tiles = _kernel_tiles(w)
+    on_device = x.device.type == "cuda" or interpreting()
+    if kernel is None:
+        kernel = on_device and tiles is not None and M <= KERNEL_ROWS
+    if not kernel:
+        wd = w.dequantize(x.dtype)
+        if out is None:
+            return F.linear(x, wd, bias)
+        return torch.mm(x, wd.t(), out=out) if bias is None else torch.addmm(bias, x, wd.t(), out=out)
+    if tiles is None or M > KERNEL_ROWS:
+        raise ValueError(f"the FP8 kernel takes at most {KERNEL_ROWS} rows and blocks whose width "
+                         f"is a power of two >= 16; got {M} rows, block {w.block}")
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    if w.q.stride(-1) != 1 or w.scale.stride(-1) != 1:
+        raise ValueError("the FP8 kernel reads q and scale with unit stride along K")
+    y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M and N:
+        block_n, block_k = tiles
+        _fp8_linear_kernel[(triton.cdiv(N, block_n),)](
+            rows, w.q, w.scale, bias if bias is not None else rows, y, M, N, rows.shape[1],
+            rows.stride(0), w.q.stride(0), w.scale.stride(0), y.stride(0),
+            QBN=w.block[0], QBK=w.block[1], HAS_BIAS=bias is not None,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k)
+    return y if out is not None else y.view(*x.shape[:-1], N)
+
+
+def stacked_linear(x: torch.Tensor, w: StackedWeight, linear_fn, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[linear_fn(x, p) for p in w.parts]`` side by side, written into one ``[..., N]``
+    output (``out`` when given)."""
+    N = w.shape[0]
+    y = out if out is not None else torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    flat = y.view(-1, N)
+    rows = x.reshape(-1, x.shape[-1])
+    col = 0
+    for p in w.parts:
+        n = p.shape[0]
+        flat[:, col:col + n] = linear_fn(rows, p)
+        col += n
+    return y

@@ -22,6 +22,7 @@ def run(model_dir: str | Path = BUNDLED_MODEL, prompt: str | None = None, max_to
 
     from bole.assets import code_prompts
     from bole.engine import Engine, GenerationParams, SpecConfig, default_drafter
+    from bole.speculative.drafters.registry import drafter_info
     from bole.models.qwen3_hybrid import HybridModel
 
     model_dir = Path(model_dir)
@@ -46,7 +47,7 @@ def run(model_dir: str | Path = BUNDLED_MODEL, prompt: str | None = None, max_to
         runs[mode] = (result, time.perf_counter() - t0, engine.text(result, params))
     (spec, spec_s, text), (ar, ar_s, _) = runs["bole"], runs["ar"]
     who = "the bundled model" if model_dir.resolve() == BUNDLED_MODEL.resolve() else model_dir.name
-    source = "its MTP head" if drafter == "mtp" else "n-gram lookup"
+    source = drafter_info(drafter).help
     print(f"Bole demo 1/2: {who} ({device}, {str(dtype)[6:]}) continues a prompt; {source} drafts "
           f"a depth-{depth}, top-{topk} tree of up to {budget} nodes per round\n")
     print(prompt + text)

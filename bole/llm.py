@@ -34,6 +34,7 @@ from bole.engine import (Engine, GenerationParams, GenerationResult, SpecConfig,
                          default_drafter)
 from bole.engine.engine import DEFAULT_TREE
 from bole.speculative import sampling
+from bole.speculative.drafters.registry import FALLBACK_DRAFTER, drafter_info
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "TokenLogprob"]
 
@@ -183,9 +184,10 @@ class LLM:
         dev = _device(device)
         dt = _dtype(dtype, dev)
         # everything that can be checked without the weights is checked first
-        SpecConfig(mode, drafter or "ngram", depth, topk, budget).validate()
-        if drafter == "draft" and draft_model is None and mode != "ar":
-            raise ValueError("drafter='draft' needs draft_model, a draft checkpoint's folder")
+        SpecConfig(mode, drafter or FALLBACK_DRAFTER, depth, topk, budget).validate()
+        if (drafter is not None and drafter_info(drafter).needs_draft_model
+                and draft_model is None and mode != "ar"):
+            raise ValueError(f"drafter={drafter!r} needs draft_model, a draft checkpoint's folder")
         if max_batch < 1 or max_len < 2:
             raise ValueError(f"need max_batch >= 1 and max_len >= 2, got {max_batch}, {max_len}")
         context = HybridConfig.from_pretrained(folder).max_position_embeddings
@@ -202,7 +204,7 @@ class LLM:
         drafts = (HybridModel.from_pretrained(_checkpoint_folder(draft_model), dtype=dt,
                                               device=dev) if draft_model is not None else None)
         if drafter is None:
-            drafter = "draft" if drafts is not None else default_drafter(self.model)
+            drafter = default_drafter(self.model, drafts)
         self.spec = SpecConfig(mode, drafter, depth, topk, budget)
         self.engine = Engine(self.model, self.spec, max_slots=max_batch, max_len=max_len,
                              tokenizer=self.tokenizer, draft_model=drafts)

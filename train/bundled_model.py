@@ -7,7 +7,7 @@ plus one MTP layer, on the Python standard library's own source (every machine h
 Writes an HF-format checkpoint (config.json, safetensors shards <= 15 MB, the MTP head as mtp.*
 tensors in mtp.safetensors, tokenizer.json), train/eval losses in train_log.json, and a model card.
 The model is transformers' Qwen3_5ForCausalLM (fla's kernels on the GPU when installed); the MTP
-head follows Bole's runtime convention (bole/speculative/mtp.py): at position p it reads
+head follows Bole's runtime convention (bole/speculative/drafters/mtp.py): at position p it reads
 [norm(embed(x_p)) | norm(h_{p-1})] and predicts x_{p+1}, with h the final-norm hidden state.
 """
 
@@ -177,7 +177,7 @@ def losses(model, mtp, batch: torch.Tensor, mtp_steps: int = 1):
 
     MTP step 1 at position p reads embed(x_p) and the target's h_{p-1} and predicts x_{p+1}; step
     k > 1 reads embed(x_p) and step k-1's own output at p - 1 and predicts x_{p+1} — exactly how the
-    drafter chains the head for deeper tree nodes (bole/speculative/mtp.py).
+    drafter chains the head for deeper tree nodes (bole/speculative/drafters/mtp.py).
     """
     inputs, targets = batch[:, :-1], batch[:, 1:]
     out = model.model(input_ids=inputs, use_cache=False)

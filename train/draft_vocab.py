@@ -1,5 +1,5 @@
 """Count a checkpoint's tokens over a corpus: the ``token_counts.json`` that a reduced draft
-vocabulary (``--draft-vocab N``, bole/speculative/draft_vocab.py) ranks tokens by.
+vocabulary (``--draft-vocab N``, bole/speculative/drafters/draft_vocab.py) ranks tokens by.
 
     python train/draft_vocab.py --model CHECKPOINT --corpus FILE [FILE ...]
     python train/draft_vocab.py --bundled       # the bundled model: its training split of the
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bole.assets import BUNDLED_MODEL  # noqa: E402
-from bole.speculative.draft_vocab import COUNTS_FILE, frequent_ids  # noqa: E402
+from bole.speculative.drafters.draft_vocab import COUNTS_FILE, frequent_ids  # noqa: E402
 
 
 def count(ids: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Measure the bundled model's MTP acceptance profile (issue 23) and fit the published one.
 
-The replay drafter (bole/speculative/replay.py) needs Sequoia's positional acceptance vector
+The replay drafter (bole/speculative/drafters/replay.py) needs Sequoia's positional acceptance vector
 p_1..p_k of a drafter: p_i = P(the rank-i proposal at an on-path node is the target's greedy token).
 
 ``bundled``: the bundled model decodes held-out prompts greedily (plain decoding, fp32, CPU). Then,
@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT))
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
 from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
-from bole.speculative.draft_vocab import draft_vocab_ids  # noqa: E402
-from bole.speculative.mtp import MTPDrafter  # noqa: E402
-from bole.speculative.replay import AcceptanceProfile, chain_accept_length  # noqa: E402
+from bole.speculative.drafters.draft_vocab import draft_vocab_ids  # noqa: E402
+from bole.speculative.drafters.mtp import MTPDrafter  # noqa: E402
+from bole.speculative.drafters.replay import AcceptanceProfile, chain_accept_length  # noqa: E402
 from bole.speculative.tree_growth import NodeTable  # noqa: E402
 from bole.engine.runner import ModelRunner  # noqa: E402
 
@@ -319,7 +319,7 @@ def main(argv=None) -> int:
                     help="also write the qwen3-next-mtp profile (fitted) here")
     ap.add_argument("--draft-vocab", type=int, nargs="+", default=[],
                     help="also measure the same chains with the head drafting over only this many "
-                         "most frequent tokens (bole/speculative/draft_vocab.py), each size")
+                         "most frequent tokens (bole/speculative/drafters/draft_vocab.py), each size")
     ap.add_argument("--vocab-out", default=None,
                     help="write the draft-vocabulary sweep's JSON here (and its plot beside it)")
     args = ap.parse_args(argv)

@@ -16,6 +16,7 @@ import torch
 
 from bole.engine import MODES, Engine, GenerationParams, SpecConfig
 from bole.models.qwen3_hybrid import HybridModel
+from bole.speculative.drafters.registry import FALLBACK_DRAFTER, drafter_info
 
 
 @dataclass
@@ -53,7 +54,7 @@ def repetitive_prompts(vocab: int, count: int, length: int, seed: int = 0) -> li
 
 def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_tokens: int = 64,
               depth: int = 8, topk: int = 4, budget: int = 32, seed: int = 0,
-              drafter: str = "ngram", batches: tuple[int, ...] | None = None,
+              drafter: str = FALLBACK_DRAFTER, batches: tuple[int, ...] | None = None,
               cuda_graphs: bool | None = None, progress: bool = False,
               acceptance: str | None = None, draft_vocab: int = 0,
               forced_acceptance: bool = False, budget_policy: str = "fixed",
@@ -70,7 +71,7 @@ def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_
         work = [prompts[i % len(prompts)] for i in range(batch)]
         outputs: dict[str, list[list[int]]] = {}
         continuations = None
-        if drafter == "replay":
+        if drafter_info(drafter).replays_continuation:
             ar_engine = Engine(model, SpecConfig(mode="ar"), max_slots=batch,
                                max_len=max(len(p) for p in work) + max_tokens + 2,
                                cuda_graphs=cuda_graphs)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from bole.cli.common import (UsageError, check_positive, load_model, load_tokenizer, pick_device,
                              spec_from_args)
+from bole.speculative.drafters.registry import FALLBACK_DRAFTER, drafter_info
 
 
 def bench(args) -> int:
@@ -20,12 +21,13 @@ def bench(args) -> int:
         check_positive(batches=b)
     device = pick_device(args.device)
     args.mode = "bole"
-    spec = spec_from_args(args, args.drafter or "ngram")
-    if args.forced_acceptance and spec.drafter != "replay":
+    spec = spec_from_args(args, args.drafter or FALLBACK_DRAFTER)
+    drafter_needs = drafter_info(spec.drafter)
+    if args.forced_acceptance and not drafter_needs.replays_continuation:
         raise UsageError("--forced-acceptance replays a known continuation: it needs "
                          "--drafter replay")
-    if spec.drafter == "replay":
-        from bole.speculative.replay import AcceptanceProfile
+    if drafter_needs.needs_acceptance_profile:
+        from bole.speculative.drafters.replay import AcceptanceProfile
         try:
             AcceptanceProfile.load(args.acceptance or "")
         except ValueError as exc:
@@ -33,7 +35,8 @@ def bench(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(
         args.dtype, torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tokenizer = None
-    model, name, folder = load_model(args, device, dtype, mtp=args.drafter in ("mtp", "replay"))
+    model, name, folder = load_model(args, device, dtype, mtp=args.drafter is not None
+                                     and drafter_needs.on_device)
     if folder is not None:
         if (folder / "tokenizer.json").is_file():
             tokenizer = load_tokenizer(folder)

@@ -6,6 +6,7 @@ import sys
 
 from bole.cli.common import (UsageError, check_positive, checkpoint_folder, load_tokenizer,
                              pick_device, read_prompt, spec_from_args)
+from bole.speculative.drafters.registry import FALLBACK_DRAFTER
 
 
 def _prompt_ids(args, tokenizer, folder) -> list[int]:
@@ -56,7 +57,7 @@ def generate(args) -> int:
     folder = checkpoint_folder(args.model, need_tokenizer=True)
     if args.draft_model:
         checkpoint_folder(args.draft_model, need_tokenizer=False)
-    spec_from_args(args, args.drafter or "ngram")
+    spec_from_args(args, args.drafter or FALLBACK_DRAFTER)
     tokenizer = load_tokenizer(folder)
     ids = _prompt_ids(args, tokenizer, folder)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -64,7 +65,7 @@ def generate(args) -> int:
                                         tp=getattr(args, "tp_group", None))
     draft_model = (HybridModel.from_pretrained(args.draft_model, dtype=dtype, device=device)
                    if args.draft_model else None)
-    drafter = args.drafter or ("draft" if draft_model is not None else default_drafter(model))
+    drafter = args.drafter or default_drafter(model, draft_model)
     spec = spec_from_args(args, drafter)
     eos = () if args.ignore_eos else tuple(model.config.eos_token_id)
     params = GenerationParams(max_tokens=args.max_tokens,

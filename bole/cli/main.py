@@ -15,6 +15,7 @@ from bole.cli.common import (UsageError, check_positive, checkpoint_folder, load
                              spec_from_args)
 from bole.cli.generate import generate
 from bole.cli.parser import build_parser
+from bole.speculative.drafters.registry import FALLBACK_DRAFTER
 
 
 def _demo(args) -> int:
@@ -42,7 +43,7 @@ def _calibrate(args) -> int:
         raise UsageError(f"--eps must be >= 0, got {args.eps}")
     device = pick_device(args.device)
     args.mode = "bole"
-    spec = spec_from_args(args, "ngram")
+    spec = spec_from_args(args, FALLBACK_DRAFTER)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model, _, _ = load_model(args, device, dtype)
     profile = calibrate_model(model, spec, args.batches, eps=args.eps, context=args.context,

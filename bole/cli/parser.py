@@ -7,14 +7,15 @@ import argparse
 from bole.assets import BUNDLED_MODEL
 from bole.cli.common import HelpFormatter
 from bole.config import GDN_SHAPES
-from bole.engine.engine import DEFAULT_TREE, DRAFTERS, MAX_BUDGET, MAX_DEPTH, MAX_TOPK, MODES
+from bole.engine.engine import DEFAULT_TREE, MAX_BUDGET, MAX_DEPTH, MAX_TOPK, MODES
+from bole.speculative.drafters.registry import drafter_names
 
 
 #: drafters by command: generate and serve draft for real requests (no known continuation, so no
 #: replay); bench has no draft model to load
-GENERATE_DRAFTERS = tuple(d for d in DRAFTERS if d != "replay")
-BENCH_DRAFTERS = tuple(d for d in DRAFTERS if d != "draft")
-SERVE_DRAFTERS = tuple(d for d in DRAFTERS if d not in ("draft", "replay"))
+GENERATE_DRAFTERS = drafter_names(replays=False)
+BENCH_DRAFTERS = drafter_names(draft_model=False)
+SERVE_DRAFTERS = drafter_names(replays=False, draft_model=False)
 
 
 def _prompt_options(p: argparse.ArgumentParser, required: bool, what: str) -> None:
@@ -27,7 +28,7 @@ def _prompt_options(p: argparse.ArgumentParser, required: bool, what: str) -> No
 def _acceptance_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--acceptance", default=None,
                    help="the replay drafter's acceptance profile: bundled, qwen3-next-mtp or a "
-                        "JSON file (bole/speculative/replay.py)")
+                        "JSON file (bole/speculative/drafters/replay.py)")
 
 
 def _tp_option(p: argparse.ArgumentParser) -> None:

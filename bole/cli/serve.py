@@ -10,6 +10,7 @@ from bole.assets import BUNDLED_MODEL
 from bole.cli.common import (UsageError, check_positive, checkpoint_folder, load_tokenizer,
                              pick_device, set_rank_device, spec_from_args)
 from bole.cli.parser import build_parser
+from bole.speculative.drafters.registry import FALLBACK_DRAFTER
 
 __all__ = ["serve", "serve_tp"]
 
@@ -30,7 +31,7 @@ def _serve_checks(args) -> Path:
         raise UsageError(f"--port must lie in 1..65535, got {args.port}")
     pick_device(args.device)
     folder = checkpoint_folder(args.model, need_tokenizer=True)
-    spec_from_args(args, args.drafter or "ngram")
+    spec_from_args(args, args.drafter or FALLBACK_DRAFTER)
     context = HybridConfig.from_pretrained(folder).max_position_embeddings
     if args.max_len > context:
         raise UsageError(f"--max-len {args.max_len} exceeds the model's context of {context}")

@@ -28,20 +28,22 @@ from bole.engine.round import RoundRunner, RoundTimings
 from bole.engine.runner import PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunner, prefill_bucket
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.accept_device import sample_rows
+from bole.speculative.drafters import registry as drafters
 from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams, penalize_params, target_probs
 from bole.speculative.tree_growth import node_capacity
 
 MODES = ("ar", "bole", "tree-serial", "chain")
-DRAFTERS = ("ngram", "mtp", "draft", "replay")
+DRAFTERS = drafters.drafter_names()
 #: documented limits of the tree shape (a wider tree costs more than it can gain)
 MAX_TOPK = 16
 MAX_DEPTH = 15
 MAX_BUDGET = 256
 
 
-def default_drafter(model: HybridModel) -> str:
-    """The checkpoint's MTP head when it has one, else n-gram lookup."""
-    return "mtp" if model.has_mtp_head else "ngram"
+def default_drafter(model: HybridModel, draft_model: HybridModel | None = None) -> str:
+    """A separate draft model when one is given, else the checkpoint's MTP head when it has
+    one, else n-gram lookup."""
+    return drafters.default_drafter(model.has_mtp_head, draft_model is not None)
 
 
 #: the default draft tree (depth, children per expanded node, nodes per request): the fastest
@@ -52,12 +54,12 @@ DEFAULT_TREE = (6, 4, 16)
 @dataclass(frozen=True)
 class SpecConfig:
     mode: str = "bole"
-    drafter: str = "ngram"
+    drafter: str = drafters.FALLBACK_DRAFTER
     depth: int = DEFAULT_TREE[0]
     topk: int = DEFAULT_TREE[1]
     budget: int = DEFAULT_TREE[2]
     #: the replay drafter's acceptance profile: a shipped name ("bundled", "qwen3-next-mtp")
-    #: or a JSON file (bole/speculative/replay.py)
+    #: or a JSON file (bole/speculative/drafters/replay.py)
     acceptance: str | None = None
     #: which drafted nodes a verify takes (bole/engine/selection.py): "fixed" (every request its
     #: tree), "global" (the batch's best ``shared_budget`` draft nodes), "calibrated" (the
@@ -68,7 +70,7 @@ class SpecConfig:
     shared_budget: int = 0
     root_floor: int = 1
     #: the MTP head drafts over this many most frequent tokens (0: the whole vocabulary;
-    #: bole/speculative/draft_vocab.py); verification always uses the whole vocabulary
+    #: bole/speculative/drafters/draft_vocab.py); verification always uses the whole vocabulary
     draft_vocab: int = 0
     #: benchmarks only, with the replay drafter: greedy acceptance takes the known continuation
     #: as the target's choice (the verify forward still runs in full). Random weights in bf16
@@ -83,12 +85,11 @@ class SpecConfig:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.drafter not in DRAFTERS:
-            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        drafter = drafters.drafter_info(self.drafter)
         from bole.engine.selection import POLICIES
         if self.budget_policy not in POLICIES:
             raise ValueError(f"budget_policy must be one of {POLICIES}, got {self.budget_policy!r}")
-        if self.forced_acceptance and self.drafter != "replay":
+        if self.forced_acceptance and not drafter.replays_continuation:
             raise ValueError("forced_acceptance replays a known continuation: it needs the "
                              "replay drafter")
         if self.draft_vocab < 0:
@@ -97,7 +98,7 @@ class SpecConfig:
         if 0 < self.draft_vocab < self.topk:
             raise ValueError(f"a draft vocabulary of {self.draft_vocab} tokens cannot give "
                              f"top-{self.topk} proposals; make it at least topk")
-        if self.draft_vocab and self.drafter not in ("mtp", "replay"):
+        if self.draft_vocab and not drafter.takes_draft_vocab:
             raise ValueError(f"draft_vocab restricts the MTP head's proposals; the "
                              f"{self.drafter} drafter has none (leave it at 0)")
         if self.root_floor < 0:
@@ -109,9 +110,9 @@ class SpecConfig:
             eps = self.budget_eps
             if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1e9:
                 raise ValueError(f"budget_eps must be a finite number in [0, 1e9), got {eps!r}")
-        if self.drafter == "replay" and self.mode != "ar" and not self.acceptance:
-            raise ValueError("the replay drafter needs an acceptance profile (--acceptance "
-                             "bundled, qwen3-next-mtp or a JSON file)")
+        if drafter.needs_acceptance_profile and self.mode != "ar" and not self.acceptance:
+            raise ValueError(f"the {self.drafter} drafter needs an acceptance profile "
+                             "(--acceptance bundled, qwen3-next-mtp or a JSON file)")
         if not (1 <= self.depth <= MAX_DEPTH and 1 <= self.topk <= MAX_TOPK
                 and 2 <= self.budget <= MAX_BUDGET):
             raise ValueError(f"need 1 <= depth <= {MAX_DEPTH}, 1 <= topk <= {MAX_TOPK} and "
@@ -238,8 +239,9 @@ class Engine:
                "decode": ("torch-decode", "triton-decode")}
         self.cache = model.new_cache(max_slots, max_len)
         self.runner = ModelRunner(model, self.cache, gdn_backend or gdn[spec.gdn][on_gpu])
-        if spec.drafter == "draft" and draft_model is None and spec.mode != "ar":
-            raise ValueError("the draft drafter needs a draft_model (--draft-model)")
+        if (drafters.drafter_info(spec.drafter).needs_draft_model and draft_model is None
+                and spec.mode != "ar"):
+            raise ValueError(f"the {spec.drafter} drafter needs a draft_model (--draft-model)")
         if spec.budget_policy == "goodput" and spec.mode != "ar" and model.tp.world > 1:
             raise ValueError("the goodput policy decides each round on each rank's host from "
                              "its own timings, which tensor-parallel ranks must not do apart: "

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from bole.engine.draft_model import DraftModelDrafter
 from bole.engine.graphs import GraphRunner
 from bole.engine.selection import FIT_EVERY, BudgetPolicy, select
 from bole.engine.runner import (PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunner,
@@ -35,9 +34,9 @@ from bole.engine.runner import (PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunn
 from bole.forest import DenseForest
 from bole.speculative.accept_device import SamplingBatch, accept, draw_uniforms
 from bole.speculative.calibration import learnt_acceptance
-from bole.speculative.draft_tree import build_draft_trees, per_request
-from bole.speculative.drafters import NgramDrafter
-from bole.speculative.mtp import MTPDrafter
+from bole.speculative.drafters.base import DrafterSetup
+from bole.speculative.drafters.host_growth import build_draft_trees
+from bole.speculative.drafters.registry import build_drafter
 from bole.speculative.penalties import PenaltyCounts, penalize_forest
 from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams
 from bole.speculative.tree_growth import TreeGrowth
@@ -306,11 +305,8 @@ class RoundRunner:
         self.D = 0 if self.ar else spec.depth
         self.topk = 1 if spec.mode == "chain" else spec.topk
         self.K = 1 if self.ar else self.topk
-        self.growth_capacity = 0
         self.policy = BudgetPolicy(spec, self.T, budget_profile) if not self.ar else \
             BudgetPolicy(type(spec)(mode="ar"), 1)
-        self.mtp = self.draft = None
-        self.ngram = NgramDrafter()
         #: the goodput policy's acceptance estimates, learnt from the rounds of every runner of
         #: this model and drafter in the process
         self.calibrator = learnt_acceptance(
@@ -318,21 +314,12 @@ class RoundRunner:
                          spec.forced_acceptance), self.device) \
             if self.policy.policy == "goodput" else None
         self._rounds_since_fit = 0
-        if not self.ar and spec.drafter in ("mtp", "replay"):
-            from bole.speculative.tree_growth import node_capacity
-            self.growth_capacity = node_capacity(self.topk, self.D)
-            from bole.speculative.draft_vocab import draft_vocab_ids
-            self.mtp = MTPDrafter(self.model, max_slots, self.cache.max_len,
-                                  self.growth_capacity,
-                                  vocab_ids=draft_vocab_ids(self.model, spec.draft_vocab))
-            if spec.drafter == "replay":
-                # the real head runs for its cost; its proposals are replaced by a profile's
-                from bole.speculative.replay import AcceptanceProfile, ReplayDrafter
-                self.mtp = ReplayDrafter(self.mtp, AcceptanceProfile.load(spec.acceptance),
-                                         max_slots, self.cache.max_len)
-        if not self.ar and spec.drafter == "draft":
-            self.draft = DraftModelDrafter(draft_model, self.model.config.vocab_size, max_slots,
-                                           self.cache.max_len, scratch=self.scratch)
+        #: the round's one drafter, chosen once (None in plain decoding); the device drafter
+        #: grows trees in the draft graph, a host drafter's trees are uploaded
+        self.drafter = None if self.ar else build_drafter(spec.drafter, DrafterSetup(
+            self.model, max_slots, self.cache.max_len, self.D, self.topk, self.scratch,
+            spec.acceptance, spec.draft_vocab, draft_model, ModelRunner))
+        self.device_drafter = self.drafter if self.drafter and self.drafter.on_device else None
         self.buffers: dict[int, RoundBuffers] = {}
         #: per-slot output counts and prompt tokens of penalised requests (start_penalties)
         self.penalties: PenaltyCounts | None = None
@@ -399,7 +386,7 @@ class RoundRunner:
         b.remaining.zero_()
         b.sampling.flags = flags
         b.budget.fill_(self.policy.budget(R))
-        for depth in self.policy.draft_depths() if self.mtp is not None else ():
+        for depth in self.policy.draft_depths() if self.device_drafter is not None else ():
             if not self.graphs.has(("draft", R, depth)):
                 self.graphs.capture(("draft", R, depth), lambda d=depth: self._draft(b, d))
         vkey, akey = _round_keys(R, W, kind, b.sampling.flags, learn)
@@ -430,8 +417,8 @@ class RoundRunner:
         b = self._prefill_buffers(R, T)
         slots = b.slots
         logits, hidden = self.runner.prefill_rows(slots, b.tokens, b.lengths)
-        if self.mtp is not None:
-            self.mtp.observe_prompt_rows(slots, b.tokens, hidden, b.lengths)
+        if self.device_drafter is not None:
+            self.device_drafter.observe_prompt_rows(slots, b.tokens, hidden, b.lengths)
         return logits
 
     def prefill(self, slots: list[int], prompts: list[torch.Tensor],
@@ -469,7 +456,7 @@ class RoundRunner:
         fewer) into the round's buffers."""
         ctx = self.cache.lengths[b.slots.long()]
         limit = torch.where(b.active, (b.remaining - 1).clamp(0, depth), 0)
-        step = self.mtp.step_fn(b.slots, ctx, self.topk)
+        step = self.device_drafter.step_fn(b.slots, ctx, self.topk)
         key = (b.R, depth)
         if key not in self.growth:
             self.growth[key] = TreeGrowth(b.R, self.topk, depth, self.T, self.device)
@@ -511,8 +498,8 @@ class RoundRunner:
         R, W = tokens.shape
         raw = logits = out.logits.view(R, W, -1)
         forced = None
-        if self.spec.forced_acceptance and self.mtp is not None:
-            forced = self.mtp.forced_targets(b.slots, batch.ctx_lens, batch.forest.depth)
+        if self.spec.forced_acceptance and self.device_drafter is not None:
+            forced = self.device_drafter.forced_targets(b.slots, batch.ctx_lens, batch.forest.depth)
         sampling = b.sampling.batch()
         if sampling.any_penalty:
             slots = b.slots.long()
@@ -534,8 +521,8 @@ class RoundRunner:
         ctx = batch.ctx_lens
         # a lone root's KV row is its final row; in-place GDN decoding leaves no factors
         path_global = self.runner.commit(batch, out, acc.path, path_len, kv_in_place=W == 1)
-        if self.mtp is not None:
-            self.mtp.observe_accepted(b.slots, tokens, acc.path, path_global, out.hidden, ctx,
+        if self.device_drafter is not None:
+            self.device_drafter.observe_accepted(b.slots, tokens, acc.path, path_global, out.hidden, ctx,
                                       path_len)
         b.emitted.copy_(acc.emitted)
         b.num_emitted.copy_(path_len)
@@ -549,24 +536,20 @@ class RoundRunner:
         ``[P_r, H]``); ``continuations``: plain decoding's output for each (the replay drafter's
         known future, from its first token on), or None."""
         continuations = continuations or [None] * len(slots)
-        if self.mtp is not None:
-            self.mtp.observe_prompts(slots, prompts, hidden)
+        if self.device_drafter is not None:
+            self.device_drafter.observe_prompts(slots, prompts, hidden)
         for slot, prompt, cont in zip(slots, prompts, continuations):
             self._host_drafters_start(slot, prompt, cont)
 
     def _host_drafters_start(self, slot: int, prompt: torch.Tensor, continuation) -> None:
-        if self.spec.drafter == "replay" and self.mtp is not None:
-            self.mtp.set_continuation(slot, continuation or [], start=prompt.numel())
-        if self.draft is not None:
-            self.draft.start(slot, prompt.tolist())
+        if self.drafter is not None:
+            self.drafter.start(slot, prompt, continuation)
 
     def on_release(self, slot: int) -> None:
         for b in self.buffers.values():         # a later request may reuse the slot: rewrite rows
             b.rows = ()
-        if self.mtp is not None:
-            self.mtp.reset(slot)
-        if self.draft is not None:
-            self.draft.finish(slot)
+        if self.drafter is not None:
+            self.drafter.finish(slot)
 
     def _write_rows(self, b: RoundBuffers, requests) -> bool:
         """Per-row inputs after the batch changed: one upload of slots, roots, budgets, params.
@@ -595,10 +578,8 @@ class RoundRunner:
         """Trees from a host drafter (n-gram lookup, a separate draft model), uploaded."""
         roots = [r.out[-1] for r in requests]
         depths = [max(0, min(self.D, r.remaining - 1)) for r in requests]
-        if self.draft is not None:
-            expand = self.draft.batch_expander([r.slot for r in requests])
-        else:
-            expand = per_request([self.ngram.expander(r.prompt + r.out) for r in requests])
+        expand = self.drafter.tree_expander([r.slot for r in requests],
+                                            [r.prompt + r.out for r in requests])
         results = build_draft_trees(roots, expand, depths=depths, topk=self.topk, budget=self.T)
         tokens = torch.zeros(b.R, self.T, dtype=torch.int64)
         parents = torch.full((b.R, self.T), -1, dtype=torch.int64)
@@ -681,9 +662,9 @@ class RoundRunner:
         mark(marks)
         if plain:
             pass                                   # goodput decided drafting does not pay
-        elif self.mtp is not None and not drafted:
+        elif self.device_drafter is not None and not drafted:
             self.graphs.run(("draft", R, depth), lambda: self._draft(b, depth))
-        elif self.mtp is None and not self.ar:
+        elif self.device_drafter is None and not self.ar:
             self._host_trees(b, requests)
         mark(marks)
         verified = self.graphs.run(vkey, lambda: self._verify(b, W, kind))
@@ -752,9 +733,9 @@ class RoundRunner:
         self.last_logprobs = b.logprobs.rows(counts, [r.params.logprobs for r in requests]) \
             if b.sampling.logprobs else [None] * len(requests)
         self.cache.advance([r.slot for r in requests], counts)
-        if self.draft is not None:
+        if self.drafter is not None and not self.drafter.on_device:
             for r, toks in zip(requests, new):
-                self.draft.observe(r.slot, [r.out[-1]] + toks[:-1])
+                self.drafter.observe(r.slot, [r.out[-1]] + toks[:-1])
         t_return = time.perf_counter()
         if next_marks:        # the GPU starts the queued draft at the sync
             self._queued = (tuple(next_marks), t_sync, t_return)
@@ -776,7 +757,7 @@ class RoundRunner:
         timing = dict(draft=ms[0], verify=ms[1], accept_commit=ms[2],
                       host=host, total=total, syncs=1, plain=plain,
                       draft_nodes=draft_nodes, kind=kind, requests=len(requests),
-                      tokens=sum(counts), depth=None if plain or self.mtp is None else depth)
+                      tokens=sum(counts), depth=None if plain or self.device_drafter is None else depth)
         return new, timing
 
     def start_penalties(self, slot: int, prompt: list[int], first: int) -> None:
@@ -793,5 +774,5 @@ class RoundRunner:
         plain; after other rounds it may still be, if this one decides so: the queued draft is
         then dropped, its time counted in the plain round, which goodput does not average),
         and no request can reach its token limit in this round."""
-        return (self.mtp is not None and not plain and not self.policy.looking
+        return (self.device_drafter is not None and not plain and not self.policy.looking
                 and all(r.remaining > self.D + 1 for r in requests))

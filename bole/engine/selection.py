@@ -83,6 +83,7 @@ import torch
 
 from bole.engine.draft_depth import DraftDepth, fill_depths
 from bole.forest import DenseForest
+from bole.speculative.drafters.registry import drafter_info
 from bole.speculative.calibration import AcceptanceCalibrator
 from bole.speculative.budget import (compact, rank_dense, select_dense, spread_width,
                                      width_bucket, width_buckets, width_fill_choice,
@@ -115,8 +116,6 @@ EXPLORE_SHARE = 0.03
 #: whole trees keep winning, the choice's own cost, a selection a stretch, fades)
 WHOLE_ROUNDS = 7
 WHOLE_ROUNDS_MAX = 56
-#: drafters that grow every request's tree to its full size (whole trees fill the verify width)
-DEVICE_DRAFTERS = ("mtp", "replay")
 
 
 @dataclass
@@ -233,8 +232,8 @@ class BudgetPolicy:
         self._free_depth: set[int] = set()        # R: plan's round may take any depth
 
     def _depth_choice(self, spec, T: int) -> DraftDepth | None:
-        if (self.policy != "goodput" or spec.drafter not in DEVICE_DRAFTERS
-                or spec.mode == "ar"):
+        if (self.policy != "goodput" or spec.mode == "ar"
+                or not drafter_info(spec.drafter).on_device):
             return None
         depths = fill_depths(1 if spec.mode == "chain" else spec.topk, spec.depth, T)
         return DraftDepth(depths) if len(depths) > 1 else None
@@ -278,8 +277,10 @@ class BudgetPolicy:
         drafted = self.T - 1
         if not self.shared or drafted < 1:
             return True
-        if self.spec.drafter not in DEVICE_DRAFTERS:
-            return False         # host trees are often small: compacting them narrows the verify
+        if not drafter_info(self.spec.drafter).on_device:
+            # device drafters grow every tree to its full size, host trees are often small:
+            # compacting them narrows the verify
+            return False
         if self.policy in ("global", "calibrated"):
             return all(self.budget(n) >= n * drafted for n in range(1, R + 1))
         t_full = self.t_ver_at_width(R, self.T)

@@ -1,6 +1,6 @@
 """EAGLE-2 draft-tree growth for every request at once, in fixed-shape device tensors.
 
-This is :func:`bole.speculative.draft_tree.build_draft_trees` (same trees, same node order, same
+This is :func:`bole.speculative.drafters.host_growth.build_draft_trees` (same trees, same node order, same
 rho) without host synchronisation, so that a whole drafting round can be captured in a CUDA graph:
 every tensor has a shape fixed by ``(num_requests, topk, depth, budget)``, Python loops run only
 over the static step count, and every selection is a stable sort or a gather.

@@ -74,7 +74,7 @@ def test_engine_outputs_with_batched_admission_equal_one_by_one(model, mode):
 
 
 def test_mtp_observes_prompts_together_as_one_at_a_time(model):
-    from bole.speculative.mtp import MTPDrafter
+    from bole.speculative.drafters.mtp import MTPDrafter
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 128, (n,), generator=gen) for n in (5, 1, 17)]
     hidden = [torch.randn(p.numel(), model.config.hidden_size, generator=gen) for p in prompts]
@@ -198,7 +198,7 @@ def test_admission_prefill_pads_to_a_bucket_and_changes_nothing_else(model):
     spec = SpecConfig("bole", "mtp", depth=2, topk=2, budget=4)
     alone = Engine(model, spec, max_slots=5, max_len=64, cuda_graphs=False)
     rounds = RoundRunner(ModelRunner(model, model.new_cache(5, 64), "torch"), spec, max_slots=5)
-    cache, mtp = rounds.cache, rounds.mtp
+    cache, mtp = rounds.cache, rounds.device_drafter
     bystander = cache.allocate(32)
     rounds.runner.prefill(bystander, torch.tensor([9, 8, 7]))
     before = {n: getattr(cache, n)[:, bystander].clone() for n in ("k", "gdn_state", "conv_state")}
@@ -209,7 +209,7 @@ def test_admission_prefill_pads_to_a_bucket_and_changes_nothing_else(model):
     for r, p in enumerate(prompts):
         s = alone.cache.allocate(32)
         lg, hd = alone.runner.prefill(s, p)
-        alone.rounds.mtp.observe_prompt(s, p, hd)
+        alone.rounds.device_drafter.observe_prompt(s, p, hd)
         torch.testing.assert_close(logits[r], lg, rtol=1e-5, atol=1e-5)
         n = p.numel()
         assert cache.host_lengths[slots[r]] == int(cache.lengths[slots[r]]) == n
@@ -219,9 +219,10 @@ def test_admission_prefill_pads_to_a_bucket_and_changes_nothing_else(model):
         for name in ("gdn_state", "conv_state"):
             torch.testing.assert_close(getattr(cache, name)[:, slots[r]],
                                        getattr(alone.cache, name)[:, s], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(mtp.k[slots[r], :n - 1], alone.rounds.mtp.k[s, :n - 1],
+        head = alone.rounds.device_drafter
+        torch.testing.assert_close(mtp.k[slots[r], :n - 1], head.k[s, :n - 1],
                                    rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(mtp.last_hidden[slots[r]], alone.rounds.mtp.last_hidden[s],
+        torch.testing.assert_close(mtp.last_hidden[slots[r]], head.last_hidden[s],
                                    rtol=1e-5, atol=1e-6)
     for n, t in before.items():
         assert torch.equal(getattr(cache, n)[:, bystander], t)

@@ -179,7 +179,7 @@ def test_mtp_pool_rows_are_the_committed_positions_after_every_round(bundled):
     """After each round the MTP pool's rows of a request's committed positions (row p - 1 for
     position p) and its remembered hidden state equal those of a fresh prefill of the committed
     tokens: the head observes the accepted path at the positions the round started from."""
-    from bole.speculative.mtp import MTPDrafter
+    from bole.speculative.drafters.mtp import MTPDrafter
     model, prompts = bundled
     engine = Engine(model, SpecConfig("bole", "mtp", depth=4, topk=3, budget=12), max_slots=2,
                     max_len=256)
@@ -187,7 +187,7 @@ def test_mtp_pool_rows_are_the_committed_positions_after_every_round(bundled):
     handles = [scheduler.submit(p, GenerationParams(max_tokens=24)) for p in prompts[:2]]
     fresh_runner = ModelRunner(model, model.new_cache(1, 256), "torch")
     fresh = MTPDrafter(model, 1, 256, engine.scratch)
-    mtp = engine.rounds.mtp
+    mtp = engine.rounds.device_drafter
     checked = multi = 0
     while scheduler.step():
         for h in scheduler.running:

@@ -8,8 +8,8 @@ import torch
 
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
-from bole.speculative.mtp import MTPDrafter
-from bole.speculative.replay import AcceptanceProfile, ReplayDrafter
+from bole.speculative.drafters.mtp import MTPDrafter
+from bole.speculative.drafters.replay import AcceptanceProfile, ReplayDrafter
 from bole.ops.replay.kernel import propose_triton
 from bole.speculative.tree_growth import TreeGrowth, node_capacity
 from tests.kernel_utils import DEV

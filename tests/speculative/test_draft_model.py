@@ -51,9 +51,11 @@ def test_draft_model_errors():
 
 
 def test_batched_draft_model_expansion_equals_each_request_alone():
-    from bole.engine.draft_model import DraftModelDrafter
+    from bole.engine.runner import ModelRunner
+    from bole.speculative.drafters.draft_model import DraftModelDrafter
     draft = tiny(2)
-    drafter = DraftModelDrafter(draft, draft.config.vocab_size, max_slots=3, max_len=64)
+    drafter = DraftModelDrafter(draft, draft.config.vocab_size, max_slots=3, max_len=64,
+                                make_runner=ModelRunner)
     for target_slot, prompt in zip((0, 2), PROMPTS):
         drafter.start(target_slot, prompt)
     paths = [[[5], [5, 3]], [[7], [7, 1], [7, 1, 2]]]

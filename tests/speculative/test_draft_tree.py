@@ -5,8 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from bole.speculative.draft_tree import build_draft_trees, per_request
-from bole.speculative.drafters import NgramDrafter
+from bole.speculative.drafters.host_growth import build_draft_trees, per_request
+from bole.speculative.drafters.ngram import NgramDrafter
 
 
 def build_draft_tree(root, expand, *, depth, topk, budget):

@@ -1,4 +1,4 @@
-"""A reduced draft vocabulary (bole/speculative/draft_vocab.py): the MTP head proposes the top-k
+"""A reduced draft vocabulary (bole/speculative/drafters/draft_vocab.py): the MTP head proposes the top-k
 of the draft vocabulary's softmax, output stays plain decoding's, and bad counts are clear errors."""
 
 import json
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from bole.engine import Engine, GenerationParams, SpecConfig
-from bole.speculative.draft_vocab import draft_vocab_ids, frequent_ids, load_counts
-from bole.speculative.mtp import MTPDrafter
+from bole.speculative.drafters.draft_vocab import draft_vocab_ids, frequent_ids, load_counts
+from bole.speculative.drafters.mtp import MTPDrafter
 from bole.speculative.tree_growth import NodeTable, node_capacity
 from tests.speculative.test_mtp import _mtp_model, _setup
 
@@ -81,7 +81,7 @@ def test_engine_output_equals_ar_with_a_reduced_draft_vocabulary(model):
     for mode in ("bole", "chain"):
         spec = SpecConfig(mode=mode, drafter="mtp", depth=3, topk=2, budget=6, draft_vocab=40)
         engine = Engine(model, spec)
-        assert engine.rounds.mtp.vocab_ids.tolist() == list(range(40))   # wired in
+        assert engine.rounds.device_drafter.vocab_ids.tolist() == list(range(40))   # wired in
         res = engine.generate(prompts, params, seed=0)
         assert [r.token_ids for r in res] == [r.token_ids for r in ar]
 

@@ -11,7 +11,7 @@ from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
 from bole.models.weights import mtp_specs
 from bole.speculative.accept_device import accept_greedy
-from bole.speculative.mtp import MTPDrafter
+from bole.speculative.drafters.mtp import MTPDrafter
 from bole.speculative.tree_growth import NodeTable, TreeGrowth, node_capacity
 from bole.tree import DraftTree, PackedForest
 

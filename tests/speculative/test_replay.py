@@ -17,8 +17,8 @@ from bole.forest import DenseForest
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.accept_device import accept_greedy
-from bole.speculative.mtp import MTPDrafter
-from bole.speculative.replay import (SHIPPED_PROFILES, AcceptanceProfile, ReplayDrafter,
+from bole.speculative.drafters.mtp import MTPDrafter
+from bole.speculative.drafters.replay import (SHIPPED_PROFILES, AcceptanceProfile, ReplayDrafter,
                                      chain_accept_length)
 from bole.speculative.tree_growth import TreeGrowth, node_capacity
 from tests.no_sync import forbid_host_sync

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from bole.speculative.draft_tree import build_draft_trees
+from bole.speculative.drafters.host_growth import build_draft_trees
 from bole.forest import DenseForest
 from bole.speculative.tree_growth import (DraftForest, NodeTable, TreeGrowth, node_capacity,
                                            step_slots)

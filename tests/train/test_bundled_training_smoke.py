@@ -42,7 +42,7 @@ def test_transformers_and_bole_agree_and_mtp_means_the_same(trained):
     from transformers import Qwen3_5ForCausalLM
 
     from bole.models.qwen3_hybrid import HybridModel
-    from bole.speculative.mtp import MTPDrafter
+    from bole.speculative.drafters.mtp import MTPDrafter
     mod, out = trained
     hf = Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ours = HybridModel.from_pretrained(out, dtype=torch.float32)

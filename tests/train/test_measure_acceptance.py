@@ -7,7 +7,7 @@ import torch
 
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
-from bole.speculative.replay import chain_accept_length
+from bole.speculative.drafters.replay import chain_accept_length
 from tests.scripts import load_script
 
 DEPTH, RANKS = 3, 4

@@ -1,5 +1,5 @@
 """The MTP head's inputs for an accepted path, in one launch (the CUDA path of
-:meth:`bole.speculative.mtp.MTPDrafter.observe_accepted`).
+:meth:`bole.speculative.drafters.mtp.MTPDrafter.observe_accepted`).
 
     observe_inputs(tree_tokens [R, T], path [R, P], path_global [R, P], hidden [N, H],
                    last_hidden [S, H], slots [R], start [R], count [R], junk_row)

@@ -1,5 +1,5 @@
 """The replay drafter's proposals in one Triton launch (the CUDA path of
-:meth:`bole.speculative.replay.ReplayDrafter._propose`; its torch code is the reference).
+:meth:`bole.speculative.drafters.replay.ReplayDrafter._propose`; its torch code is the reference).
 
     propose_triton(continuation [S + 1, L + 1], row [R], ctx [R], stream [S + 1], slots [R],
                    seed_key, frontier [R, K], table_tokens [R, C], table_depth [R, C], cum [k],
@@ -26,7 +26,7 @@ __all__ = ["propose_triton"]
 
 @triton.jit
 def _fmix31(x):
-    """:func:`bole.speculative.replay._fmix31` on int64 values in ``[0, 2**31)``."""
+    """:func:`bole.speculative.drafters.replay._fmix31` on int64 values in ``[0, 2**31)``."""
     x = x ^ (x >> 16)
     x = (x * 0x05EBCA6B) & 0x7FFFFFFF
     x = x ^ (x >> 13)

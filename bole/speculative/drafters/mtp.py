@@ -26,7 +26,9 @@ from bole.ops.linear import linear
 from bole.ops.topk_softmax import topk_softmax
 from bole.ops.inputs.frontier import frontier_inputs
 from bole.ops.inputs.observe import observe_inputs
-from bole.speculative.tree_growth import step_slots
+from bole.speculative.drafters.base import DrafterInfo, DrafterSetup
+from bole.speculative.drafters.draft_vocab import draft_vocab_ids
+from bole.speculative.tree_growth import node_capacity, step_slots
 
 MTP_LAYER = "mtp.layers.0."
 
@@ -34,10 +36,12 @@ MTP_LAYER = "mtp.layers.0."
 class MTPDrafter:
     """MTP KV pool and last target hidden state per slot; the drafting step and the observe."""
 
+    on_device = True
+
     def __init__(self, model: HybridModel, max_slots: int, max_len: int, scratch: int,
                  vocab_ids: torch.Tensor | None = None):
         """``vocab_ids [V_d]``: the tokens the head drafts over (a reduced draft vocabulary,
-        :mod:`bole.speculative.draft_vocab`); None for the whole vocabulary."""
+        :mod:`bole.speculative.drafters.draft_vocab`); None for the whole vocabulary."""
         missing = [n for n in ("mtp.fc.weight", MTP_LAYER + "self_attn.qkv_proj.weight")
                    if n not in model.w]
         if missing:
@@ -60,6 +64,12 @@ class MTPDrafter:
 
     def reset(self, slot: int) -> None:
         self.last_hidden[slot].zero_()
+
+    def start(self, slot: int, prompt: torch.Tensor, continuation=None) -> None:
+        """Nothing: the prompt's rows come with its prefill (:meth:`observe_prompts`)."""
+
+    def finish(self, slot: int) -> None:
+        self.reset(slot)
 
     # ---- the MTP layer ----
     def _input(self, tokens: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
@@ -188,3 +198,14 @@ class MTPDrafter:
                 probs, tokens = topk_softmax(linear(out, self.head), topk, ids=self.vocab_ids)
             return tokens.view(R, K, topk), probs.view(R, K, topk)
         return step
+
+
+def build(setup: DrafterSetup) -> MTPDrafter:
+    """The checkpoint's head, with scratch rows for a whole grown tree."""
+    return MTPDrafter(setup.model, setup.max_slots, setup.max_len,
+                      node_capacity(setup.topk, setup.depth),
+                      vocab_ids=draft_vocab_ids(setup.model, setup.draft_vocab))
+
+
+INFO = DrafterInfo("mtp", build, on_device=True, takes_draft_vocab=True,
+                   help="the checkpoint's MTP head (on the device)")

@@ -1,22 +1,22 @@
-"""Drafters: what proposes a node's continuations. Each gives an :data:`Expander` for one request.
-
-Implemented here: n-gram prompt lookup (no model). The MTP head drafts on the device
-(:mod:`bole.speculative.mtp`); a separate draft model drives a model runner of its own
-(:mod:`bole.engine.draft_model`).
-"""
+"""N-gram prompt lookup: a host drafter without a model."""
 
 from __future__ import annotations
 
 from collections import Counter
 from typing import Sequence
 
-from bole.speculative.draft_tree import Expander
+from torch import Tensor
+
+from bole.speculative.drafters.base import DrafterInfo, DrafterSetup
+from bole.speculative.drafters.host_growth import BatchExpander, Expander, per_request
 
 
 class NgramDrafter:
     """Prompt lookup: continue the longest recent n-gram (``max_n`` down to ``min_n`` tokens)
     that already occurred in the request's context; candidates are the tokens that followed it,
-    scored by their share of those occurrences (the most recent wins ties)."""
+    scored by their share of those occurrences (the most recent wins ties). Keeps no state."""
+
+    on_device = False
 
     def __init__(self, max_n: int = 4, min_n: int = 1):
         if not 1 <= min_n <= max_n:
@@ -47,3 +47,24 @@ class NgramDrafter:
         def expand(paths, k):
             return [self.lookup(before + list(path), k) for path in paths]
         return expand
+
+    def tree_expander(self, slots: Sequence[int],
+                      histories: Sequence[Sequence[int]]) -> BatchExpander:
+        """One :meth:`expander` per request's ``history`` (prompt and output, root last)."""
+        return per_request([self.expander(h) for h in histories])
+
+    def start(self, slot: int, prompt: Tensor, continuation: Sequence[int] | None) -> None:
+        pass
+
+    def finish(self, slot: int) -> None:
+        pass
+
+    def observe(self, slot: int, tokens: Sequence[int]) -> None:
+        pass
+
+
+def build(setup: DrafterSetup) -> NgramDrafter:
+    return NgramDrafter()
+
+
+INFO = DrafterInfo("ngram", build, on_device=False, help="n-gram lookup in the request's own tokens")

@@ -1,7 +1,7 @@
 """The replay drafter: a real MTP head's cost with a documented acceptance profile.
 
 Random-weight presets (Qwen3.5-9B / 27B) give real cost but no acceptance. The replay drafter runs
-a real MTP head of the preset's size (:class:`bole.speculative.mtp.MTPDrafter` over random weights),
+a real MTP head of the preset's size (:class:`bole.speculative.drafters.mtp.MTPDrafter` over random weights),
 so that drafting costs what it would, and then *replaces* the head's proposals with tokens that make
 the target accept as an :class:`AcceptanceProfile` says. The target still verifies every token, so
 greedy output stays exactly plain decoding's.
@@ -68,13 +68,15 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from bole.speculative.mtp import MTPDrafter
+from bole.speculative.drafters import mtp
+from bole.speculative.drafters.base import DrafterInfo, DrafterSetup
+from bole.speculative.drafters.mtp import MTPDrafter
 from bole.speculative.tree_growth import NodeTable, TreeGrowth
 
 __all__ = ["AcceptanceProfile", "ReplayDrafter", "PROFILE_DIR", "SHIPPED_PROFILES",
            "chain_accept_length"]
 
-PROFILE_DIR = Path(__file__).with_name("profiles")
+PROFILE_DIR = Path(__file__).parents[1] / "profiles"
 #: profiles shipped with Bole, loadable by name
 SHIPPED_PROFILES = ("bundled", "qwen3-next-mtp")
 #: rounding slack allowed on ``sum(rank_acceptance) <= 1``
@@ -261,6 +263,8 @@ class ReplayDrafter:
     seed:      the replay's seed: with the same seed every mode and batch sees the same trees.
     """
 
+    on_device = True
+
     def __init__(self, mtp: MTPDrafter, profile: AcceptanceProfile, max_slots: int,
                  max_len: int, seed: int = 0):
         if max_slots < 1 or max_len < 1:
@@ -357,6 +361,13 @@ class ReplayDrafter:
         self.mtp.reset(slot)
         self.clear(slot)
 
+    def start(self, slot: int, prompt: Tensor, continuation: Sequence[int] | None) -> None:
+        """The slot's continuation: plain decoding's output after ``prompt [P]``."""
+        self.set_continuation(slot, continuation or [], start=prompt.numel())
+
+    def finish(self, slot: int) -> None:
+        self.reset(slot)
+
     # ---- drafting ----
     def step_fn(self, slots: Tensor, ctx: Tensor, topk: int) -> Callable:
         """The tree growth's drafter step for one round over ``slots [R]`` (int32) whose targets
@@ -428,3 +439,14 @@ class ReplayDrafter:
         put = (on_path & known)[..., None] & (rank == hit[..., None])
         tokens = torch.where(put, nxt[..., None], tokens)
         return tokens, self.q[:topk].expand(R, K, topk)
+
+
+def build(setup: DrafterSetup) -> ReplayDrafter:
+    """The real head runs for its cost; its proposals are replaced by the profile's."""
+    return ReplayDrafter(mtp.build(setup), AcceptanceProfile.load(setup.acceptance),
+                         setup.max_slots, setup.max_len)
+
+
+INFO = DrafterInfo("replay", build, on_device=True, takes_draft_vocab=True,
+                   needs_acceptance_profile=True, replays_continuation=True,
+                   help="an acceptance profile replayed at an MTP head's cost (benchmarks)")

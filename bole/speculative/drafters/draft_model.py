@@ -1,13 +1,13 @@
-"""A separate (smaller) draft model as a tree drafter, driving a model runner of its own."""
+"""A separate (smaller) draft model as a host tree drafter, driving a model runner of its own."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from bole.engine.runner import ModelRunner
-from bole.speculative.draft_tree import BatchExpander, Expander, top_k_per_request
+from bole.speculative.drafters.base import DrafterInfo, DrafterSetup
+from bole.speculative.drafters.host_growth import BatchExpander, Expander, top_k_per_request
 from bole.tree import DraftTree, PackedForest
 
 
@@ -18,11 +18,14 @@ class DraftModelDrafter:
     round (:meth:`observe`). Expanding frontier nodes runs one tree forward over the trie of their
     paths on top of the committed state, so every node gets the GDN state after its own ancestors
     (the draft model's own per-node states, exactly). It drafts from the host: its forwards run
-    eagerly, outside the round's CUDA graphs.
+    eagerly, outside the round's CUDA graphs. ``make_runner(model, cache, gdn_backend)`` builds
+    its model runner (the engine's :class:`~bole.engine.runner.ModelRunner`).
     """
 
+    on_device = False
+
     def __init__(self, draft_model, target_vocab: int, max_slots: int, max_len: int,
-                 scratch: int = 0):
+                 scratch: int = 0, *, make_runner: Callable):
         if draft_model.config.vocab_size != target_vocab:
             raise ValueError(
                 f"the draft model's vocabulary ({draft_model.config.vocab_size}) differs from the "
@@ -31,10 +34,14 @@ class DraftModelDrafter:
         # a trie of frontier paths holds at most the whole drafted tree
         self.scratch = max(scratch, 64)
         self.cache = draft_model.new_cache(max_slots, max_len + self.scratch)
-        self.runner = ModelRunner(draft_model, self.cache, draft_model.gdn_backend)
+        self.runner = make_runner(draft_model, self.cache, draft_model.gdn_backend)
         self.slots: dict[int, int] = {}
 
-    def start(self, target_slot: int, prompt: Sequence[int]) -> None:
+    def start(self, target_slot: int, prompt: Sequence[int] | torch.Tensor,
+              continuation: Sequence[int] | None = None) -> None:
+        """Prefill ``prompt`` into a slot of the draft model's own cache."""
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
         if target_slot in self.slots:
             self.cache.free(self.slots.pop(target_slot))
         slot = self.cache.allocate(self.cache.max_len)
@@ -90,3 +97,17 @@ class DraftModelDrafter:
         def expand(paths, k):
             return batch([paths], k)[0] if paths else []
         return expand
+
+    def tree_expander(self, slots: Sequence[int],
+                      histories: Sequence[Sequence[int]]) -> BatchExpander:
+        """:meth:`batch_expander` over ``slots`` (the draft model holds the histories itself)."""
+        return self.batch_expander(slots)
+
+
+def build(setup: DrafterSetup) -> DraftModelDrafter:
+    return DraftModelDrafter(setup.draft_model, setup.model.config.vocab_size, setup.max_slots,
+                             setup.max_len, scratch=setup.scratch, make_runner=setup.make_runner)
+
+
+INFO = DrafterInfo("draft", build, on_device=False, needs_draft_model=True,
+                   help="a separate draft model (the target's tokenizer)")

@@ -122,6 +122,47 @@ def load_checkpoint(folder: str | Path, config: HybridConfig | None = None, *,
                               "checkpoints is not supported yet; load it on one GPU (--tp 1)")
     where = checkpoint_files(folder)
     report = LoadReport(folder=str(folder), files=sorted(set(where.values())))
+    expected, scales = _expected(folder, config, where, load_mtp, report)
+    tensors: dict[str, torch.Tensor] = {}
+    by_file: dict[str, list[str]] = {}
+    for name in expected:
+        if name in where:
+            by_file.setdefault(where[name], []).append(name)
+    for fname, names in sorted(by_file.items()):
+        with _open(folder / fname) as f:
+            keys = set(f.keys())
+            for name in names:
+                t = _checked_read(f, folder, fname, name, keys, expected, config, shard, report)
+                if t is None:
+                    continue
+                if name in scales:
+                    if t.dtype != FP8_DTYPE:
+                        report.mis_shaped.append(f"tensor {name} in {fname} has a scale "
+                                                 f"{scales[name]} but is {t.dtype}, not "
+                                                 f"{FP8_DTYPE}")
+                        continue
+                    tensors[name] = t.to(device=device)
+                    continue
+                if t.dtype == FP8_DTYPE:
+                    report.mis_shaped.append(f"tensor {name} in {fname} is {t.dtype} without "
+                                             f"a scale tensor {name}{SCALE_SUFFIX}")
+                    continue
+                keep32 = name.endswith(FP32_SUFFIXES)
+                tensors[name] = t.to(device=device, dtype=torch.float32 if keep32 else dtype)
+    _attach_scales(folder, where, scales, tensors, config, report, device)
+    report.loaded = len(tensors)
+    if report.problems:
+        lines = "\n  ".join(report.problems[:50])
+        more = f"\n  ... and {len(report.problems) - 50} more" if len(report.problems) > 50 else ""
+        raise CheckpointError(
+            f"checkpoint {folder} ({config.model_type}) does not match its config:\n  {lines}{more}")
+    return tensors, report
+
+
+def _expected(folder: Path, config: HybridConfig, where: dict[str, str], load_mtp: bool,
+              report: LoadReport) -> tuple[dict, dict[str, str]]:
+    """(expected shapes by name, FP8 scale name by weight name); records the unexpected,
+    ignored and missing names in ``report``."""
     # the text model's and the MTP head's experts may come in different layouts
     present_mtp = [n for n in where if n.startswith("mtp.")]
     fused = has_fused_experts(n for n in where if not n.startswith("mtp."))
@@ -148,55 +189,31 @@ def load_checkpoint(folder: str | Path, config: HybridConfig | None = None, *,
         if name not in where:
             report.missing.append(f"missing tensor {name} (shape {list(expected[name])}): in no "
                                   f"file of {folder}")
+    return expected, scales
 
-    tensors: dict[str, torch.Tensor] = {}
-    by_file: dict[str, list[str]] = {}
-    for name in expected:
-        if name in where:
-            by_file.setdefault(where[name], []).append(name)
-    for fname, names in sorted(by_file.items()):
-        with _open(folder / fname) as f:
-            keys = set(f.keys())
-            for name in names:
-                if name not in keys:
-                    report.missing.append(f"missing tensor {name}: the index maps it to {fname}, "
-                                          "which does not hold it")
-                    continue
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    report.mis_shaped.append(
-                        f"mis-shaped tensor {name} in {fname}: {list(shape)}, expected "
-                        f"{list(expected[name])}")
-                    continue
-                try:
-                    t = _read(f, name, shard_plan(config, name, shard) if shard else None)
-                    if shard is not None and shard.rank and zero_on_other_ranks(name):
-                        t = torch.zeros_like(t)
-                except (SafetensorError, RuntimeError) as exc:
-                    raise CheckpointError(
-                        f"{folder / fname} is truncated or corrupt at tensor {name}: {exc}") from None
-                if name in scales:
-                    if t.dtype != FP8_DTYPE:
-                        report.mis_shaped.append(f"tensor {name} in {fname} has a scale "
-                                                 f"{scales[name]} but is {t.dtype}, not "
-                                                 f"{FP8_DTYPE}")
-                        continue
-                    tensors[name] = t.to(device=device)
-                    continue
-                if t.dtype == FP8_DTYPE:
-                    report.mis_shaped.append(f"tensor {name} in {fname} is {t.dtype} without "
-                                             f"a scale tensor {name}{SCALE_SUFFIX}")
-                    continue
-                keep32 = name.endswith(FP32_SUFFIXES)
-                tensors[name] = t.to(device=device, dtype=torch.float32 if keep32 else dtype)
-    _attach_scales(folder, where, scales, tensors, config, report, device)
-    report.loaded = len(tensors)
-    if report.problems:
-        lines = "\n  ".join(report.problems[:50])
-        more = f"\n  ... and {len(report.problems) - 50} more" if len(report.problems) > 50 else ""
+
+def _checked_read(f, folder: Path, fname: str, name: str, keys: set, expected: dict,
+                  config: HybridConfig, shard: TPShard | None,
+                  report: LoadReport) -> torch.Tensor | None:
+    """Tensor ``name`` of open file ``f`` (this rank's slice), or None with the problem in
+    ``report`` (absent, mis-shaped)."""
+    if name not in keys:
+        report.missing.append(f"missing tensor {name}: the index maps it to {fname}, "
+                              "which does not hold it")
+        return None
+    shape = tuple(f.get_slice(name).get_shape())
+    if shape != expected[name]:
+        report.mis_shaped.append(f"mis-shaped tensor {name} in {fname}: {list(shape)}, expected "
+                                 f"{list(expected[name])}")
+        return None
+    try:
+        t = _read(f, name, shard_plan(config, name, shard) if shard else None)
+        if shard is not None and shard.rank and zero_on_other_ranks(name):
+            t = torch.zeros_like(t)
+    except (SafetensorError, RuntimeError) as exc:
         raise CheckpointError(
-            f"checkpoint {folder} ({config.model_type}) does not match its config:\n  {lines}{more}")
-    return tensors, report
+            f"{folder / fname} is truncated or corrupt at tensor {name}: {exc}") from None
+    return t
 
 
 def _attach_scales(folder: Path, where: dict[str, str], scales: dict[str, str],

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from bole.engine.prefix_admission import PrefixAdmission, PrefixCacheConfig
 from bole.engine.round import RoundRunner, RoundTimings
 from bole.engine.runner import PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunner, prefill_bucket
 from bole.models.qwen3_hybrid import HybridModel
@@ -190,6 +191,8 @@ class GenerationResult:
     decode_s: float = 0.0
     #: one per token of token_ids when the request asked for logprobs, else None
     logprobs: list[TokenLogprob] | None = None
+    #: prompt tokens restored from the prefix cache instead of computed
+    cached_tokens: int = 0
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -213,6 +216,7 @@ class Request:
     gen: torch.Generator | None = None        # this request's sampling draws
     continuation: list[int] | None = None     # plain decoding's output (the replay drafter's)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # one per out token, if asked
+    cached_tokens: int = 0                    # prompt tokens the prefix cache restored
 
     @property
     def remaining(self) -> int:
@@ -226,12 +230,14 @@ class Engine:
                  max_slots: int = 8, max_len: int = 4096, tokenizer=None,
                  draft_model: HybridModel | None = None, cuda_graphs: bool | None = None,
                  progress: bool = False, gdn_backend: str | None = None,
-                 budget_profile=None):
+                 budget_profile=None, prefix_cache: PrefixCacheConfig | None = None):
         """``gdn_backend`` overrides the mode's GDN backend (an oracle: ar on the serial
         reference recurrence checks the closed form end to end). ``budget_profile``: the
         calibration profile of the calibrated and goodput budget policies, measured for this
         spec's tree size (else the one saved for this GPU, model, dtype, versions and tree size
-        is loaded, and calibrated first when there is none)."""
+        is loaded, and calibrated first when there is none). ``prefix_cache``: keep the state of
+        committed prefixes and restore it into later requests with the same prompt start
+        (:mod:`bole.engine.prefix_admission`); None: off."""
         spec.validate()
         self.model, self.spec, self.tokenizer = model, spec, tokenizer
         on_gpu = model.device.type == "cuda"
@@ -260,6 +266,11 @@ class Engine:
         self.timings = RoundTimings()
         #: ``on_prefill_chunk(done, total)`` after every prefill chunk (progress of long prompts)
         self.on_prefill_chunk = None
+        if prefix_cache is not None and model.tp.world > 1:
+            raise ValueError("the prefix cache is not supported with tensor parallelism yet: "
+                             "turn it off (--no-prefix-cache) with --tp")
+        #: admission through the prefix cache (None: off)
+        self.prefix = PrefixAdmission(self, prefix_cache) if prefix_cache is not None else None
 
     @property
     def scratch(self) -> int:
@@ -358,7 +369,9 @@ class Engine:
         for group in groups:
             prompts = [torch.tensor(r.prompt) for r in group]
             slots, continuations = [r.slot for r in group], [r.continuation for r in group]
-            if len(group[0].prompt) <= PREFILL_BATCH_MAX:
+            if self.prefix is not None and all(r.index >= 0 for r in group):
+                logits = torch.stack([self.prefix.admit(r) for r in group])
+            elif len(group[0].prompt) <= PREFILL_BATCH_MAX:
                 logits = self.rounds.prefill(slots, prompts, continuations)
             else:
                 last, states = self.runner.prefill(group[0].slot, prompts[0],
@@ -383,6 +396,8 @@ class Engine:
     def release(self, r: Request) -> None:
         """Free a request's slot (and its drafter state)."""
         if r.slot >= 0 and r.slot in self.cache.used_slots:
+            if self.prefix is not None and r.index >= 0:
+                self.prefix.finish(r)
             self.rounds.on_release(r.slot)
             self.cache.free(r.slot)
         r.slot = -1
@@ -437,7 +452,7 @@ class Engine:
             r.result = GenerationResult(list(r.out), reason, r.rounds, list(r.accepted),
                                         r.prefill_s, elapsed - r.prefill_s,
                                         list(r.logprobs) if r.params.logprobs is not None
-                                        else None)
+                                        else None, r.cached_tokens)
 
     def _stop_string_cut(self, r: Request) -> int | None:
         """Fewest output tokens whose text contains a stop string, or None."""

@@ -10,6 +10,8 @@ so that :mod:`bole.engine.graphs` can capture it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from bole.cache import HybridCache
@@ -142,13 +144,17 @@ class ModelRunner:
 
     # ---- prefill ----
     def prefill(self, slot: int, prompt: torch.Tensor, chunk: int | None = None,
-                on_chunk=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Commit ``prompt [P]`` into ``slot`` chunk by chunk; returns the last token's logits
-        ``[V]`` and every token's final-norm hidden state ``[P, H]``.
+                on_chunk=None, checkpoints: Sequence[int] = (),
+                on_checkpoint=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit ``prompt [P]`` into ``slot`` (after the tokens it holds) chunk by chunk;
+        returns the last token's logits ``[V]`` and every token's final-norm hidden state
+        ``[P, H]``.
 
         GDN runs fla's chunk kernel where installed (GPU), else the closed form over each chunk
         (whatever the runner's backend: a prefill's state is the same in every mode).
-        ``on_chunk(done, total)`` reports progress."""
+        ``on_chunk(done, total)`` reports progress. ``checkpoints``: committed lengths at which
+        a chunk also ends, ``on_checkpoint(length)`` called there with the slot's state at
+        exactly that length (the prefix cache's snapshots)."""
         if prompt.dim() != 1 or prompt.numel() == 0:
             raise ValueError("prompt must be a non-empty 1-D tensor of token ids")
         self._check_tokens(prompt)
@@ -163,22 +169,27 @@ class ModelRunner:
         hidden, logits = [], None
         slot_t = torch.tensor([slot], dtype=torch.int32, device=self.device)
         P = prompt.numel()
-        for lo in range(0, P, chunk):
-            part = tokens[lo:lo + chunk]
+        start = self.cache.host_lengths[slot]
+        cuts = set(range(chunk, P, chunk)) | {c - start for c in checkpoints
+                                              if start < c < start + P}
+        bounds = [0, *sorted(cuts), P]
+        for lo, hi in zip(bounds, bounds[1:]):
+            part = tokens[lo:hi]
             T = part.numel()
             forest = DenseForest.chain(1, T, self.device)
             batch = self.make_batch(part, forest, slot_t, gdn,
                                     prefill=(slot, self.cache.host_lengths[slot]))
-            last_chunk = lo + chunk >= P
             out = self.model.forward(self.cache, batch, logits=False)
             path = torch.arange(T, device=self.device)[None]
             self.commit(batch, out, path, torch.tensor([T], device=self.device), kv_in_place=True)
             self.cache.advance([slot], [T])
             hidden.append(out.hidden)
-            if last_chunk:
+            if hi == P:
                 logits = self.model.lm_head(out.hidden[-1:])[0]
+            if on_checkpoint is not None and start + hi in checkpoints:
+                on_checkpoint(start + hi)
             if on_chunk is not None:
-                on_chunk(min(lo + chunk, P), P)
+                on_chunk(hi, P)
         return logits, torch.cat(hidden)
 
     def prefill_batch(self, slots: list[int],

@@ -1,0 +1,124 @@
+"""Admission through the prefix cache (:mod:`bole.engine.prefix_cache`): restore the longest
+cached prefix of a prompt into the request's slot, prefill only the rest, and leave checkpoints
+for the requests after it.
+
+    admit     lookup -> restore (KV rows, GDN and conv states, the MTP head's rows and hidden
+              state) -> prefill of the suffix, its chunks ending at every block boundary and at
+              the prompt's last token but one, where the target's state is taken -> the
+              drafters' upkeep of the suffix -> insert (blocks and checkpoints)
+    finish    a request that ends normally leaves a checkpoint at its committed length (a later
+              turn of a chat starts with this prompt and its answer)
+
+Only committed tokens reach the cache. A restored slot holds the rows and states a prefill of
+the prefix writes, equal to rounding (the cache moves where a prefill's chunks end, and the
+closed form sums in another order over other chunks), and the suffix runs the same prefill. The
+draft model drafter (its own cache) prefills the whole prompt as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from bole.engine.prefix_cache import DEFAULT_BLOCK, CachePools, MTPPools, PrefixCache
+from bole.speculative.drafters.mtp import MTPDrafter
+
+__all__ = ["PrefixCacheConfig", "PrefixAdmission", "default_capacity_bytes"]
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """``capacity_gib``: device memory the cache may hold (None: :func:`default_capacity_bytes`);
+    ``block``: tokens per block (a checkpoint of the recurrent state at each block boundary)."""
+
+    capacity_gib: float | None = None
+    block: int = DEFAULT_BLOCK
+
+    def __post_init__(self):
+        if self.capacity_gib is not None and self.capacity_gib < 0:
+            raise ValueError(f"prefix cache capacity must be >= 0 GiB, got {self.capacity_gib}")
+        if self.block < 1:
+            raise ValueError(f"prefix cache block must be >= 1 token, got {self.block}")
+
+
+def default_capacity_bytes(device: torch.device) -> int:
+    """A tenth of the GPU's memory, at most 16 GiB (what is free after the engine's pools is
+    not known this early); 1 GiB on the CPU."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        return int(min(16 * GIB, total // 10))
+    return GIB
+
+
+class PrefixAdmission:
+    """The prefix cache of one engine: its store over the target's cache (and the MTP head's
+    pools when it drafts), and admission and finish through it."""
+
+    def __init__(self, engine, config: PrefixCacheConfig):
+        self.engine = engine
+        self.config = config
+        #: the device drafter (the MTP head, or the replay drafter around it): its observe
+        #: keeps the head's pools, which the cache holds too
+        self.mtp = engine.rounds.device_drafter
+        pools = [CachePools(engine.cache)]
+        if self.mtp is not None:
+            head = self.mtp if isinstance(self.mtp, MTPDrafter) else self.mtp.mtp
+            pools.append(MTPPools(head))
+        capacity = default_capacity_bytes(engine.model.device) if config.capacity_gib is None \
+            else int(config.capacity_gib * GIB)
+        self.store = PrefixCache(pools, capacity, config.block)
+
+    def admit(self, r) -> torch.Tensor:
+        """Fill request ``r``'s fresh slot with its prompt (restoring what the cache holds);
+        returns the last prompt token's logits ``[V]``; sets ``r.cached_tokens``."""
+        e, slot, prompt = self.engine, r.slot, list(r.prompt)
+        hit = self.store.lookup(prompt)
+        h = 0
+        if hit is not None:
+            self.store.restore(hit, slot)
+            h = hit.length
+        r.cached_tokens = h
+        n, block = len(prompt), self.config.block
+        points = {p for p in range(block, n, block) if p > h} | ({n - 1} if n - 1 > h else set())
+        target = {}
+        pool = self.store.pools[0]
+        suffix = torch.tensor(prompt[h:])
+        last, hidden = e.runner.prefill(
+            slot, suffix, on_chunk=e.on_prefill_chunk, checkpoints=sorted(points),
+            on_checkpoint=lambda p: target.__setitem__(p, pool.state(slot)))
+        self._drafters_observe(r, h, suffix, hidden)
+        checkpoints = {p: [s] + ([[hidden[p - 1 - h].clone()]] if self.mtp is not None else [])
+                       for p, s in target.items()}
+        self.store.insert(prompt, slot, checkpoints)
+        return last
+
+    def _drafters_observe(self, r, h: int, suffix: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The drafters' upkeep of a prefill: the MTP head's rows of the suffix (after a
+        restored prefix, from its restored hidden state), the host drafters' whole prompt."""
+        rounds, slot = self.engine.rounds, r.slot
+        prompt = torch.tensor(list(r.prompt))
+        if h == 0 or self.mtp is None:
+            rounds.on_prefill([slot], [prompt], [hidden], [r.continuation])
+            return
+        dev = hidden.device
+        self.mtp.observe(torch.tensor([slot], dtype=torch.int32, device=dev),
+                         suffix.to(dev)[None], hidden[None],
+                         torch.tensor([h], dtype=torch.int64, device=dev),
+                         torch.tensor([suffix.numel()], dtype=torch.int64, device=dev))
+        if rounds.drafter is not None:
+            rounds.drafter.start(slot, prompt, r.continuation)
+
+    def finish(self, r) -> None:
+        """A request ends: a checkpoint at its committed length (its prompt and the answer so
+        far, the pending last token excluded) when that passes its prompt."""
+        slot = r.slot
+        length = self.engine.cache.host_lengths[slot]
+        tokens = list(r.prompt) + list(r.out)
+        if len(r.prompt) < length <= len(tokens):
+            self.store.insert(tokens[:length], slot, {length: self.store.states(slot)})
+
+    def stats(self) -> dict:
+        return self.store.stats()

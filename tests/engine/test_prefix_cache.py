@@ -1,0 +1,169 @@
+"""The prefix cache in the engine: output identical with the cache on and off in every mode
+(greedy and seeded sampling), and the hits a user expects (fp32, CPU, tiny presets with an MTP
+head drafting; 8-token blocks so that short prompts cross several)."""
+
+import pytest
+import torch
+
+from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine.prefix_admission import PrefixCacheConfig
+from bole.engine.scheduler import Scheduler
+from bole.models.presets import preset_config
+from bole.models.qwen3_hybrid import HybridModel
+from bole.speculative.sampling import SamplingParams
+
+MODES = ("ar", "chain", "tree-serial", "bole")
+BLOCK = 8
+SYSTEM = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]   # 19
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def model(request):
+    m = HybridModel.random(preset_config(request.param), dtype=torch.float32, seed=3, mtp=True)
+    m.w["lm_head.weight"] = m.w["lm_head.weight"] * 50       # clear greedy margins
+    return m
+
+
+def spec(mode: str) -> SpecConfig:
+    return SpecConfig(mode="ar") if mode == "ar" else \
+        SpecConfig(mode, "mtp", depth=3, topk=2, budget=6)
+
+
+def engine(model, mode, cache=True, capacity_gib=None, slots=4):
+    return Engine(model, spec(mode), max_slots=slots, max_len=128,
+                  prefix_cache=PrefixCacheConfig(capacity_gib, BLOCK) if cache else None)
+
+
+def conversation():
+    """A, B, A: two prompts sharing a system prompt, then A again."""
+    a = SYSTEM + [40, 41, 42, 43, 44, 45]
+    b = SYSTEM + [50, 51, 52]
+    return [a, b, a]
+
+
+def run_one_by_one(e, prompts, params):
+    """Each prompt after the one before has finished; then a second turn of the first: its
+    prompt, its answer and a new message."""
+    results = [e.generate([p], params, seed=7)[0] for p in prompts]
+    turn = prompts[0] + results[0].token_ids + [60, 61, 62]
+    return results + [e.generate([turn], params, seed=7)[0]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_output_is_identical_with_the_cache_on_and_off(model, mode):
+    """Greedy and seeded sampling, requests one after another (A, B, A, a longer A): the same
+    tokens with the cache as without; hits where the user expects them."""
+    for params in (GenerationParams(max_tokens=12),
+                   GenerationParams(max_tokens=12,
+                                    sampling=SamplingParams(temperature=0.8, top_k=5))):
+        off = run_one_by_one(engine(model, mode, cache=False), conversation(), params)
+        on_engine = engine(model, mode)
+        on = run_one_by_one(on_engine, conversation(), params)
+        assert [r.token_ids for r in on] == [r.token_ids for r in off], (mode, params)
+        cached = [r.cached_tokens for r in on]
+        assert cached[0] == 0                                   # nothing before it
+        assert cached[1] == 16                                  # the shared blocks of SYSTEM
+        assert cached[2] == len(conversation()[2]) - 1          # the first repeat hits
+        # the second turn: the first turn's prompt and answer up to its last committed token
+        assert cached[3] == len(conversation()[0]) + len(on[0].token_ids) - 1
+        assert all(r.cached_tokens == 0 for r in off)
+
+
+def _admit(e, prompt):
+    """Admit one request (its first token emitted) and return it, slot held."""
+    r = e.new_request(0, prompt, GenerationParams(max_tokens=4), seed=0)
+    e.admit_many([r])
+    return r
+
+
+@pytest.mark.parametrize("mode", ["bole", "ar"])
+def test_a_restored_slot_holds_what_a_full_prefill_leaves(model, mode):
+    """After a hit and the suffix's prefill, the slot's KV rows, GDN and conv states, length,
+    the MTP head's rows and last hidden state, and the first token's logits equal a cache-off
+    prefill of the whole prompt (to rounding: the cache moves where prefill chunks end)."""
+    on, off = engine(model, mode), engine(model, mode, cache=False)
+    for r in (_admit(on, conversation()[0]), ):                # fills the cache
+        on.release(r)
+    prompt = conversation()[1]
+    got, want = _admit(on, prompt), _admit(off, prompt)
+    assert got.cached_tokens == 16 and got.out == want.out
+    a, b, n = on.cache, off.cache, len(prompt)
+    s, t = got.slot, want.slot
+    assert a.host_lengths[s] == b.host_lengths[t] == n
+    close = dict(atol=1e-5, rtol=1e-4)
+    assert torch.allclose(a.k[:, s, :n], b.k[:, t, :n], **close)
+    assert torch.allclose(a.v[:, s, :n], b.v[:, t, :n], **close)
+    assert torch.allclose(a.gdn_state[:, s], b.gdn_state[:, t], **close)
+    assert torch.allclose(a.conv_state[:, s], b.conv_state[:, t], **close)
+    if mode != "ar":         # the head's row q - 1 holds token q's entry: rows 0 .. n - 2
+        m1, m2 = on.rounds.device_drafter, off.rounds.device_drafter
+        assert torch.allclose(m1.k[s, :n - 1], m2.k[t, :n - 1], **close)
+        assert torch.allclose(m1.v[s, :n - 1], m2.v[t, :n - 1], **close)
+        assert torch.allclose(m1.last_hidden[s], m2.last_hidden[t], **close)
+
+
+def test_speculation_does_not_change_the_hit_rate(model):
+    """The same prompts through ar and bole hit the same prompt tokens: only committed tokens
+    are cached, so speculation changes nothing."""
+    hits = {}
+    for mode in ("ar", "bole"):
+        e = engine(model, mode)
+        run_one_by_one(e, conversation(), GenerationParams(max_tokens=10))
+        hits[mode] = e.prefix.stats()
+    assert hits["ar"]["hit_tokens"] == hits["bole"]["hit_tokens"] > 0
+    assert hits["ar"]["query_tokens"] == hits["bole"]["query_tokens"]
+
+
+def test_a_prompt_shorter_than_a_block_hits_when_repeated(model):
+    e = engine(model, "bole")
+    short = [3, 1, 4, 1, 5]
+    first, again, _ = run_one_by_one(e, [short, short], GenerationParams(max_tokens=8))
+    assert again.cached_tokens == 4 and first.token_ids == again.token_ids
+
+
+def test_a_prefix_ending_mid_block_hits_its_last_full_block(model):
+    e = engine(model, "bole")
+    a = list(range(30, 50))                                   # 20 tokens
+    b = a[:13] + [99, 98, 97]                                 # diverges inside the second block
+    off = run_one_by_one(engine(model, "bole", cache=False), [a, b], GenerationParams(max_tokens=8))
+    on = run_one_by_one(e, [a, b], GenerationParams(max_tokens=8))
+    assert on[1].cached_tokens == 8
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+
+
+def test_concurrent_requests_sharing_a_prefix_and_eviction_under_a_tiny_cap(model):
+    """Many requests sharing the system prompt admitted together (some in the same step), on a
+    cache too small to hold them all (entries evicted while requests that restored them run):
+    outputs equal the cache-off run."""
+    prompts = [SYSTEM + [40 + i, 41 + i, 42 + i] for i in range(6)] + conversation()
+    params = GenerationParams(max_tokens=10)
+    off = engine(model, "bole", cache=False).generate(prompts, params, seed=1)
+    for capacity in (None, 2e-5):                             # about 20 KiB: a few entries
+        e = engine(model, "bole", capacity_gib=capacity, slots=3)
+        on = e.generate(prompts, params, seed=1)
+        assert [r.token_ids for r in on] == [r.token_ids for r in off], capacity
+        stats = e.prefix.stats()
+        assert stats["bytes"] <= stats["capacity_bytes"]
+        assert sum(r.cached_tokens for r in on) > 0
+
+
+def test_a_request_cancelled_mid_prefill_frees_its_slot_and_leaves_the_cache_usable(model):
+    e = engine(model, "bole", slots=1)
+    scheduler = Scheduler(e)
+    long = SYSTEM + list(range(60, 90))
+    handle = scheduler.submit(long, GenerationParams(max_tokens=20))
+    e.on_prefill_chunk = lambda done, total: scheduler.cancel(handle)
+    scheduler.step()
+    e.on_prefill_chunk = None
+    scheduler.run_until_idle()
+    assert handle.done.is_set() and e.cache.num_free == 1
+    off = engine(model, "bole", cache=False).generate([long], GenerationParams(max_tokens=10))
+    on = e.generate([long], GenerationParams(max_tokens=10))
+    assert on[0].token_ids == off[0].token_ids
+
+
+def test_bad_prefix_cache_settings_are_named():
+    with pytest.raises(ValueError, match="capacity must be >= 0"):
+        PrefixCacheConfig(capacity_gib=-1)
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        PrefixCacheConfig(block=0)

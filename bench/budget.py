@@ -71,9 +71,10 @@ from bench.harness import save_png, source_commit, versions  # noqa: E402
 
 from bole.engine import SpecConfig  # noqa: E402
 from bole.engine.calibrate import load_or_calibrate  # noqa: E402
-from bole.speculative.budget import width_buckets  # noqa: E402
-from bole.speculative.calibration import (forget_acceptance, restore_acceptance,  # noqa: E402
-                                          saved_acceptance, verification_budget)
+from bole.speculative.budget.widths import width_buckets  # noqa: E402
+from bole.speculative.budget.acceptance import (forget_acceptance, restore_acceptance,
+                                                saved_acceptance)
+from bole.speculative.budget.profile import verification_budget
 
 #: the selection prompts' seed past the evaluation prompts' (random prompts)
 SELECTION_SEED = 7919
@@ -330,8 +331,8 @@ def policy_table(records: list[dict]) -> str:
 def rule_choices(meta: dict, batch: int) -> list[tuple[float, int]]:
     """The calibrated rule's choices at ``batch`` from a result file's profile figures: ``(eps
     from which it holds, B_ver)`` in ascending eps, as the profile derives B_ver
-    (:func:`bole.speculative.calibration.b_ver_from_curve`)."""
-    from bole.speculative.calibration import b_ver_from_curve
+    (:func:`bole.speculative.budget.profile.b_ver_from_curve`)."""
+    from bole.speculative.budget.profile import b_ver_from_curve
     t_dec, t_ver = meta["t_dec_ms"][str(batch)], meta["t_ver_ms"][str(batch)]
     out: list[tuple[float, int]] = []
     for eps in sorted({max(t / t_dec - 1.0, 0.0) for t in t_ver}):

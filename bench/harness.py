@@ -225,11 +225,11 @@ def source_commit() -> str:
 
 
 def versions() -> dict:
-    """torch's and Triton's versions (:func:`bole.speculative.calibration.runtime_versions`)
+    """torch's and Triton's versions (:func:`bole.speculative.budget.profile.runtime_versions`)
     and fla's (None where it is not installed)."""
     from importlib import metadata
 
-    from bole.speculative.calibration import runtime_versions
+    from bole.speculative.budget.profile import runtime_versions
     try:
         fla = metadata.version("flash-linear-attention")
     except metadata.PackageNotFoundError:

@@ -8,8 +8,8 @@ import torch
 from bole.cli import main
 from bole.cli.common import load_model
 from bole.engine import Engine, SpecConfig
-from bole.speculative.budget import spread_width
-from bole.speculative.calibration import BudgetProfile
+from bole.speculative.budget.widths import spread_width
+from bole.speculative.budget.profile import BudgetProfile
 
 TREE = ["--depth", "3", "--topk", "2", "--budget", "8"]
 QUICK = ["--device", "cpu", "--batches", "1", "2", "--reps", "1", "--context", "16"]

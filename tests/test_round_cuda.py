@@ -73,7 +73,7 @@ def test_every_width_is_captured_at_start_up(bundled, policy, shared, width_kern
     """A shared budget changes the verify width and the kind of round (select, whole, plain)
     from round to round: each one's graphs exist before the first round, so no round captures
     (and output still equals the eager one; goodput also with its width choice in Triton)."""
-    from bole.speculative.calibration import BudgetProfile   # B_ver 16 at batch 4: width 8
+    from bole.speculative.budget.profile import BudgetProfile  # B_ver 16 at batch 4: width 8
     monkeypatch.setenv("BOLE_WIDTH_KERNEL", width_kernel)
     model, prompts = bundled
     spec = SpecConfig("bole", "mtp", depth=6, topk=3, budget=16, budget_policy=policy,

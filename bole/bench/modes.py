@@ -16,6 +16,7 @@ import torch
 
 from bole.engine import MODES, Engine, GenerationParams, SpecConfig
 from bole.models.qwen3_hybrid import HybridModel
+from bole.speculative.budget.registry import DEFAULT_POLICY
 from bole.speculative.drafters.registry import FALLBACK_DRAFTER, drafter_info
 
 
@@ -57,7 +58,7 @@ def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_
               drafter: str = FALLBACK_DRAFTER, batches: tuple[int, ...] | None = None,
               cuda_graphs: bool | None = None, progress: bool = False,
               acceptance: str | None = None, draft_vocab: int = 0,
-              forced_acceptance: bool = False, budget_policy: str = "fixed",
+              forced_acceptance: bool = False, budget_policy: str = DEFAULT_POLICY,
               shared_budget: int = 0, root_floor: int = 1,
               budget_eps: float | None = None) -> list[ModeResult]:
     """Every mode over ``prompts`` at each batch size (the prompts cycled to fill a batch; by

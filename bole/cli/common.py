@@ -112,9 +112,11 @@ def load_tokenizer(folder: Path):
 
 def spec_from_args(args, drafter: str):
     from bole.engine import SpecConfig
+    from bole.speculative.budget.registry import DEFAULT_POLICY
     spec = SpecConfig(args.mode if hasattr(args, "mode") else "bole", drafter, args.depth,
                       args.topk, args.budget, getattr(args, "acceptance", None),
-                      getattr(args, "budget_policy", "fixed"), getattr(args, "shared_budget", 0),
+                      getattr(args, "budget_policy", DEFAULT_POLICY),
+                      getattr(args, "shared_budget", 0),
                       getattr(args, "root_floor", 1), getattr(args, "draft_vocab", 0),
                       budget_eps=getattr(args, "budget_eps", None))
     try:

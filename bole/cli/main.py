@@ -34,7 +34,7 @@ def _calibrate(args) -> int:
     import torch
 
     from bole.engine.calibrate import calibrate_model
-    from bole.speculative.budget import spread_width
+    from bole.speculative.budget.widths import spread_width
 
     for b in args.batches:
         check_positive(batches=b)

@@ -8,6 +8,7 @@ from bole.assets import BUNDLED_MODEL
 from bole.cli.common import HelpFormatter
 from bole.config import GDN_SHAPES
 from bole.engine.engine import DEFAULT_TREE, MAX_BUDGET, MAX_DEPTH, MAX_TOPK, MODES
+from bole.speculative.budget.registry import DEFAULT_POLICY, POLICIES
 from bole.speculative.drafters.registry import drafter_names
 
 
@@ -50,8 +51,7 @@ def _tree_options(p: argparse.ArgumentParser, budget_eps: bool = True) -> None:
                    help=f"children per expanded node (1-{MAX_TOPK})")
     p.add_argument("--budget", type=int, default=budget,
                    help=f"draft-tree nodes per request, root included (2-{MAX_BUDGET})")
-    p.add_argument("--budget-policy", default="fixed",
-                   choices=["fixed", "global", "calibrated", "goodput"],
+    p.add_argument("--budget-policy", default=DEFAULT_POLICY, choices=list(POLICIES),
                    help="which drafted nodes a verify takes: every request its tree (fixed), the "
                         "batch's best --shared-budget draft nodes (global), the budget of this "
                         "GPU's calibration profile (calibrated; bole calibrate), or the budget "

@@ -6,10 +6,10 @@ row padded to the verify width bucket (:func:`bole.speculative.budget.spread_wid
 request has ``context`` committed tokens. On a GPU each forward is captured in a CUDA graph and
 timed over replays with device events (the median), as the round replays it; on the CPU it runs
 eagerly under a wall clock. ``B_ver(b)`` is then the largest ``N`` whose forward costs at most
-``(1 + eps)`` times the decode (:func:`bole.speculative.calibration.calibrate`). ``T_select(b)``
+``(1 + eps)`` times the decode (:func:`bole.speculative.budget.profile.calibrate`). ``T_select(b)``
 is the goodput policy's selection over ``b`` whole trees, timed the same way: where dropping
 nodes saves less verify time than the selection costs, rounds verify whole trees without it
-(:meth:`bole.engine.selection.BudgetPolicy.whole_trees`).
+(:meth:`bole.speculative.budget.policy.PolicyBase.whole_trees`).
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ import torch
 
 from bole.engine.round import buckets_upto
 from bole.engine.runner import ModelRunner
-from bole.engine.selection import Goodput, select
-from bole.speculative.budget import spread_width, width_buckets
+from bole.speculative.budget.round_select import Goodput, select
+from bole.speculative.budget.widths import spread_width, width_buckets
 from bole.forest import DenseForest
-from bole.speculative.calibration import (AcceptanceCalibrator, BudgetProfile,
-                                          ProfileFormatError, calibrate, config_hash,
-                                          find_profile, gpu_name, plot_profile, runtime_versions)
+from bole.speculative.budget.acceptance import AcceptanceCalibrator
+from bole.speculative.budget.profile import (BudgetProfile, calibrate, config_hash, find_profile,
+                                             gpu_name, plot_profile, ProfileFormatError,
+                                             runtime_versions)
 from bole.tree import DraftTree, PackedForest
 
 DEFAULT_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)

@@ -28,12 +28,14 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from bole.engine.graphs import GraphRunner
-from bole.engine.selection import FIT_EVERY, BudgetPolicy, select
+from bole.speculative.budget.goodput import FIT_EVERY
+from bole.speculative.budget.registry import make_policy
+from bole.speculative.budget.round_select import select
 from bole.engine.runner import (PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunner,
                                 prefill_bucket)
 from bole.forest import DenseForest
 from bole.speculative.accept_device import SamplingBatch, accept, draw_uniforms
-from bole.speculative.calibration import learnt_acceptance
+from bole.speculative.budget.acceptance import learnt_acceptance
 from bole.speculative.drafters.base import DrafterSetup
 from bole.speculative.drafters.host_growth import build_draft_trees
 from bole.speculative.drafters.registry import build_drafter
@@ -211,7 +213,7 @@ class RoundBuffers:
         # goodput: whether the last choice could still change (Selected.widen)
         self.widen = torch.ones((), dtype=torch.bool, device=dev)
         self.widen_host = torch.ones((), dtype=torch.bool, pin_memory=pin)
-        self.goodput = None                         # the goodput policy's inputs (selection.py)
+        self.goodput = None                         # the goodput policy's inputs (round_select.py)
         self.rows: tuple = ()                      # (request index, slot) of the rows last written
         self.logprobs: RoundLogprobs | None = None  # made by the first round that returns them
 
@@ -305,14 +307,14 @@ class RoundRunner:
         self.D = 0 if self.ar else spec.depth
         self.topk = 1 if spec.mode == "chain" else spec.topk
         self.K = 1 if self.ar else self.topk
-        self.policy = BudgetPolicy(spec, self.T, budget_profile) if not self.ar else \
-            BudgetPolicy(type(spec)(mode="ar"), 1)
+        self.policy = make_policy(spec, self.T, budget_profile) if not self.ar else \
+            make_policy(type(spec)(mode="ar"), 1)
         #: the goodput policy's acceptance estimates, learnt from the rounds of every runner of
         #: this model and drafter in the process
         self.calibrator = learnt_acceptance(
             self.model, (spec.drafter, spec.acceptance, spec.draft_vocab,
                          spec.forced_acceptance), self.device) \
-            if self.policy.policy == "goodput" else None
+            if self.policy.chooses_width else None
         self._rounds_since_fit = 0
         #: the round's one drafter, chosen once (None in plain decoding); the device drafter
         #: grows trees in the draft graph, a host drafter's trees are uploaded
@@ -349,8 +351,7 @@ class RoundRunner:
         if R not in self.buffers:
             self.buffers[R] = RoundBuffers(R, self.T, self.D, self.K, self.device,
                                            self.cache.dummy_slot)
-            if self.policy.policy == "goodput":
-                self.buffers[R].goodput = self.policy.goodput_inputs(R, self.device)
+            self.buffers[R].goodput = self.policy.goodput_inputs(R, self.device)
         return self.buffers[R]
 
     def capture_all(self, max_slots: int, progress: bool) -> None:
@@ -682,7 +683,7 @@ class RoundRunner:
             b.kept_host.copy_(b.kept, non_blocking=True)
         if b.sampling.logprobs:
             b.logprobs.to_host()
-        chose = self.policy.policy == "goodput" and kind == "select"
+        chose = self.policy.chooses_width and kind == "select"
         if chose:                        # only a choice says whether a wider width could pay
             b.widen_host.copy_(b.widen, non_blocking=True)
         if cuda:

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from bole.engine import Engine, GenerationParams, SpecConfig
-from bole.engine.selection import BudgetPolicy, select, width_buckets
-from bole.speculative.calibration import FORMAT
+from bole.speculative.budget.registry import make_policy
+from bole.speculative.budget.round_select import select
+from bole.speculative.budget.widths import width_buckets
+from bole.speculative.budget.profile import FORMAT
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
 
@@ -76,18 +78,18 @@ def test_the_selection_honours_the_budget_and_floors():
 
 def test_widths_follow_the_previous_round():
     spec = SpecConfig(budget=32, budget_policy="global", shared_budget=24)
-    policy = BudgetPolicy(spec, 32)
+    policy = make_policy(spec, 32)
     assert width_buckets(32) == (2, 4, 8, 16, 32) and width_buckets(12) == (2, 4, 8, 12)
     assert policy.width(8, 6) == 8                   # 1 + ceil(24 / 6) = 5 -> 8
     policy.observe(8, [3, 11, 2])
     assert policy.width(8, 6) == 16
     policy.observe(8, [])                           # every row's tree cut by its limit
     assert policy.width(8, 6) == 16                 # the last counts stay
-    assert BudgetPolicy(SpecConfig(budget=32), 32).width(8, 6) == 32      # fixed: the tree
+    assert make_policy(SpecConfig(budget=32), 32).width(8, 6) == 32      # fixed: the tree
     with pytest.raises(ValueError, match="shared_budget"):
-        BudgetPolicy(SpecConfig(budget_policy="global"), 32)
+        make_policy(SpecConfig(budget_policy="global"), 32)
     with pytest.raises(ValueError, match="profile"):
-        BudgetPolicy(SpecConfig(budget_policy="calibrated"), 32)
+        make_policy(SpecConfig(budget_policy="calibrated"), 32)
 
 
 def test_goodput_compares_what_drafting_and_plain_rounds_deliver():
@@ -95,9 +97,9 @@ def test_goodput_compares_what_drafting_and_plain_rounds_deliver():
     rounds against plain ones, or before any plain round has run, one decode forward of the
     profile (1 ms) plus a drafting round's accept time (0.5 ms): 0.67 a ms. A bucket's first
     FIRST_ROUNDS rates are averaged by their median, and it falls back only after that many."""
-    from bole.engine.selection import AR_ROUNDS, FIRST_ROUNDS
+    from bole.speculative.budget.goodput import AR_ROUNDS, FIRST_ROUNDS
     assert FIRST_ROUNDS == 3
-    policy = BudgetPolicy(SpecConfig("bole", budget=3, budget_policy="goodput"), 3,
+    policy = make_policy(SpecConfig("bole", budget=3, budget_policy="goodput"), 3,
                           profile=_profile(3.0, t_dec_ms=1.0, T=3))
     policy.after_round(1, False, draft_ms=0.6, accept_ms=0.5, rate=0.01)   # a slow first round
     assert not policy.plain_round() and policy.overhead_ms == pytest.approx(1.1)
@@ -132,7 +134,7 @@ def test_goodput_explores_only_while_its_choice_could_change():
     could not, the bucket does not explore, however long since it last did; once it could, the
     next round explores."""
     T, K = 4, 40
-    policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+    policy = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                           profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, t_select_ms=0.25,
                                            T=T))
     assert not policy.whole_trees(2)
@@ -148,7 +150,7 @@ def test_goodput_explores_only_while_its_choice_could_change():
 def test_goodput_verifies_the_best_width_of_an_uncertain_tree():
     """A drafted tree is paid for: however little its nodes promise, the round verifies the
     width with the most expected tokens per ms rather than its roots alone."""
-    policy = BudgetPolicy(SpecConfig("bole", budget=3, budget_policy="goodput"), 3,
+    policy = make_policy(SpecConfig("bole", budget=3, budget_policy="goodput"), 3,
                           profile=_profile(3.0, t_dec_ms=1.0, T=3))
     goodput = policy.goodput_inputs(1, "cpu")
     assert goodput.widths.tolist() == [2, 3]
@@ -167,7 +169,7 @@ def test_goodput_fills_the_width_it_picks():
     """Every row of a dense verify costs its width whether it fills it or not: the choice is a
     width, and every row keeps its best nodes up to it (a global budget of 4 would keep 3 nodes
     of the confident row and 1 of the other at the same width 4)."""
-    from bole.engine.selection import Goodput
+    from bole.speculative.budget.round_select import Goodput
     parents = torch.tensor([[-1, 0, 1, 2]] * 2)
     valid = torch.ones(2, 4, dtype=torch.bool)
     rho = torch.tensor([[1.0, 0.9, 0.8, 0.7], [1.0, 0.1, 0.01, 0.001]], dtype=torch.float64)
@@ -185,7 +187,7 @@ def test_goodput_fills_this_rounds_width_with_its_best_nodes():
     """When the choice is wider than the width this round's forward was built for, the row is
     filled to that width in rank order (compaction alone would keep its first slots), and its
     count at the choice goes to the host for the next round's width."""
-    from bole.engine.selection import Goodput
+    from bole.speculative.budget.round_select import Goodput
     parents = torch.tensor([[-1, 0, 1, 2, 0, 4, 5, 6]])
     valid = torch.ones(1, 8, dtype=torch.bool)
     rho = torch.tensor([[1.0, 0.9, 0.1, 0.05, 0.85, 0.8, 0.75, 0.7]], dtype=torch.float64)
@@ -199,7 +201,7 @@ def test_goodput_fills_this_rounds_width_with_its_best_nodes():
 def test_goodput_never_chooses_a_width_narrower_than_its_floors():
     """A width that cannot hold a root and its floors would be priced below the width its rows
     need: goodput does not offer it."""
-    policy = BudgetPolicy(SpecConfig("bole", budget=8, root_floor=3, budget_policy="goodput"), 8,
+    policy = make_policy(SpecConfig("bole", budget=8, root_floor=3, budget_policy="goodput"), 8,
                           profile=_profile(3.0, t_dec_ms=1.0, T=8))
     assert policy.widths == (2, 4, 8) and policy.goodput_widths == (4, 8)
     assert policy.goodput_inputs(1, "cpu").widths.tolist() == [4, 8]
@@ -208,7 +210,7 @@ def test_goodput_never_chooses_a_width_narrower_than_its_floors():
 def test_goodput_prices_each_width_from_the_profile():
     """Bucket R's width W costs the profile's forward of its measured batch at that width:
     the largest grid point whose even spread fits ``rows * (W - 1)`` nodes."""
-    policy = BudgetPolicy(SpecConfig("bole", budget=16, budget_policy="goodput"), 16,
+    policy = make_policy(SpecConfig("bole", budget=16, budget_policy="goodput"), 16,
                           profile=_profile(3.0, t_dec_ms=1.0, T=16))
     profile = policy.profile
     row = profile.row(2)
@@ -269,10 +271,10 @@ def test_a_profile_of_another_tree_size_is_refused():
     spec = SpecConfig("bole", "mtp", budget=16, budget_policy="goodput")
     with pytest.raises(ValueError, match="measured for trees of 8 nodes, and this engine's "
                                          "trees have 16.*--depth, --topk and --budget"):
-        BudgetPolicy(spec, 16, profile=_profile(1.0, T=8))
+        make_policy(spec, 16, profile=_profile(1.0, T=8))
     calibrated = SpecConfig("bole", "mtp", budget=16, budget_policy="calibrated")
     with pytest.raises(ValueError, match="trees of 8 nodes"):
-        BudgetPolicy(calibrated, 16, profile=_profile(1.0, T=8))
+        make_policy(calibrated, 16, profile=_profile(1.0, T=8))
 
 
 def test_a_profile_of_an_older_layout_is_calibrated_again(model, tmp_path, monkeypatch, capsys):
@@ -304,7 +306,7 @@ def test_calibrated_caps_each_row_at_the_width_its_budget_was_measured_at():
     # t_ver 1000, 1010, 1020, ... at N = 1, 2, 4, 8, 16 against t_dec 1000: at eps 0.025 N = 4
     # passes, which is 4, 2 and 1 a row at batches 1, 2 and 4 (widths 8, 4 and 2)
     profile = _profile(1000.0, T=T).at_eps(0.025)
-    pol = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="calibrated"), T,
+    pol = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="calibrated"), T,
                        profile=profile)
     assert [pol.budget(R) for R in (1, 2, 4)] == [7, 6, 4] == profile.b_ver
     assert [pol.row_width(R) for R in (1, 2, 4)] == [8, 4, 2]
@@ -319,12 +321,12 @@ def test_calibrated_caps_each_row_at_the_width_its_budget_was_measured_at():
     # rows measured (width 2), not over the 3 of the bucket
     assert pol.row_width(3) == 2
     # and a width always holds the root and its floors
-    floors = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="calibrated",
+    floors = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="calibrated",
                                      root_floor=3), T, profile=profile)
     assert floors.row_width(4) == 4
     for other in ("global", "goodput"):
         spec = SpecConfig("bole", "mtp", budget=T, budget_policy=other, shared_budget=4)
-        assert BudgetPolicy(spec, T, profile=profile).row_width(2) is None
+        assert make_policy(spec, T, profile=profile).row_width(2) is None
 
 
 def test_calibrated_rounds_keep_each_request_within_its_width(model, monkeypatch):
@@ -354,7 +356,7 @@ def _profile(t_ver_ms: float, t_dec_ms: float = 1000.0, slope: float = 0.01,
     CPU's measured draft and accept overhead (15-100 ms on a busy CI machine), so that the
     choice follows the profile. The verify time grows by ``slope`` a grid point (so that the
     selection can pay)."""
-    from bole.speculative.calibration import BudgetProfile
+    from bole.speculative.budget.profile import BudgetProfile
     grid = [1, 2, 4, 8, 16]
     return BudgetProfile(gpu="test", config_hash="x", dtype="float32", torch_version="",
                          triton_version="", eps=0.1, batches=[1, 2, 4], node_grid=grid,
@@ -368,30 +370,30 @@ def test_whole_trees_where_the_selection_cannot_pay():
     """Buckets whose budget covers every drafted node, or (goodput) where whole trees' verify
     costs at most the cheapest one plus the selection, verify whole trees without selecting."""
     T = 4                                             # 3 draft nodes a request
-    glob = BudgetPolicy(SpecConfig(drafter="mtp", budget=T, budget_policy="global",
+    glob = make_policy(SpecConfig(drafter="mtp", budget=T, budget_policy="global",
                                    shared_budget=6), T)
     assert [glob.whole_trees(R) for R in (1, 2, 4)] == [True, True, False]
     assert glob.width(2, 2) == T
-    calibrated = BudgetPolicy(SpecConfig(drafter="mtp", budget=T, budget_policy="calibrated"),
+    calibrated = make_policy(SpecConfig(drafter="mtp", budget=T, budget_policy="calibrated"),
                               T, profile=_profile(1.0, T=T))         # b_ver 16 at every batch
     assert [calibrated.whole_trees(R) for R in (1, 2, 4)] == [True, True, True]
     # host drafters' trees are often small: their rounds always compact
-    ngram = BudgetPolicy(SpecConfig(drafter="ngram", budget=T, budget_policy="calibrated"), T,
+    ngram = make_policy(SpecConfig(drafter="ngram", budget=T, budget_policy="calibrated"), T,
                          profile=_profile(1.0, T=T))
     assert not any(ngram.whole_trees(R) for R in (1, 2, 4))
     # goodput, bucket 2: width 4 (6 draft nodes: grid 4, 1.02 ms) against width 2 (grid 2,
     # 1.01 ms)
-    goodput = lambda sel: BudgetPolicy(  # noqa: E731
+    goodput = lambda sel: make_policy(  # noqa: E731
         SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
         profile=_profile(1.0, slope=0.01, t_select_ms=sel, T=T))
     assert not goodput(0.005).whole_trees(2) and goodput(0.015).whole_trees(2)
     assert goodput(0.0).whole_trees(1) is False            # 3 nodes: grid 2 (1.01) vs 1.0
-    flat = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+    flat = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                         profile=_profile(1.0, slope=0.0, T=T))
     assert all(flat.whole_trees(R) for R in (1, 2, 4)) and flat.width(4, 4) == T
     assert flat.plan(4) == "whole" and not flat.learns("whole", 4)
     # a bucket that never chooses never explores: its rounds never pay for learning
-    from bole.engine.selection import EXPLORE_EVERY
+    from bole.speculative.budget.goodput import EXPLORE_EVERY
     for _ in range(3 * EXPLORE_EVERY):
         kind = flat.plan(4)
         assert kind == "whole" and not flat.learns(kind, 4) and not flat.exploring(4)
@@ -404,10 +406,10 @@ def test_goodput_explores_whole_trees_and_weighs_its_selection():
     learns, without moving the next round's width, or fewer where whole trees cost more than
     the choice: exploring adds at most EXPLORE_SHARE of the rounds' time by the profile. The
     choice's overhead holds the profile's selection time where the bucket selects."""
-    from bole.engine.selection import EXPLORE_EVERY, EXPLORE_SHARE
+    from bole.speculative.budget.goodput import EXPLORE_EVERY, EXPLORE_SHARE
     T = 4
     for slope, select_ms in ((0.5, 0.25), (0.5, 0.002)):
-        policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+        policy = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                               profile=_profile(1.0, t_dec_ms=100.0, slope=slope,
                                                t_select_ms=select_ms, T=T))
         assert not policy.whole_trees(2) and policy.explore_every(2) == EXPLORE_EVERY
@@ -430,7 +432,7 @@ def test_goodput_explores_whole_trees_and_weighs_its_selection():
         assert all(w == (T if k == "whole" else 2) and learn for k, w, learn in seen)
         assert policy.round_overhead_ms(2) == pytest.approx(policy.overhead_ms + select_ms)
     # where whole trees cost about the choice's forward, one round in EXPLORE_EVERY explores
-    policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+    policy = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                           profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, t_select_ms=0.25,
                                            T=T))
     policy.observe(2, [T, 3])                          # the whole trees' width
@@ -457,9 +459,9 @@ def test_a_choice_of_every_node_is_followed_by_whole_rounds():
     """When goodput's choice keeps every drafted node, the next WHOLE_ROUNDS rounds verify
     whole trees without selecting (and learn only when they explore), then it chooses again;
     a choice that drops nodes, or another policy, starts no such stretch."""
-    from bole.engine.selection import EXPLORE_EVERY, WHOLE_ROUNDS
+    from bole.speculative.budget.goodput import EXPLORE_EVERY, WHOLE_ROUNDS
     T = 4
-    policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+    policy = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                           profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, T=T))
     assert policy.plan(2) == "select"
     policy.observe(2, [T, 3], "select")                # one request lost a node: no stretch
@@ -484,7 +486,7 @@ def test_a_choice_of_every_node_is_followed_by_whole_rounds():
         assert policy.whole_left
         policy.after_round(2, False, draft_ms=0.1, accept_ms=0.1, rate=1e-6)
     assert not policy.whole_left
-    glob = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="global",
+    glob = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="global",
                                    shared_budget=2), T)
     glob.observe(2, [T, T], "select")
     assert glob.plan(2) == "select" and not glob.learns("select", 2)
@@ -493,9 +495,9 @@ def test_a_choice_of_every_node_is_followed_by_whole_rounds():
 def test_whole_stretches_double_while_the_choice_stays_whole():
     """Each choice in a row that keeps every drafted node doubles the next whole stretch, up to
     WHOLE_ROUNDS_MAX; a choice that drops a node, or a plain stretch, starts over."""
-    from bole.engine.selection import WHOLE_ROUNDS, WHOLE_ROUNDS_MAX
+    from bole.speculative.budget.goodput import WHOLE_ROUNDS, WHOLE_ROUNDS_MAX
     T = 4
-    policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+    policy = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                           profile=_profile(1.0, t_dec_ms=100.0, slope=0.5, T=T))
 
     def stretch() -> int:
@@ -532,17 +534,17 @@ def test_each_policy_names_the_rounds_it_can_run():
     buckets every width, goodput its plain round and a whole round with and without learning
     (without only, in a bucket of whole trees: it never explores)."""
     T = 4
-    fixed = BudgetPolicy(SpecConfig("bole", "mtp", budget=T), T)
+    fixed = make_policy(SpecConfig("bole", "mtp", budget=T), T)
     assert fixed.variants(2) == [("whole", T, False)]
-    glob = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="global",
+    glob = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="global",
                                    shared_budget=6), T)
     assert glob.variants(2) == [("whole", T, False)]
     assert glob.variants(4) == [("select", W, False) for W in width_buckets(T)]
-    goodput = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+    goodput = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                            profile=_profile(1.0, slope=0.5, T=T))
     extra = [("plain", 1, False), ("whole", T, False), ("whole", T, True)]
     assert goodput.variants(2) == extra + [("select", W, True) for W in width_buckets(T)]
-    flat = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+    flat = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                         profile=_profile(1.0, slope=0.0, T=T))
     assert flat.whole_trees(2) and flat.variants(2) == extra[:2]
 
@@ -577,7 +579,7 @@ def test_goodput_drafts_when_it_pays_and_decodes_plainly_when_not(model):
     """Against a profile whose decode takes 1 s, drafting delivers more (tokens per round > 1);
     against a decode of 1 us it delivers less, and the batch decodes plainly, drafting again
     after AR_ROUNDS rounds to look; greedy output is plain decoding's either way."""
-    from bole.engine.selection import AR_ROUNDS, FIRST_ROUNDS
+    from bole.speculative.budget.goodput import AR_ROUNDS, FIRST_ROUNDS
     params = GenerationParams(max_tokens=24)
     ar, spec = _goodput_case(model, params)
     cheap = Engine(model, spec, max_slots=3,
@@ -602,7 +604,7 @@ def test_goodput_learns_acceptance_from_its_rounds(model):
     refits its rho -> acceptance map every FIT_EVERY drafting rounds: after a run the counts
     equal the verified draft nodes, the accepted ones the drafted tokens that were emitted, and
     the table has moved off its prior where nodes were seen."""
-    from bole.engine.selection import FIT_EVERY
+    from bole.speculative.budget.goodput import FIT_EVERY
     params = GenerationParams(max_tokens=40)
     model = HybridModel(model.config, dict(model.w), gdn_backend="torch")   # nothing learnt yet
     ar, spec = _goodput_case(model, params)
@@ -647,8 +649,8 @@ def test_engines_of_one_model_share_what_goodput_learnt(model):
 def test_goodput_looks_less_often_while_drafting_keeps_not_paying():
     """Each look (a drafting round after plain ones) that again finds drafting does not pay
     doubles the plain stretch, up to AR_ROUNDS_MAX; a look that drafts resets it."""
-    from bole.engine.selection import AR_ROUNDS, AR_ROUNDS_MAX, FIRST_ROUNDS
-    policy = BudgetPolicy(SpecConfig("bole", budget=4, budget_policy="goodput"), 4,
+    from bole.speculative.budget.goodput import AR_ROUNDS, AR_ROUNDS_MAX, FIRST_ROUNDS
+    policy = make_policy(SpecConfig("bole", budget=4, budget_policy="goodput"), 4,
                           profile=_profile(1.0, t_dec_ms=1.0, T=4))
     for _ in range(FIRST_ROUNDS - 1):                # the bucket's first rounds: no decision
         policy.after_round(1, False, draft_ms=1.0, accept_ms=0.1, rate=0.1)
@@ -717,7 +719,7 @@ def test_goodput_enters_a_bucket_at_the_width_of_the_nearest_one_that_chose():
     rows, the larger on a tie), and then what its own rounds keep. Other policies keep the even
     share."""
     T = 32
-    policy = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
+    policy = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="goodput"), T,
                           profile=_profile(1.0, T=T))
     assert policy.width(4, 4, "select") == 8          # no bucket has chosen: 1 + ceil(16 / 4)
     policy.observe(64, [7, 5, 6], "select")
@@ -727,7 +729,7 @@ def test_goodput_enters_a_bucket_at_the_width_of_the_nearest_one_that_chose():
     assert policy.width(128, 100, "select") == 8
     policy.observe(32, [3], "select")
     assert policy.width(32, 30, "select") == 4        # its own rounds from then on
-    glob = BudgetPolicy(SpecConfig("bole", "mtp", budget=T, budget_policy="global",
+    glob = make_policy(SpecConfig("bole", "mtp", budget=T, budget_policy="global",
                                    shared_budget=64), T)
     glob.observe(64, [3], "select")
     assert glob.width(8, 8, "select") == 16           # 1 + ceil(64 / 8) = 9

@@ -1,4 +1,4 @@
-"""Goodput's draft depth (bole/engine/draft_depth.py): the survival counts and the choice against
+"""Goodput's draft depth (bole/speculative/budget/draft_depth.py): the survival counts and the choice against
 brute force, the probe rounds, the round's plan, and greedy output unchanged when whole rounds
 grow fewer levels (also with drafts queued before the choice changed)."""
 
@@ -7,8 +7,8 @@ import random
 import pytest
 
 from bole.engine import Engine, GenerationParams, SpecConfig
-from bole.engine.draft_depth import MIN_ROWS, PROBE_EVERY, DraftDepth, fill_depths
-from bole.engine.selection import BudgetPolicy
+from bole.speculative.budget.draft_depth import DraftDepth, fill_depths, MIN_ROWS, PROBE_EVERY
+from bole.speculative.budget.registry import make_policy
 from tests.engine.test_budget_policy import PROMPTS, _goodput_case, _profile
 from tests.engine.test_budget_policy import model  # noqa: F401  (the fixture)
 
@@ -103,7 +103,7 @@ def test_a_probe_round_grows_one_level_past_the_choice():
 def _whole_policy(T=12, depth=4, topk=3):
     """A goodput policy whose buckets verify whole trees (a flat verify time)."""
     spec = SpecConfig("bole", "mtp", depth=depth, topk=topk, budget=T, budget_policy="goodput")
-    return BudgetPolicy(spec, spec.nodes_per_request,
+    return make_policy(spec, spec.nodes_per_request,
                         profile=_profile(1.0, slope=0.0, T=spec.nodes_per_request))
 
 
@@ -125,7 +125,7 @@ def test_whole_rounds_take_the_choice_select_and_exploring_rounds_the_deepest():
     assert not sel.takes_draft(2, 3)                   # an exploring round learns every level
     # no depth choice where only one depth fills the tree, nor for host drafters or fixed
     assert _whole_policy(T=31, depth=4, topk=3).depth is None
-    assert BudgetPolicy(SpecConfig("bole", "ngram", budget_policy="goodput"), 16,
+    assert make_policy(SpecConfig("bole", "ngram", budget_policy="goodput"), 16,
                         profile=_profile(1.0, T=16)).depth is None
 
 
@@ -193,7 +193,7 @@ def test_unmeasured_rounds_leave_the_times_and_halving_keeps_the_survival():
     dd.observe(1, 8, [2], draft_ms=9.0, rest_ms=9.0, measured=False, hidden_ms=9.0)
     assert (dd.draft_ms[1][8], dd.rest_ms[1], dd.hidden_ms[1]) == (0.4, 0.6, 0.1)
     assert dd.reach[1] == 3                             # the rows count either way
-    from bole.engine.draft_depth import MAX_COUNT
+    from bole.speculative.budget.draft_depth import MAX_COUNT
     big = DraftDepth((3, 4))
     big.observe(1, 4, [2, 4] * int(MAX_COUNT), draft_ms=1.0, rest_ms=1.0)   # 2 MAX_COUNT rows
     assert (big.reach[1], big.reach[3], big.passed[3]) == (MAX_COUNT, MAX_COUNT, MAX_COUNT / 2)

@@ -431,7 +431,7 @@ def test_draft_depth_breaks_a_rate_tie_towards_the_deeper_depth():
     """Survival 1/2 at every level (9 of 18 rows, Laplace prior): depth 2 expects 1.75 tokens,
     depth 4 1.9375. With a round's rest at 10 ms and drafts of 4 and 5.5 ms both deliver exactly
     0.125 tokens per ms: the documented tie rule takes the deeper; a slower depth-4 draft loses."""
-    from bole.engine.draft_depth import DraftDepth
+    from bole.speculative.budget.draft_depth import DraftDepth
     dd = DraftDepth((2, 4))
     dd.reach = [0.0] + [18.0] * 4
     dd.passed = [0.0] + [9.0] * 4
@@ -449,7 +449,7 @@ def test_draft_depth_averages_times_and_reads_the_line_through_measured_depths()
     """Each time is an exponential average (a tenth on the newest, started at the first value,
     kept per bucket and per depth); an unmeasured depth's draft time is read off the
     least-squares line through the measured ones, a measured depth keeps its own."""
-    from bole.engine.draft_depth import DraftDepth
+    from bole.speculative.budget.draft_depth import DraftDepth
     dd = DraftDepth((2, 3, 4, 5))
     dd.observe(1, 2, [], draft_ms=2.0, rest_ms=10.0, hidden_ms=1.0)
     dd.observe(2, 2, [], draft_ms=50.0, rest_ms=50.0, hidden_ms=50.0)     # another bucket

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from bole.forest import DenseForest
-from bole.speculative.budget import (Ranking, _keep, dense_inputs, expected_accepted_curve,
-                                     rank_nodes)
+from bole.speculative.budget.expected import expected_accepted_curve
+from bole.speculative.budget.ranking import _keep, dense_inputs, rank_nodes, Ranking
 from bole.ops.rank.kernel import rank_dense_triton
 from bole.tree import DraftTree, PackedForest
 from tests.kernel_utils import DEV

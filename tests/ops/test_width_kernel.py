@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from bole.forest import DenseForest
-from bole.speculative.budget import (RowFill, WidthChoice, _estimates, goodput_best, rank_dense,
-                                     width_fill_choice, width_fill_curve)
-from bole.speculative.calibration import AcceptanceCalibrator
+from bole.speculative.budget.expected import (_estimates, goodput_best, RowFill,
+                                              width_fill_choice, width_fill_curve, WidthChoice)
+from bole.speculative.budget.ranking import rank_dense
+from bole.speculative.budget.acceptance import AcceptanceCalibrator
 from bole.ops.width.kernel import width_fill_choice_triton as _width_kernel
 from bole.tree import DraftTree, PackedForest
 from tests.kernel_utils import DEV

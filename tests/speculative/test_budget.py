@@ -13,16 +13,19 @@ from hypothesis import given, settings, strategies as st
 
 from bole.forest import DenseForest
 from bole.models.presets import preset_config
-from bole.speculative.budget import (compact, dense_inputs, expected_accepted_curve,
-                                     goodput_budget, goodput_choice, rank_dense, rank_nodes,
-                                     safe_width, select_dense, select_nodes, width_fill_choice,
-                                     width_fill_could_widen, width_fill_curve, width_fill_keep,
-                                     width_capacity, width_priced_t_ver)
-from bole.speculative.calibration import (FORMAT, AcceptanceCalibrator, BudgetProfile,
-                                          ProfileFormatError, b_ver_from_curve,
-                                          cache_dir, calibrate, config_hash, find_profile,
-                                          isotonic_fit, isotonic_fit_device, plot_profile, profile_path,
-                                          runtime_versions, verification_budget)
+from bole.speculative.budget.expected import (expected_accepted_curve, goodput_budget,
+                                              goodput_choice, width_fill_choice,
+                                              width_fill_could_widen, width_fill_curve,
+                                              width_fill_keep)
+from bole.speculative.budget.ranking import (compact, dense_inputs, rank_dense, rank_nodes,
+                                             safe_width, select_dense, select_nodes)
+from bole.speculative.budget.widths import width_capacity, width_priced_t_ver
+from bole.speculative.budget.acceptance import (AcceptanceCalibrator, isotonic_fit,
+                                                isotonic_fit_device)
+from bole.speculative.budget.profile import (b_ver_from_curve, BudgetProfile, cache_dir,
+                                             calibrate, config_hash, find_profile, FORMAT,
+                                             plot_profile, profile_path, ProfileFormatError,
+                                             runtime_versions, verification_budget)
 from tests.no_sync import forbid_host_sync
 
 LEVELS = (1.0, 0.5, 0.25, 0.125)        # few levels: equal rho (ties) across nodes and requests
@@ -862,7 +865,7 @@ def test_acceptance_calibrator_learns_a_monotone_map():
 def test_learnt_acceptance_is_shared_per_model_until_forgotten():
     """Engines of one model and drafter share one calibrator; forget_acceptance drops it, so the
     next starts from the prior; another model or drafter has its own."""
-    from bole.speculative.calibration import forget_acceptance, learnt_acceptance
+    from bole.speculative.budget.acceptance import forget_acceptance, learnt_acceptance
 
     class Model:                      # any weak-referenceable object keys the estimates
         pass
@@ -881,8 +884,8 @@ def test_learnt_acceptance_is_shared_per_model_until_forgotten():
 def test_saved_acceptance_restores_a_copy():
     """restore_acceptance makes a saved state what the next engines start from, as a copy:
     rounds after the restore change neither the saved state nor a second restore."""
-    from bole.speculative.calibration import (forget_acceptance, learnt_acceptance,
-                                              restore_acceptance, saved_acceptance)
+    from bole.speculative.budget.acceptance import (forget_acceptance, learnt_acceptance,
+                                                    restore_acceptance, saved_acceptance)
 
     class Model:
         pass

@@ -1,5 +1,5 @@
 """The batch-shared budget's ranking over the dense layout in two Triton launches (the CUDA path
-of :func:`bole.speculative.budget.rank_dense`; its torch code is the reference).
+of :func:`bole.speculative.budget.ranking.rank_dense`; its torch code is the reference).
 
     rank_dense_triton(rho [R, T], parents [R, T], valid [R, T], active [R] | None, root_floor,
                       max_depth) -> Ranking
@@ -105,7 +105,7 @@ def _order_kernel(score, depth, draft, floor, order, eligible, N, BI: tl.constex
 
 def rank_dense_triton(rho: torch.Tensor, parents: torch.Tensor, valid: torch.Tensor,
                       active: torch.Tensor | None, root_floor: int, max_depth: int):
-    """The fields of :func:`bole.speculative.budget.rank_dense`'s ranking of a dense forest
+    """The fields of :func:`bole.speculative.budget.ranking.rank_dense`'s ranking of a dense forest
     (``rho``, local ``parents`` and ``valid`` ``[R, T]``; ``active`` ``[R]`` bool or None), in
     two launches, equal to the torch ranking for forests no deeper than ``max_depth``:
     ``(order [N] int64, eligible [N] bool, root [N] bool, floor [N] bool, score [N] float64)``,

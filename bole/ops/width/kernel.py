@@ -1,5 +1,5 @@
 """Goodput's width choice in two Triton launches: the CUDA path of
-:func:`bole.speculative.budget.width_fill_choice`, whose torch code is the reference
+:func:`bole.speculative.budget.expected.width_fill_choice`, whose torch code is the reference
 (``BOLE_WIDTH_KERNEL=0`` in the environment keeps the torch code on CUDA too).
 
     width_fill_choice_triton(order [N], eligible [N], root [N], floor [N], rows, widths [Wn],
@@ -13,7 +13,7 @@
    width the estimates of the row's first ``min(W - 1 - floors, eligible)`` of them, summed into
    the expected-tokens curve with the roots and the floors' estimates. The width of the most
    expected tokens per ms (the first on ties) is the choice. Second pass: each row's fill at
-   the choice bounds what lies past it (:func:`~bole.speculative.budget.width_fill_could_widen`),
+   the choice bounds what lies past it (:func:`~bole.speculative.budget.expected.width_fill_could_widen`),
    and each row keeps its roots, floors and best eligible nodes up to ``min(choice, max_width)``
    slots.
 
@@ -117,7 +117,7 @@ def width_fill_choice_triton(order: torch.Tensor, eligible: torch.Tensor, root: 
                              max_width: int | None = None,
                              round_overhead_ms: float | torch.Tensor = 0.0,
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fields of :func:`bole.speculative.budget.width_fill_choice` from a ranking of the
+    """The fields of :func:`bole.speculative.budget.expected.width_fill_choice` from a ranking of the
     ``rows x T`` dense layout (``order``, ``eligible`` in rank order, ``root`` and ``floor`` per
     node, all ``[N]``) and its nodes' acceptance estimates ``est [N]`` (float64, as
     ``_estimates`` gives them), in two launches. No synchronisation. Returns

@@ -5,7 +5,9 @@ for the requests after it.
     admit     lookup -> restore (KV rows, GDN and conv states, the MTP head's rows and hidden
               state) -> prefill of the suffix, its chunks ending at every block boundary and at
               the prompt's last token but one, where the target's state is taken -> the
-              drafters' upkeep of the suffix -> insert (blocks and checkpoints)
+              drafters' upkeep of the suffix -> insert (blocks and checkpoints). Short prompts
+              the cache does not hold keep the batched admission (CUDA graphs) for all but
+              their last tokens, then one forward takes every last token
     finish    a request that ends normally leaves a checkpoint at its committed length (a later
               turn of a chat starts with this prompt and its answer)
 
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from bole.engine.prefix_cache import DEFAULT_BLOCK, CachePools, MTPPools, PrefixCache
+from bole.engine.runner import PREFILL_BATCH_MAX
+from bole.forest import DenseForest
 from bole.speculative.drafters.mtp import MTPDrafter
 
 __all__ = ["PrefixCacheConfig", "PrefixAdmission", "default_capacity_bytes"]
@@ -71,11 +75,53 @@ class PrefixAdmission:
             else int(config.capacity_gib * GIB)
         self.store = PrefixCache(pools, capacity, config.block)
 
-    def admit(self, r) -> torch.Tensor:
-        """Fill request ``r``'s fresh slot with its prompt (restoring what the cache holds);
-        returns the last prompt token's logits ``[V]``; sets ``r.cached_tokens``."""
+    def admit(self, requests: list) -> torch.Tensor:
+        """Fill each request's fresh slot with its prompt (restoring what the cache holds);
+        returns the last prompt tokens' logits ``[R, V]``; sets each ``r.cached_tokens``.
+        Short prompts the cache does not hold go together (:meth:`_admit_short`), the others
+        one by one (:meth:`_admit_one`)."""
+        hits = {id(r): self.store.lookup(list(r.prompt)) for r in requests}
+        short = [r for r in requests if hits[id(r)] is None
+                 and 2 <= len(r.prompt) <= PREFILL_BATCH_MAX]
+        logits = dict(zip(map(id, short), self._admit_short(short))) if short else {}
+        for r in requests:
+            if id(r) not in logits:
+                logits[id(r)] = self._admit_one(r, hits[id(r)])
+        return torch.stack([logits[id(r)] for r in requests])
+
+    def _admit_short(self, requests: list) -> torch.Tensor:
+        """Prompts of 2 to PREFILL_BATCH_MAX tokens the cache does not hold: all but their last
+        tokens through the batched admission (its CUDA graphs), a checkpoint each, then their
+        last tokens in one forward. Returns their logits ``[R, V]``."""
+        e, rounds = self.engine, self.engine.rounds
+        slots = [r.slot for r in requests]
+        heads = [torch.tensor(list(r.prompt[:-1])) for r in requests]
+        rounds.prefill(slots, heads, [r.continuation for r in requests])
+        for r in requests:
+            r.cached_tokens = 0
+            self.store.insert(list(r.prompt), r.slot, {len(r.prompt) - 1: self.store.states(r.slot)})
+        dev = e.runner.device
+        tokens = torch.tensor([r.prompt[-1] for r in requests], device=dev)
+        slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)
+        batch = e.runner.make_batch(tokens, DenseForest.chain(len(requests), 1, dev), slot_t)
+        out = e.runner.forward(batch)
+        R = len(requests)
+        e.runner.commit(batch, out, torch.zeros(R, 1, dtype=torch.int64, device=dev),
+                        torch.ones(R, dtype=torch.int64, device=dev), kv_in_place=True)
+        e.cache.advance(slots, [1] * R)
+        if self.mtp is not None:
+            start = torch.tensor([len(r.prompt) - 1 for r in requests], device=dev)
+            self.mtp.observe(slot_t, tokens[:, None], out.hidden[:, None], start,
+                             torch.ones(R, dtype=torch.int64, device=dev))
+        if rounds.drafter is not None:          # the host drafters' whole prompts
+            for r in requests:
+                rounds.drafter.start(r.slot, torch.tensor(list(r.prompt)), r.continuation)
+        return out.logits
+
+    def _admit_one(self, r, hit) -> torch.Tensor:
+        """One request: restore ``hit`` (None: nothing), prefill the rest with checkpoints at
+        block boundaries and at the prompt's last token but one. Returns its logits ``[V]``."""
         e, slot, prompt = self.engine, r.slot, list(r.prompt)
-        hit = self.store.lookup(prompt)
         h = 0
         if hit is not None:
             self.store.restore(hit, slot)
@@ -90,6 +136,7 @@ class PrefixAdmission:
             slot, suffix, on_chunk=e.on_prefill_chunk, checkpoints=sorted(points),
             on_checkpoint=lambda p: target.__setitem__(p, pool.state(slot)))
         self._drafters_observe(r, h, suffix, hidden)
+        # the head's state at p: the hidden state of token p - 1, the last one committed
         checkpoints = {p: [s] + ([[hidden[p - 1 - h].clone()]] if self.mtp is not None else [])
                        for p, s in target.items()}
         self.store.insert(prompt, slot, checkpoints)

@@ -1,6 +1,7 @@
 """The prefix cache in the engine: output identical with the cache on and off in every mode
 (greedy and seeded sampling), and the hits a user expects (fp32, CPU, tiny presets with an MTP
-head drafting; 8-token blocks so that short prompts cross several)."""
+head drafting; 8-token blocks). Prompts longer than the batched admission's 64 tokens leave a
+checkpoint at every block boundary; shorter ones at their last token but one."""
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from bole.speculative.sampling import SamplingParams
 
 MODES = ("ar", "chain", "tree-serial", "bole")
 BLOCK = 8
-SYSTEM = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]   # 19
+SYSTEM = list(range(11, 81))                       # 70 tokens: eight whole blocks and a part
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
@@ -62,7 +63,7 @@ def test_output_is_identical_with_the_cache_on_and_off(model, mode):
         assert [r.token_ids for r in on] == [r.token_ids for r in off], (mode, params)
         cached = [r.cached_tokens for r in on]
         assert cached[0] == 0                                   # nothing before it
-        assert cached[1] == 16                                  # the shared blocks of SYSTEM
+        assert cached[1] == 64                                  # the shared blocks of SYSTEM
         assert cached[2] == len(conversation()[2]) - 1          # the first repeat hits
         # the second turn: the first turn's prompt and answer up to its last committed token
         assert cached[3] == len(conversation()[0]) + len(on[0].token_ids) - 1
@@ -76,17 +77,25 @@ def _admit(e, prompt):
     return r
 
 
+SLOT_CASES = {   # (prompt admitted first, prompt compared, its cached tokens)
+    "long-prefix-hit": (SYSTEM + [40, 41, 42, 43, 44, 45], SYSTEM + [50, 51, 52], 64),
+    "short-new": ([9, 9, 9], [3, 1, 4, 1, 5, 9, 2, 6], 0),
+    "short-repeat": ([3, 1, 4, 1, 5, 9, 2, 6], [3, 1, 4, 1, 5, 9, 2, 6], 7),
+}
+
+
+@pytest.mark.parametrize("case", SLOT_CASES)
 @pytest.mark.parametrize("mode", ["bole", "ar"])
-def test_a_restored_slot_holds_what_a_full_prefill_leaves(model, mode):
-    """After a hit and the suffix's prefill, the slot's KV rows, GDN and conv states, length,
-    the MTP head's rows and last hidden state, and the first token's logits equal a cache-off
-    prefill of the whole prompt (to rounding: the cache moves where prefill chunks end)."""
+def test_a_restored_slot_holds_what_a_full_prefill_leaves(model, mode, case):
+    """After admission through the cache (a restored prefix and the suffix's prefill, or a
+    short prompt's batched head and last-token forward) the slot's KV rows, GDN and conv
+    states, length, the MTP head's rows and last hidden state, and the first token equal a
+    cache-off admission (to rounding: the cache moves where prefill chunks end)."""
+    first, prompt, cached = SLOT_CASES[case]
     on, off = engine(model, mode), engine(model, mode, cache=False)
-    for r in (_admit(on, conversation()[0]), ):                # fills the cache
-        on.release(r)
-    prompt = conversation()[1]
+    on.release(_admit(on, first))                              # fills the cache
     got, want = _admit(on, prompt), _admit(off, prompt)
-    assert got.cached_tokens == 16 and got.out == want.out
+    assert got.cached_tokens == cached and got.out == want.out
     a, b, n = on.cache, off.cache, len(prompt)
     s, t = got.slot, want.slot
     assert a.host_lengths[s] == b.host_lengths[t] == n
@@ -123,11 +132,11 @@ def test_a_prompt_shorter_than_a_block_hits_when_repeated(model):
 
 def test_a_prefix_ending_mid_block_hits_its_last_full_block(model):
     e = engine(model, "bole")
-    a = list(range(30, 50))                                   # 20 tokens
-    b = a[:13] + [99, 98, 97]                                 # diverges inside the second block
+    a = list(range(30, 110))                                  # 80 tokens
+    b = a[:69] + [9, 8, 7]                                    # diverges inside the ninth block
     off = run_one_by_one(engine(model, "bole", cache=False), [a, b], GenerationParams(max_tokens=8))
     on = run_one_by_one(e, [a, b], GenerationParams(max_tokens=8))
-    assert on[1].cached_tokens == 8
+    assert on[1].cached_tokens == 64
     assert [r.token_ids for r in on] == [r.token_ids for r in off]
 
 

@@ -29,6 +29,7 @@ from bole.engine.round import RoundRunner, RoundTimings
 from bole.engine.runner import PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunner, prefill_bucket
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.accept_device import sample_rows
+from bole.speculative.budget.registry import DEFAULT_POLICY, policy_info
 from bole.speculative.drafters import registry as drafters
 from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams, penalize_params, target_probs
 from bole.speculative.tree_growth import node_capacity
@@ -62,12 +63,12 @@ class SpecConfig:
     #: the replay drafter's acceptance profile: a shipped name ("bundled", "qwen3-next-mtp")
     #: or a JSON file (bole/speculative/drafters/replay.py)
     acceptance: str | None = None
-    #: which drafted nodes a verify takes (bole/engine/selection.py): "fixed" (every request its
+    #: which drafted nodes a verify takes (bole/speculative/budget/): "fixed" (every request its
     #: tree), "global" (the batch's best ``shared_budget`` draft nodes), "calibrated" (the
     #: budget of this GPU's calibration profile) or "goodput" (the budget that maximises
     #: expected tokens per ms, plain decoding when drafting does not pay); ``root_floor`` root
     #: children per request kept
-    budget_policy: str = "fixed"
+    budget_policy: str = DEFAULT_POLICY
     shared_budget: int = 0
     root_floor: int = 1
     #: the MTP head drafts over this many most frequent tokens (0: the whole vocabulary;
@@ -87,9 +88,7 @@ class SpecConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         drafter = drafters.drafter_info(self.drafter)
-        from bole.engine.selection import POLICIES
-        if self.budget_policy not in POLICIES:
-            raise ValueError(f"budget_policy must be one of {POLICIES}, got {self.budget_policy!r}")
+        policy = policy_info(self.budget_policy)
         if self.forced_acceptance and not drafter.replays_continuation:
             raise ValueError("forced_acceptance replays a known continuation: it needs the "
                              "replay drafter")
@@ -105,7 +104,7 @@ class SpecConfig:
         if self.root_floor < 0:
             raise ValueError(f"root_floor must be >= 0, got {self.root_floor}")
         if self.budget_eps is not None:
-            if self.budget_policy != "calibrated":
+            if not policy.takes_eps:
                 raise ValueError(f"budget_eps is the calibrated policy's tolerance; the "
                                  f"{self.budget_policy} policy has none (leave it unset)")
             eps = self.budget_eps
@@ -248,12 +247,13 @@ class Engine:
         if (drafters.drafter_info(spec.drafter).needs_draft_model and draft_model is None
                 and spec.mode != "ar"):
             raise ValueError(f"the {spec.drafter} drafter needs a draft_model (--draft-model)")
-        if spec.budget_policy == "goodput" and spec.mode != "ar" and model.tp.world > 1:
-            raise ValueError("the goodput policy decides each round on each rank's host from "
-                             "its own timings, which tensor-parallel ranks must not do apart: "
-                             "use --budget-policy fixed, global or calibrated with --tp")
-        if (spec.budget_policy in ("calibrated", "goodput") and spec.mode != "ar"
-                and budget_profile is None):
+        policy = policy_info(spec.budget_policy)
+        if policy.host_timed and spec.mode != "ar" and model.tp.world > 1:
+            raise ValueError(f"the {spec.budget_policy} policy decides each round on each "
+                             "rank's host from its own timings, which tensor-parallel ranks "
+                             "must not do apart: use --budget-policy fixed, global or "
+                             "calibrated with --tp")
+        if policy.needs_profile and spec.mode != "ar" and budget_profile is None:
             from bole.engine.calibrate import load_or_calibrate
             budget_profile = load_or_calibrate(model, spec, max_slots)
         if spec.budget_eps is not None and budget_profile is not None:

@@ -206,6 +206,20 @@ def _add_serve(sub, fmt) -> None:
                        help="log every HTTP request (off: the log lines cost the event loop "
                             "time that the engine's thread waits for under load)")
     _tp_option(serve)
+    _replica_options(serve)
+
+
+def _replica_options(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--replicas", type=int, default=None,
+                       help="run N engines as Ray Serve replicas behind Ray Serve's HTTP proxy "
+                            "(one GPU each on CUDA; needs: pip install \"bole[ray]\"); "
+                            "docs/multi-node.md")
+    serve.add_argument("--replica-cpus", type=int, default=None,
+                       help="with --replicas on the CPU: cores (torch threads) per replica "
+                            "(default: this machine's cores / N)")
+    serve.add_argument("--ray-address", default=None,
+                       help="with --replicas: the Ray cluster to deploy on ('auto': the one "
+                            "'ray start' began here; default: a Ray instance of its own)")
 
 
 def _add_calibrate(sub, fmt) -> None:

@@ -1,5 +1,6 @@
 """`bole serve`: one process, or under ``--tp N`` rank 0 serving in this process and ranks
-1..N-1 spawned as followers that step in lockstep with it (bole/engine/lockstep.py)."""
+1..N-1 spawned as followers that step in lockstep with it (bole/engine/lockstep.py), or under
+``--replicas N`` N engines as Ray Serve replicas (bole/server/replicas.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from bole.cli.common import (UsageError, check_positive, checkpoint_folder, load
 from bole.cli.parser import build_parser
 from bole.speculative.drafters.registry import FALLBACK_DRAFTER
 
-__all__ = ["serve", "serve_tp"]
+__all__ = ["serve", "serve_tp", "serve_replicas", "replica_app"]
 
 
 def _serve_checks(args) -> Path:
@@ -76,6 +77,8 @@ def serve(args) -> int:
 
     from bole.server.api import serve as run_server
 
+    if getattr(args, "replicas", None) is not None:
+        return serve_replicas(args)
     folder = _serve_checks(args)
     logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)           # shut down in order on SIGTERM too
@@ -108,6 +111,9 @@ def serve_tp(args, argv: list[str]) -> int:
     from bole.server.api import serve as run_server
     from bole.engine.lockstep import Channel
 
+    if getattr(args, "replicas", None) is not None:
+        raise UsageError("--replicas with --tp is not supported yet: each replica runs one "
+                         "engine, on one GPU or the CPU (docs/multi-node.md)")
     folder = _serve_checks(args)
     logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
     port = distributed.free_port()
@@ -128,6 +134,83 @@ def serve_tp(args, argv: list[str]) -> int:
             channel.close()                             # a no-op once the engine loop sent it
         _stop_followers(followers.processes, timeout=30 if channel is not None else 0)
         distributed.shutdown()
+    return 0
+
+
+def _replica_plan(args, folder: Path):
+    """``--replicas``: the replicas' options and the Ray cluster they run on."""
+    import logging
+
+    import torch
+
+    from bole.server.replicas import RayCluster, RayMissing, ReplicaOptions, require_ray
+    check_positive(replicas=args.replicas, replica_cpus=args.replica_cpus)
+    try:
+        require_ray()
+    except RayMissing as exc:
+        raise UsageError(str(exc)) from None
+    cuda = pick_device(args.device).startswith("cuda")
+    cores = os.cpu_count() or 1
+    if cuda and args.replica_cpus is not None:
+        raise UsageError("--replica-cpus is for replicas on the CPU; on CUDA each replica has "
+                         "a GPU of its own")
+    if cuda and args.ray_address is None and torch.cuda.device_count() < args.replicas:
+        raise UsageError(f"--replicas {args.replicas} needs {args.replicas} GPUs, this machine "
+                         f"has {torch.cuda.device_count()} (--ray-address deploys on a cluster)")
+    cpus = 1 if cuda else args.replica_cpus or max(1, cores // args.replicas)
+    if not cuda and args.ray_address is None and cpus * args.replicas > cores:
+        logging.getLogger("bole.server").warning(
+            "%d replicas x %d cores is more than this machine's %d cores: they will contend",
+            args.replicas, cpus, cores)
+    options = ReplicaOptions(args.replicas, num_cpus=cpus, num_gpus=1 if cuda else 0,
+                             max_ongoing_requests=args.max_batch,
+                             max_queued_requests=args.max_queue,
+                             shutdown_timeout=args.shutdown_timeout,
+                             access_log=args.access_log)
+    if cuda:
+        args.device = "cuda"                  # a replica sees only its own GPU, as cuda:0
+    cluster = RayCluster(args.ray_address, num_cpus=max(cores, cpus * args.replicas)
+                         if args.ray_address is None else None)
+    return options, cluster
+
+
+def _replica_server(args, folder: Path):
+    """A replica's server (run in the replica's process): engine, scheduler, app state."""
+    if not args.engine_process:
+        return _serve_server(args, folder, _serve_engine(args, folder))
+    from bole.server.engine_process import EngineClient
+    client = EngineClient(_serve_engine, (args, folder), max_queue=args.max_queue)
+    return _serve_server(args, folder, None, client=client)
+
+
+def replica_app(argv: list[str]):
+    """The Ray Serve application that ``bole serve ARGV --replicas N`` runs, for ``serve.run``
+    on a Ray cluster of your own (docs/multi-node.md)."""
+    from bole.server.replicas import replica_app as build_app
+    args = build_parser().parse_args(["serve", *argv])
+    if args.replicas is None:
+        raise UsageError("replica_app needs --replicas N")
+    folder = _serve_checks(args)
+    options, _ = _replica_plan(args, folder)
+    return build_app(options, _replica_server, (args, folder))
+
+
+def serve_replicas(args) -> int:
+    """``serve --replicas N``: N engines as Ray Serve replicas behind Serve's HTTP proxy on
+    ``--host:--port``, until SIGINT or SIGTERM (then every replica and Ray process stops)."""
+    import logging
+    import signal
+
+    from bole.server.replicas import serve_replicas as run_replicas
+    folder = _serve_checks(args)
+    options, cluster = _replica_plan(args, folder)
+    logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("bole.server").warning(
+            "serving on %s without an API key: anyone who can reach this address can use the "
+            "model (pass --api-key or set BOLE_API_KEY)", args.host)
+    signal.signal(signal.SIGTERM, _interrupt)
+    run_replicas(options, _replica_server, (args, folder), cluster, args.host, args.port)
     return 0
 
 

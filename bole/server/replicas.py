@@ -1,0 +1,242 @@
+"""Bole engines as Ray Serve replicas (``bole serve --replicas N``; ``pip install "bole[ray]"``).
+
+Each replica is one Ray actor running one engine and the unchanged FastAPI app of
+:func:`bole.server.api.create_app` (every OpenAI route, SSE streaming included), wrapped with
+``@serve.ingress``; Ray Serve's HTTP proxy takes the requests and its request router picks a
+replica for each: the default power-of-two-choices router, which probes two replicas and sends
+the request to the one with fewer requests in flight (the least loaded by queue length). A
+replica takes at most ``max_ongoing_requests`` requests at once (the engine's batch): the rest
+wait at the proxy (up to ``max_queued_requests``, then 503), so that a request reaches a replica
+only when it can start, and a replica that dies holds no request that had not started.
+
+``GET /metrics`` answers for every replica (:mod:`bole.server.replica_metrics`: summed, or with
+``?by=replica`` labelled per replica), gathered by a broadcast to the replicas. Ray Serve checks
+each replica's engine thread (``check_health``) and replaces a replica that failed or died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger("bole.server")
+
+__all__ = ["RAY_EXTRA", "RayMissing", "ReplicaOptions", "BoleReplica", "replica_app",
+           "require_ray"]
+
+#: how to install what ``--replicas`` needs
+RAY_EXTRA = 'pip install "bole[ray]"'
+#: seconds a /metrics page waits for the replicas' pages
+METRICS_TIMEOUT_S = 5.0
+
+
+class RayMissing(RuntimeError):
+    """Ray Serve is not installed."""
+
+
+def require_ray() -> None:
+    """Raise :class:`RayMissing` (one line naming the extra) unless Ray Serve imports."""
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except ImportError as exc:
+        raise RayMissing(f"--replicas needs Ray Serve, which is not installed ({exc.name}): "
+                         f"{RAY_EXTRA}") from None
+
+
+@dataclass
+class ReplicaOptions:
+    """How the replicas are deployed. ``num_gpus`` / ``num_cpus``: Ray resources each replica
+    reserves (1 GPU per tensor-parallel rank on CUDA, CPU cores on the CPU);
+    ``max_ongoing_requests``: requests a replica takes at once (its engine's batch);
+    ``max_queued_requests``: requests waiting at the proxy for a replica before new ones get 503;
+    ``shutdown_timeout``: seconds a stopping replica lets its requests finish;
+    ``health_check_period_s``: how often Ray Serve asks a replica whether its engine runs;
+    ``access_log``: Ray Serve's log line per request."""
+
+    replicas: int
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    max_ongoing_requests: int = 16
+    max_queued_requests: int = 256
+    shutdown_timeout: float = 30.0
+    health_check_period_s: float = 2.0
+    access_log: bool = False
+    name: str = "bole"
+
+    def __post_init__(self):
+        for field in ("replicas", "max_ongoing_requests", "max_queued_requests"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        if self.num_cpus <= 0 or self.num_gpus < 0:
+            raise ValueError(f"a replica needs num_cpus > 0 and num_gpus >= 0, got "
+                             f"{self.num_cpus} and {self.num_gpus}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+
+    def deployment_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``serve.deployment``."""
+        return dict(name=self.name, num_replicas=self.replicas,
+                    ray_actor_options={"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+                    max_ongoing_requests=self.max_ongoing_requests,
+                    max_queued_requests=self.max_queued_requests,
+                    graceful_shutdown_timeout_s=self.shutdown_timeout,
+                    health_check_period_s=self.health_check_period_s,
+                    logging_config={"enable_access_log": self.access_log})
+
+
+class BoleReplica:
+    """One replica: ``build(*build_args)`` makes its :class:`~bole.server.api.BoleServer`
+    (engine included) in the replica's process; Ray Serve then serves the server's app."""
+
+    def __init__(self, build: Callable[..., Any], build_args: tuple = (),
+                 num_threads: int | None = None):
+        """``num_threads``: torch's CPU threads in this replica (None: torch's default)."""
+        from bole.server.api import GIL_SWITCH_INTERVAL
+        logging.basicConfig(level=logging.INFO, format="[bole replica] %(message)s")
+        if num_threads:
+            import torch
+            torch.set_num_threads(num_threads)
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL)
+        self.server = build(*build_args)
+
+    def __serve_build_asgi_app__(self):
+        """The server's app, its /metrics answering for every replica."""
+        from fastapi.responses import Response
+
+        from bole.server.api import create_app
+        app = create_app(self.server)
+        app.router.routes[:] = [r for r in app.router.routes
+                                if getattr(r, "path", None) != "/metrics"]
+
+        @app.get("/metrics")
+        async def metrics(by: str = ""):
+            return Response(await self.all_metrics(by == "replica"),
+                            media_type="text/plain; version=0.0.4")
+        return app
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: an engine thread that stopped on an error fails it (Ray
+        Serve then replaces this replica)."""
+        if not self.server.loop.healthy():
+            raise RuntimeError("the engine stopped")
+
+    def replica_metrics(self) -> tuple[str, bytes]:
+        """This replica's id and its /metrics page (called on every replica by a broadcast)."""
+        from ray import serve
+        return serve.get_replica_context().replica_id.unique_id, self.server.metrics.render()
+
+    async def all_metrics(self, by_replica: bool) -> bytes:
+        """Every replica's metrics merged (those that answer within METRICS_TIMEOUT_S)."""
+        from ray import serve
+
+        from bole.server.replica_metrics import merge_metrics
+        ctx = serve.get_replica_context()
+        handle = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
+        try:
+            results = await handle.broadcast("replica_metrics").results_async(
+                timeout_s=METRICS_TIMEOUT_S, return_exceptions=True)
+        except TimeoutError:
+            results = []
+        pages = dict(r for r in results if isinstance(r, tuple))
+        if not pages:                                   # at least this replica's own
+            pages = dict([self.replica_metrics()])
+        return merge_metrics(pages, by_replica)
+
+
+def replica_app(options: ReplicaOptions, build: Callable[..., Any], build_args: tuple = ()):
+    """The Ray Serve application of ``options.replicas`` replicas, each serving
+    ``build(*build_args)`` (a :class:`~bole.server.api.BoleServer`); ``serve.run`` it."""
+    require_ray()
+    from ray import serve
+    threads = None if options.num_gpus else max(1, int(options.num_cpus))
+    deployment = serve.deployment(**options.deployment_options())(serve.ingress()(BoleReplica))
+    return deployment.bind(build, build_args, threads)
+
+
+@dataclass
+class RayCluster:
+    """Where the replicas run: ``address`` None starts a Ray instance on this machine with
+    ``num_cpus`` and ``num_gpus`` (None: all it has), else joins that cluster (``"auto"``: the
+    one ``ray start`` began here)."""
+
+    address: str | None = None
+    num_cpus: int | None = None
+    num_gpus: int | None = None
+
+    def start(self, host: str, port: int) -> None:
+        """Ray, then Serve's HTTP proxy on ``host:port``."""
+        import ray
+        from ray import serve
+        if self.address is None:
+            ray.init(address="local", num_cpus=self.num_cpus, num_gpus=self.num_gpus,
+                     include_dashboard=False, log_to_driver=True)
+        else:
+            ray.init(address=self.address, log_to_driver=True)
+        serve.start(http_options={"host": host, "port": port})
+
+    def stop(self, app_name: str) -> None:
+        """A cluster of our own: Serve and Ray shut down (every replica and proxy stops, then
+        every Ray process); a cluster joined: only our application deleted."""
+        import ray
+        import psutil                       # Ray's own copy (ray/thirdparty_files)
+        from ray import serve
+        if not ray.is_initialized():
+            return
+        ours = psutil.Process().children(recursive=True) if self.address is None else []
+        try:
+            if self.address is None:
+                serve.shutdown()
+            else:
+                serve.delete(app_name)
+        finally:
+            ray.shutdown()
+            _end(ours)
+
+
+def _end(processes: list, grace: float = 5.0) -> None:
+    """Wait up to ``grace`` s for these processes to exit, then end the rest (Ray's agents
+    outlive ``ray.shutdown()``: they see the raylet gone but do not exit)."""
+    import ray  # noqa: F401  (puts Ray's psutil on the path)
+    import psutil
+    _, alive = psutil.wait_procs(processes, timeout=grace)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def serve_replicas(options: ReplicaOptions, build: Callable[..., Any], build_args: tuple,
+                   cluster: RayCluster, host: str, port: int) -> None:
+    """Deploy the replicas on ``cluster`` behind Serve's proxy on ``host:port`` and block until
+    interrupted (SIGINT, or SIGTERM raised as KeyboardInterrupt); then stop them."""
+    import time
+
+    from ray import serve
+    app = replica_app(options, build, build_args)
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1")
+    try:
+        cluster.start(host, port)
+        serve.run(app, name=options.name, route_prefix="/")
+        log.info("serving %d replicas on http://%s:%d", options.replicas, host, port)
+        while True:
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _ignore_signals()                   # a second Ctrl-C must not cut the shutdown short
+        log.info("stopping the replicas")
+        cluster.stop(options.name)
+
+
+def _ignore_signals() -> None:
+    import signal
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)

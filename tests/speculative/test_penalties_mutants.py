@@ -80,6 +80,8 @@ def test_penalize_params_counts_the_output_and_marks_the_prompt():
     assert torch.equal(penalize_params(logits, output, prompt, SamplingParams()), logits)
     first = penalize_params(logits, [], prompt, SamplingParams(repetition_penalty=2.0))
     assert [v for v in range(V) if first[v] != logits[v]] == [5, 7, 11]
+    no_prompt = penalize_params(logits, [3], [], SamplingParams(frequency_penalty=1.0))
+    assert [v for v in range(V) if no_prompt[v] != logits[v]] == [3]
 
 
 def test_penalty_counts_restart_a_reused_slot_and_count_token_zero():
@@ -96,6 +98,8 @@ def test_penalty_counts_restart_a_reused_slot_and_count_token_zero():
     assert pc.prompt[2].tolist() == [False, False, True, False, False]
     assert pc.counts[0].tolist() == [0, 1, 1, 0, 0] and pc.counts[1].tolist() == [0] * 5
     assert pc.prompt[0].tolist() == [False, True, False, False, False]
+    pc.start(1, [], first=3)                          # no prompt tokens: nothing marked
+    assert pc.prompt[1].tolist() == [False] * 5 and pc.counts[1].tolist() == [0, 0, 0, 1, 0]
 
 
 def test_path_tokens_of_a_tree_written_out():

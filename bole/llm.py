@@ -33,6 +33,7 @@ from bole.assets import BUNDLED_MODEL
 from bole.engine import (Engine, GenerationParams, GenerationResult, SpecConfig, TokenLogprob,
                          default_drafter)
 from bole.engine.engine import DEFAULT_TREE
+from bole.engine.prefix_admission import PrefixCacheConfig
 from bole.speculative import sampling
 from bole.speculative.drafters.registry import FALLBACK_DRAFTER, drafter_info
 
@@ -168,13 +169,18 @@ class LLM:
             model's context.
         depth, topk, budget: the draft tree: depth, children per expanded node, nodes per
             request (root included).
+        prefix_cache: keep the state of committed prompt prefixes, so that a prompt starting
+            like an earlier one skips that part of its prefill (output unchanged).
+        prefix_cache_gib: memory the prefix cache may hold (default: a tenth of the GPU's, at
+            most 16 GiB; 1 GiB on the CPU).
     """
 
     def __init__(self, model: str | Path | None = None, *, mode: str = "bole",
                  drafter: str | None = None, draft_model: str | Path | None = None,
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  max_batch: int = 8, max_len: int = 4096, depth: int = DEFAULT_TREE[0],
-                 topk: int = DEFAULT_TREE[1], budget: int = DEFAULT_TREE[2]):
+                 topk: int = DEFAULT_TREE[1], budget: int = DEFAULT_TREE[2],
+                 prefix_cache: bool = True, prefix_cache_gib: float | None = None):
         from tokenizers import Tokenizer
 
         from bole.models.config import HybridConfig
@@ -207,7 +213,9 @@ class LLM:
             drafter = default_drafter(self.model, drafts)
         self.spec = SpecConfig(mode, drafter, depth, topk, budget)
         self.engine = Engine(self.model, self.spec, max_slots=max_batch, max_len=max_len,
-                             tokenizer=self.tokenizer, draft_model=drafts)
+                             tokenizer=self.tokenizer, draft_model=drafts,
+                             prefix_cache=PrefixCacheConfig(prefix_cache_gib)
+                             if prefix_cache else None)
 
     def generate(self, prompts: str | Sequence[str],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

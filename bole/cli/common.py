@@ -126,6 +126,18 @@ def spec_from_args(args, drafter: str):
     return spec
 
 
+def prefix_cache_from_args(args):
+    """The engine's prefix cache: on unless ``--no-prefix-cache`` (and off under tensor
+    parallelism, which it does not support yet), ``--prefix-cache-gib`` of device memory."""
+    from bole.engine.prefix_admission import PrefixCacheConfig
+    if not getattr(args, "prefix_cache", True) or getattr(args, "tp", 1) > 1:
+        return None
+    try:
+        return PrefixCacheConfig(capacity_gib=getattr(args, "prefix_cache_gib", None))
+    except ValueError as exc:
+        raise UsageError(f"--prefix-cache-gib: {exc}") from None
+
+
 def check_positive(**values) -> None:
     for name, v in values.items():
         if v is not None and v < 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from bole.cli.common import (UsageError, check_positive, checkpoint_folder, load_tokenizer,
-                             pick_device, read_prompt, spec_from_args)
+                             pick_device, prefix_cache_from_args, read_prompt, spec_from_args)
 from bole.speculative.drafters.registry import FALLBACK_DRAFTER
 
 
@@ -74,7 +74,8 @@ def generate(args) -> int:
                               logprobs=args.logprobs)
     engine = Engine(model, spec, max_slots=1, tokenizer=tokenizer, draft_model=draft_model,
                     max_len=len(ids) + args.max_tokens + max(spec.nodes_per_request,
-                                                             args.depth + 1) + 1)
+                                                             args.depth + 1) + 1,
+                    prefix_cache=prefix_cache_from_args(args))
     if len(ids) > 2048:                          # long prompts: show the prefill's progress
         def progress(done, total):
             print(f"\r[bole] prefill {done}/{total} tokens", end="" if done < total else "\n",

@@ -38,6 +38,15 @@ def _tp_option(p: argparse.ArgumentParser) -> None:
                         "one GPU per rank), heads and MLP columns split among them")
 
 
+def _prefix_cache_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not keep the state of committed prompt prefixes for later requests "
+                        "(on by default; off with --tp)")
+    p.add_argument("--prefix-cache-gib", type=float, default=None,
+                   help="device memory the prefix cache may hold (default: a tenth of the "
+                        "GPU's, at most 16 GiB; 1 GiB on the CPU)")
+
+
 def _model_source(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="checkpoint folder (default: the bundled model)")
@@ -128,6 +137,7 @@ def _add_generate(sub, fmt) -> None:
     gen.add_argument("--truncate-prompt", action="store_true",
                      help="keep the prompt's last tokens when it is longer than the model's "
                           "context, instead of refusing it")
+    _prefix_cache_options(gen)
     _tp_option(gen)
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (text, token ids, statistics) instead of the text")
@@ -205,6 +215,7 @@ def _add_serve(sub, fmt) -> None:
     serve.add_argument("--access-log", action="store_true",
                        help="log every HTTP request (off: the log lines cost the event loop "
                             "time that the engine's thread waits for under load)")
+    _prefix_cache_options(serve)
     _tp_option(serve)
     _replica_options(serve)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from bole.assets import BUNDLED_MODEL
 from bole.cli.common import (UsageError, check_positive, checkpoint_folder, load_tokenizer,
-                             pick_device, set_rank_device, spec_from_args)
+                             pick_device, prefix_cache_from_args, set_rank_device,
+                             spec_from_args)
 from bole.cli.parser import build_parser
 from bole.speculative.drafters.registry import FALLBACK_DRAFTER
 
@@ -53,7 +54,8 @@ def _serve_engine(args, folder: Path, tp=None):
     model = HybridModel.from_pretrained(folder, dtype=dtype, device=device, tp=tp)
     spec = spec_from_args(args, args.drafter or default_drafter(model))
     engine = Engine(model, spec, max_slots=args.max_batch, max_len=args.max_len,
-                    tokenizer=tokenizer, progress=True)
+                    tokenizer=tokenizer, progress=True,
+                    prefix_cache=prefix_cache_from_args(args))
     if device.startswith("cuda"):             # compile the admission path before any request
         engine.warm_up()
     return engine

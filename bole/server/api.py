@@ -315,6 +315,9 @@ class BoleServer:
                     res = handle.request.result
                     seq.timer.finished(res.finish_reason if res is not None else "abort",
                                        res.prefill_s if res is not None else None)
+                    if res is not None:
+                        self.metrics.prefix_queries.inc(len(seq.ids))
+                        self.metrics.prefix_hits.inc(res.cached_tokens)
                 if stream or finished:
                     pump.post(queue, (seq.index, finished))
             try:
@@ -351,14 +354,19 @@ class BoleServer:
         return len(live)
 
     def usage_of(self, sequences: list[Sequence]) -> dict:
-        prompt = sum(len(s.ids) for s in {s.prompt_index: s for s in sequences}.values())
+        first = {s.prompt_index: s for s in reversed(sequences)}.values()
+        prompt = sum(len(s.ids) for s in first)
+        # a prompt's cached tokens as its first sequence saw them (the n choices of a prompt
+        # run as n requests; the later ones find the first one's prompt in the cache)
+        cached = sum(s.handle.request.result.cached_tokens for s in first
+                     if s.handle.request.result is not None)
         out = rounds = accepted = 0
         for s in sequences:
             r = s.handle.request
             out += len(r.result.token_ids) if r.result is not None else len(r.out)
             rounds += r.rounds
             accepted += sum(r.accepted)
-        return usage(prompt, out, rounds, accepted)
+        return usage(prompt, out, rounds, accepted, cached)
 
 
 def create_app(server: BoleServer) -> FastAPI:

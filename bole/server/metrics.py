@@ -72,6 +72,11 @@ class ServerMetrics:
                                    "Prompt tokens admitted")
         self.output_tokens = count("bole_output_tokens", "vllm:generation_tokens",
                                    "Tokens generated")
+        self.prefix_queries = count("bole_prefix_cache_queries", "vllm:prefix_cache_queries",
+                                    "Prompt tokens of admitted sequences (looked up in the "
+                                    "prefix cache)")
+        self.prefix_hits = count("bole_prefix_cache_hits", "vllm:prefix_cache_hits",
+                                 "Prompt tokens the prefix cache restored instead of computed")
         self.drafted = count("bole_draft_tokens", "vllm:spec_decode_num_draft_tokens",
                              "Draft tokens verified (tree nodes below the root)")
         self.draft_accepted = count("bole_accepted_draft_tokens",

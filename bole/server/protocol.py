@@ -303,10 +303,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, rounds: int, accepted: int) -> dict:
-    """OpenAI's usage plus the request's speculative statistics."""
+def usage(prompt_tokens: int, completion_tokens: int, rounds: int, accepted: int,
+          cached_tokens: int = 0) -> dict:
+    """OpenAI's usage (``prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache
+    restored) plus the request's speculative statistics."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "rounds": rounds,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}, "rounds": rounds,
             "accepted_tokens": accepted,
             "mean_accepted_tokens": accepted / rounds if rounds else 0.0}
 

@@ -10,6 +10,11 @@ ITL (mean, p50, p90, p99), output tokens/s, goodput under the TPOT SLO, the spec
 statistics of /metrics over the measured load alone (rounds, accepted tokens per request and
 round, round time), the server's start-up time and CUDA-graph capture time (from its log).
 
+``--workload shared-prefix``: every request a 2,048-token prefix (one of 8) and a 64-token suffix
+of its own (token ids from the bundled model's code prompts), ``unique-prefix`` the same lengths
+with a prefix per request; ``--no-prefix-cache`` serves with the cache off (the prefix cache's
+hit rate is in each record).
+
 Writes serve-<date>-bundled-all-modes<tag>.json (meta: device, versions, date, commit, settings;
 one record per mode; the issue's targets) and a .png (output tokens/s and p50 TPOT per mode),
 and prints a markdown table. Targets: bole's output tokens/s >= 1.8x ar's, its p50 TPOT <= 0.5x.
@@ -17,6 +22,8 @@ and prints a markdown table. Targets: bole's output tokens/s >= 1.8x ar's, its p
     python bench/serve.py                      # on a GPU: into $OUT if set, else bench/results
     python bench/serve.py --device cpu --dtype float32 --requests 8 --concurrency 4 \\
         --max-tokens 8 --out /tmp/serve-smoke                   # CPU smoke run
+    python bench/serve.py --modes bole --workload shared-prefix --tag=-shared        # on a GPU
+    python bench/serve.py --modes bole --workload shared-prefix --no-prefix-cache --tag=-shared-off
 """
 
 from __future__ import annotations
@@ -75,6 +82,40 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+WORKLOADS = {
+    "code": "the bundled code prompts, cycled",
+    "shared-prefix": "8 token-id prefixes of --prefix-tokens, each request one of them (in "
+                     "turn) and --suffix-tokens of its own",
+    "unique-prefix": "a token-id prefix of --prefix-tokens and --suffix-tokens for each request",
+}
+#: distinct prefixes of the shared-prefix workload
+SHARED_PREFIXES = 8
+
+
+def workload_prompts(args: argparse.Namespace) -> list[Prompt]:
+    """The prompts of ``args.workload``: texts, or token ids drawn (seeded) from the bundled
+    code prompts' tokens, so that lengths are exact."""
+    if args.workload == "code":
+        return [Prompt(t) for t in code_prompts()]
+    import random
+
+    from tokenizers import Tokenizer
+
+    from bole.assets import BUNDLED_MODEL
+    tok = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
+    pool = [i for t in code_prompts() for i in tok.encode(t).ids]
+    rng = random.Random(0)
+
+    def draw(n: int) -> list[int]:
+        start = rng.randrange(len(pool))
+        return [pool[(start + j * 7 + rng.randrange(3)) % len(pool)] for j in range(n)]
+    n = args.requests + args.warmup
+    shared = [draw(args.prefix_tokens) for _ in range(SHARED_PREFIXES)]
+    prefixes = [shared[i % SHARED_PREFIXES] if args.workload == "shared-prefix"
+                else draw(args.prefix_tokens) for i in range(n)]
+    return [Prompt(p + draw(args.suffix_tokens)) for p in prefixes]
+
+
 class ServerError(RuntimeError):
     """A server that did not come up or answer: the message ends with its log's tail."""
 
@@ -112,6 +153,8 @@ class Server:
             argv += ["--dtype", a.dtype]              # only when not serve's own default
         if a.engine_process:
             argv.append("--engine-process")
+        if not a.prefix_cache:
+            argv.append("--no-prefix-cache")
         return [sys.executable, "-c", _LAUNCH.format(parent=os.getpid()), *argv]
 
     def __enter__(self) -> Server:
@@ -216,6 +259,10 @@ def spec_stats(before: dict[str, float], after: dict[str, float]) -> dict[str, A
                 step_s=d("bole_step_seconds_sum"),
                 output_tokens=d("bole_output_tokens_total"),
                 prompt_tokens=d("bole_prompt_tokens_total"),
+                prefix_cache_queries=d("bole_prefix_cache_queries_total"),
+                prefix_cache_hits=d("bole_prefix_cache_hits_total"),
+                prefix_cache_hit_rate=d("bole_prefix_cache_hits_total")
+                / max(1.0, d("bole_prefix_cache_queries_total")),
                 requests={k.split('status=')[1].rstrip('}'): d(k) for k in after
                           if k.startswith("bole_requests_total{") and d(k)})
 
@@ -253,11 +300,15 @@ def measure(mode: str, args: argparse.Namespace, prompts: list[Prompt], log: Pat
             if card.get("bole", {}).get("mode") != mode:
                 raise ServerError(f"the server reports mode {card.get('bole')}, not {mode}")
             print(f"[serve] {mode}: ready after {startup:.1f} s, warming up", flush=True)
+            # token-id workloads: the warm-up's requests are the ones after the measured ones
+            # (the shared-prefix workload's warm-up uses its prefixes: a warm cache)
+            measured, warm = (prompts, prompts) if args.workload == "code" else \
+                (prompts[:args.requests], prompts[args.requests:] or prompts)
             if args.warmup:
-                run_load(server.url, prompts, num_requests=args.warmup,
+                run_load(server.url, warm, num_requests=args.warmup,
                          max_tokens=min(args.max_tokens, 16), **load)
             before = scrape(server.get("/metrics").text)
-            report = run_load(server.url, prompts, num_requests=args.requests,
+            report = run_load(server.url, measured, num_requests=args.requests,
                               max_tokens=args.max_tokens, **load)
             after = settled(server, before, report.summary["completed"])
     except Exception as exc:                          # the other modes still run
@@ -414,6 +465,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=32, help="bole serve --max-batch")
     ap.add_argument("--engine-process", action="store_true",
                     help="bole serve --engine-process: the engine in a process of its own")
+    ap.add_argument("--workload", default="code", choices=list(WORKLOADS),
+                    help="code: the bundled code prompts; shared-prefix: 8 prefixes of "
+                         "--prefix-tokens shared by the requests, a --suffix-tokens suffix "
+                         "each; unique-prefix: the same lengths, nothing shared")
+    ap.add_argument("--prefix-tokens", type=int, default=2048)
+    ap.add_argument("--suffix-tokens", type=int, default=64)
+    ap.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                    help="bole serve --no-prefix-cache")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                     help="default: bf16 on a GPU, float32 on the CPU")
@@ -456,14 +515,15 @@ def run(args: argparse.Namespace) -> int:
     settings = dict(modes=args.modes, requests=args.requests, concurrency=args.concurrency,
                     max_tokens=args.max_tokens, max_batch=args.max_batch, warmup=args.warmup,
                     temperature=0.0, slo_tpot_ms=args.slo_tpot_ms, arrival="closed-loop",
-                    prompts="the bundled code prompts, cycled",
-                    engine_process=args.engine_process)
+                    prompts=WORKLOADS[args.workload], workload=args.workload,
+                    prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
+                    prefix_cache=args.prefix_cache, engine_process=args.engine_process)
     meta = dict(_versions(args.device), date=now.date().isoformat(), time=now.strftime("%H:%M:%S"),
                 commit=commit, dirty=dirty, model="bundled", dtype=DTYPE_NAMES[args.dtype],
                 drafter=None, settings=settings)
     which = "all-modes" if set(args.modes) == set(ALL_MODES) else "-".join(args.modes)
     path = results_path(args.out, f"serve-{meta['date']}-bundled-{which}{args.tag}.json")
-    prompts = [Prompt(t) for t in code_prompts()]
+    prompts = workload_prompts(args)
     records: list[dict] = []
     data = dict(meta=meta, records=records, targets=compare(records))
     logs = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bole-serve-"))

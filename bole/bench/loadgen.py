@@ -41,8 +41,9 @@ class LoadgenError(Exception):
 
 @dataclass
 class Prompt:
-    """One request's prompt; ``max_tokens`` overrides the run's when set."""
-    text: str
+    """One request's prompt (text, or token ids as the OpenAI API takes them); ``max_tokens``
+    overrides the run's when set."""
+    text: str | list[int]
     max_tokens: int | None = None
 
 

@@ -55,13 +55,11 @@ UPWARD_EDGES_ALLOWED: set[tuple[str, str]] = set()
 # files (relative to the repository) over MAX_FILE_LINES
 LONG_FILES_ALLOWED: set[str] = {
     "bole/engine/engine.py",
-    "bole/engine/round.py",
     "bole/ops/attention.py",
     "bole/server/api.py",
 }
 # "file::qualified.name" of functions over MAX_FUNCTION_LINES
 LONG_FUNCTIONS_ALLOWED: set[str] = {
-    "bole/engine/round.py::RoundRunner.run",
     "bole/ops/gdn/triton_commit.py::commit_factored_triton",
     "bole/ops/gdn/verify/kernel.py::tree_gdn_verify_triton",
 }
@@ -242,6 +240,11 @@ def test_function_lengths():
         f"LONG_FUNCTIONS_ALLOWED: {stale}"
     new = sorted(long - LONG_FUNCTIONS_ALLOWED)
     assert not new, f"functions over {MAX_FUNCTION_LINES} lines: {new}"
+
+
+def test_the_round_loop_is_short():
+    """The round's ``run`` reads as plan in, phases, result out: at most 60 lines."""
+    assert function_lengths(PACKAGE / "engine" / "round.py")["RoundRunner.run"] <= 60
 
 
 def test_checks_catch_what_they_guard(tmp_path):

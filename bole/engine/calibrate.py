@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from bole.engine.round import buckets_upto
+from bole.engine.buckets import buckets_upto
 from bole.engine.runner import ModelRunner
 from bole.speculative.budget.round_select import Goodput, select
 from bole.speculative.budget.widths import spread_width, width_buckets

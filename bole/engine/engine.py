@@ -25,7 +25,8 @@ from typing import Sequence
 import torch
 
 from bole.engine.prefix_admission import PrefixAdmission, PrefixCacheConfig
-from bole.engine.round import RoundRunner, RoundTimings
+from bole.engine.round import RoundRunner
+from bole.engine.timings import RoundTimings
 from bole.engine.runner import PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunner, prefill_bucket
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.accept_device import sample_rows
@@ -405,10 +406,11 @@ class Engine:
     def step(self, running: list[Request], prelaunch: bool = False) -> dict:
         """One speculative round over ``running``; their new tokens are appended. Returns the
         round's timings (ms). ``prelaunch``: the same requests are expected next round, so
-        that round's draft may be queued now (:meth:`RoundRunner.run`)."""
-        new_tokens, timing = self.rounds.run(running, prelaunch=prelaunch)
+        that round's draft may be queued now (:meth:`RoundRunner.run`): plan, round, emit."""
+        result = self.rounds.run(self.rounds.plan(running, prelaunch))
+        timing = result.timing
         self.timings.add(timing)
-        for r, new, lp in zip(running, new_tokens, self.rounds.last_logprobs):
+        for r, new, lp in zip(running, result.tokens, result.logprobs):
             self._emit(r, new, rounds=1,
                        logprobs=None if lp is None else
                        [TokenLogprob(t, v, tuple(top)) for t, (v, top) in zip(new, lp)])
@@ -471,7 +473,7 @@ class Engine:
 
 def _token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """``token``'s log-probability under ``logits [V]`` and the ``top`` most likely tokens'
-    (the computation of :class:`bole.engine.round.RoundLogprobs`, for one row)."""
+    (the computation of :class:`bole.engine.buffers.RoundLogprobs`, for one row)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     best = torch.topk(lp, min(MAX_LOGPROBS, lp.shape[-1]))
     ids, values = best.indices[:top].tolist(), best.values[:top].tolist()

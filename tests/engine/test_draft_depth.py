@@ -242,11 +242,11 @@ def test_the_round_feeds_the_choice_what_it_ran(model):
                 deepest = max(deepest, depth)
         grown.append((d, deepest))
 
-    def run(requests, prelaunch=False):
-        remaining = [r.remaining for r in requests]
-        new, timing = real_run(requests, prelaunch)
-        steps.append((remaining, [len(t) for t in new], timing))
-        return new, timing
+    def run(plan):
+        remaining = [r.remaining for r in plan.requests]
+        result = real_run(plan)
+        steps.append((remaining, [len(t) for t in result.tokens], result.timing))
+        return result
     policy.after_whole, rounds._draft, rounds.run = after_whole, draft, run
     res = engine.generate(PROMPTS, params, continuations=ar)
     assert [r.token_ids for r in res] == ar

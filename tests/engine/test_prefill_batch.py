@@ -127,7 +127,7 @@ def test_rounds_pad_to_a_bucket_no_larger_than_the_engine(model):
     """An engine of 51 slots pads a round of 33-51 requests to 51 rows, not 64 (the memory of a
     computed max batch is the memory of that many rows); past the last bucket the engine's
     size is the bucket; more requests than slots have none."""
-    from bole.engine.round import bucket_for
+    from bole.engine.buckets import bucket_for
     assert [bucket_for(n, 51) for n in (1, 3, 17, 33, 51)] == [1, 4, 32, 51, 51]
     assert bucket_for(257, 300) == 300 and bucket_for(52, 51) is None
     assert bucket_for(3, 256) == 4 and bucket_for(300, 256) is None

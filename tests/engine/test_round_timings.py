@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from bole.engine import Engine, GenerationParams, SpecConfig
-from bole.engine.round import RoundTimings
+from bole.engine.timings import RoundTimings
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
 

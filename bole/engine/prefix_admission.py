@@ -19,6 +19,7 @@ draft model drafter (its own cache) prefills the whole prompt as before.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -99,7 +100,8 @@ class PrefixAdmission:
         rounds.prefill(slots, heads, [r.continuation for r in requests])
         for r in requests:
             r.cached_tokens = 0
-            self.store.insert(list(r.prompt), r.slot, {len(r.prompt) - 1: self.store.states(r.slot)})
+            self._insert(list(r.prompt), r.slot,
+                         {len(r.prompt) - 1: self._safely(lambda: self.store.states(r.slot))})
         dev = e.runner.device
         tokens = torch.tensor([r.prompt[-1] for r in requests], device=dev)
         slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)
@@ -134,12 +136,12 @@ class PrefixAdmission:
         suffix = torch.tensor(prompt[h:])
         last, hidden = e.runner.prefill(
             slot, suffix, on_chunk=e.on_prefill_chunk, checkpoints=sorted(points),
-            on_checkpoint=lambda p: target.__setitem__(p, pool.state(slot)))
+            on_checkpoint=lambda p: target.__setitem__(p, self._safely(lambda: pool.state(slot))))
         self._drafters_observe(r, h, suffix, hidden)
         # the head's state at p: the hidden state of token p - 1, the last one committed
         checkpoints = {p: [s] + ([[hidden[p - 1 - h].clone()]] if self.mtp is not None else [])
-                       for p, s in target.items()}
-        self.store.insert(prompt, slot, checkpoints)
+                       for p, s in target.items() if s is not None}
+        self._insert(prompt, slot, checkpoints)
         return last
 
     def _drafters_observe(self, r, h: int, suffix: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -165,7 +167,25 @@ class PrefixAdmission:
         length = self.engine.cache.host_lengths[slot]
         tokens = list(r.prompt) + list(r.out)
         if len(r.prompt) < length <= len(tokens):
-            self.store.insert(tokens[:length], slot, {length: self.store.states(slot)})
+            self._insert(tokens[:length], slot,
+                         {length: self._safely(lambda: self.store.states(slot))})
+
+    def _safely(self, fn):
+        """``fn()``, or None where the device ran out of memory: the cache's capacity is then
+        halved (the engine's own pools were sized first; a request never fails for the cache)."""
+        try:
+            return fn()
+        except torch.OutOfMemoryError:
+            self.store.capacity = self.store.bytes // 2
+            self.store.evict()
+            logging.getLogger("bole").warning(
+                "the prefix cache ran out of device memory: its capacity is now %.2f GiB "
+                "(set --prefix-cache-gib lower to avoid this)", self.store.capacity / GIB)
+            return None
+
+    def _insert(self, tokens: list[int], slot: int, checkpoints: dict) -> None:
+        checkpoints = {p: s for p, s in checkpoints.items() if s is not None}
+        self._safely(lambda: self.store.insert(tokens, slot, checkpoints))
 
     def stats(self) -> dict:
         return self.store.stats()

@@ -176,3 +176,36 @@ def test_bad_prefix_cache_settings_are_named():
         PrefixCacheConfig(capacity_gib=-1)
     with pytest.raises(ValueError, match="block must be >= 1"):
         PrefixCacheConfig(block=0)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_host_drafters_and_the_draft_model_see_the_same_output(model, drafter):
+    """The n-gram drafter (the whole prompt, host side) and a draft model (its own cache,
+    prefilled whole): output identical with the cache on and off, hits as with the MTP head."""
+    params = GenerationParams(max_tokens=12)
+    runs = {}
+    for cache in (False, True):
+        e = Engine(model, SpecConfig("bole", drafter, depth=3, topk=2, budget=6), max_slots=2,
+                   max_len=160, draft_model=model if drafter == "draft" else None,
+                   prefix_cache=PrefixCacheConfig(None, BLOCK) if cache else None)
+        runs[cache] = run_one_by_one(e, conversation(), params)
+    assert [r.token_ids for r in runs[True]] == [r.token_ids for r in runs[False]]
+    assert [r.cached_tokens for r in runs[True]][1:3] == [64, len(conversation()[2]) - 1]
+
+
+def test_running_out_of_device_memory_shrinks_the_cache_not_the_request(model, monkeypatch):
+    e = engine(model, "bole")
+    store = e.prefix.store
+    run_one_by_one(e, conversation()[:1], GenerationParams(max_tokens=6))
+    held = store.bytes
+    assert held > 0
+
+    def oom(slot):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(store, "states", oom)                    # a finished request's
+    monkeypatch.setattr(store.pools[0], "state", oom)            # a prefill's checkpoints
+    got = e.generate([conversation()[1]], GenerationParams(max_tokens=6), seed=7)[0]
+    want = engine(model, "bole", cache=False).generate([conversation()[1]],
+                                                       GenerationParams(max_tokens=6), seed=7)[0]
+    assert got.token_ids == want.token_ids and got.cached_tokens == 64
+    assert store.capacity < held and store.bytes <= store.capacity

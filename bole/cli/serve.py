@@ -211,7 +211,7 @@ def serve_replicas(args) -> int:
         logging.getLogger("bole.server").warning(
             "serving on %s without an API key: anyone who can reach this address can use the "
             "model (pass --api-key or set BOLE_API_KEY)", args.host)
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)           # until Ray starts: then its own
     run_replicas(options, _replica_server, (args, folder), cluster, args.host, args.port)
     return 0
 

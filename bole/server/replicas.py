@@ -214,7 +214,7 @@ def _end(processes: list, grace: float = 5.0) -> None:
 def serve_replicas(options: ReplicaOptions, build: Callable[..., Any], build_args: tuple,
                    cluster: RayCluster, host: str, port: int) -> None:
     """Deploy the replicas on ``cluster`` behind Serve's proxy on ``host:port`` and block until
-    interrupted (SIGINT, or SIGTERM raised as KeyboardInterrupt); then stop them."""
+    SIGINT or SIGTERM; then stop them."""
     import time
 
     from ray import serve
@@ -222,6 +222,7 @@ def serve_replicas(options: ReplicaOptions, build: Callable[..., Any], build_arg
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1")
     try:
         cluster.start(host, port)
+        _interrupt_on_sigterm()                 # after ray.init, which installs its own handler
         serve.run(app, name=options.name, route_prefix="/")
         log.info("serving %d replicas on http://%s:%d", options.replicas, host, port)
         while True:
@@ -232,6 +233,17 @@ def serve_replicas(options: ReplicaOptions, build: Callable[..., Any], build_arg
         _ignore_signals()                   # a second Ctrl-C must not cut the shutdown short
         log.info("stopping the replicas")
         cluster.stop(options.name)
+
+
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does (the replicas then stop in order)."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
 
 
 def _ignore_signals() -> None:

@@ -1,0 +1,236 @@
+"""`bole serve --replicas N` (Ray Serve replicas) on the CPU, and what it checks without Ray.
+
+With Ray (``pip install "bole[ray]"``; skipped without it): two replicas of the bundled model
+answer 64 concurrent greedy requests, half streamed, with the output of one engine, and both
+served some; /metrics sums the replicas (``?by=replica``: each apart); a replica killed mid-run
+costs at most the requests it was running (--max-batch), every request that waited at the proxy
+finishes, Ray starts a new replica; SIGTERM stops every process. Without Ray: the metrics merge, the one-line
+errors (Ray missing, --replicas 0, --replicas with --tp)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
+from bole.server.replica_metrics import merge_metrics  # noqa: E402
+from tests.server.served import MAX_TOKENS, Served, alive, children, offline  # noqa: E402
+
+NEEDS_RAY = "needs Ray Serve: pip install \"bole[ray]\""
+REQUESTS = 64
+BATCH = 2                      # Served's --max-batch: a replica holds at most this many requests
+
+
+def _ray_installed() -> bool:
+    try:
+        from ray import serve  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+ray_only = pytest.mark.skipif(not _ray_installed(), reason=NEEDS_RAY)
+
+
+# ---- without Ray ----
+
+class _Queue:
+    def __init__(self, running: int, waiting: int):
+        self.num_running, self.num_waiting = running, waiting
+
+
+def _page(running: int, waiting: int, finished: int) -> bytes:
+    from bole.server.metrics import ServerMetrics
+    m = ServerMetrics(_Queue(running, waiting), "bundled", slots=4)
+    for _ in range(finished):
+        m.finished("length")
+    m.ttft.observe(0.01 * finished)
+    return m.render()
+
+
+def _samples(text: str | bytes) -> dict[tuple, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = text.decode() if isinstance(text, bytes) else text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_merged_metrics_sum_counts_and_queues_and_average_cache_usage():
+    pages = {"a": _page(running=3, waiting=1, finished=2), "b": _page(1, 5, 7)}
+    s = _samples(merge_metrics(pages))
+    model = (("model_name", "bundled"),)
+    assert s[("vllm:num_requests_running", model)] == 4
+    assert s[("vllm:num_requests_waiting", model)] == 6
+    assert s[("bole_waiting_requests", ())] == 6
+    assert s[("vllm:gpu_cache_usage_perc", model)] == pytest.approx((3 / 4 + 1 / 4) / 2)
+    assert s[("bole_requests_total", (("status", "length"),))] == 9
+    assert s[("vllm:time_to_first_token_seconds_count", model)] == 2
+    assert s[("vllm:time_to_first_token_seconds_sum", model)] == pytest.approx(0.09)
+    assert s[("bole_replicas", ())] == 2
+    apart = _samples(merge_metrics(pages, by_replica=True))
+    assert apart[("vllm:num_requests_running",
+                  (("model_name", "bundled"), ("replica", "a")))] == 3
+    assert apart[("bole_requests_total", (("replica", "b"), ("status", "length")))] == 7
+    assert apart[("bole_replicas", ())] == 2
+
+
+def test_without_ray_replicas_is_a_one_line_error_naming_the_extra(monkeypatch, capsys):
+    import sys
+
+    from bole.cli import main
+    monkeypatch.setitem(sys.modules, "ray", None)            # import ray raises ImportError
+    assert main(["serve", "--device", "cpu", "--replicas", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ('bole serve: --replicas needs Ray Serve, which is not installed (ray): '
+                   'pip install "bole[ray]"')
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--replicas", "0"], "--replicas must be >= 1, got 0"),
+    (["--replicas", "2", "--replica-cpus", "0"], "--replica-cpus must be >= 1, got 0"),
+    (["--replicas", "2", "--tp", "2"], "--replicas with --tp is not supported yet"),
+])
+def test_bad_replica_flags_are_usage_errors(flags, says, capsys):
+    from bole.cli import main
+    assert main(["serve", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+# ---- with Ray: bole serve --replicas 2 as a process ----
+
+def _prompts(tok) -> list[list[int]]:
+    return [tok.encode(p).ids for p in code_prompts()]
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """The bundled prompts' token ids and greedy output (ids, text) on one offline engine."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
+    prompts = _prompts(tok)
+    ids, texts = offline(prompts, tok)
+    return prompts, ids, texts
+
+
+def _complete(url: str, prompt: list[int], stream: bool) -> dict:
+    """One greedy completion: its status, token ids (streamed) or text, whether it ended with
+    [DONE], and when its response began (monotonic; None: never)."""
+    body = dict(model="bundled", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                stream=stream)
+    out: dict = dict(started=None, status=None, ids=[], text="", done=False, error=None)
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as res:
+            out["started"], out["status"] = time.monotonic(), res.status_code
+            if not stream:
+                res.read()
+                if res.status_code == 200:
+                    out["text"] = res.json()["choices"][0]["text"]
+                    out["done"] = True
+                return out
+            for line in res.iter_lines():
+                if line == "data: [DONE]":
+                    out["done"] = True
+                elif line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        out["error"] = chunk["error"]
+                    for c in chunk.get("choices", []):
+                        out["ids"] += c.get("token_ids") or []
+    except httpx.HTTPError as exc:
+        out["error"] = repr(exc)
+    return out
+
+
+def _scrape(url: str, by_replica: bool = False) -> dict[tuple, float]:
+    return _samples(httpx.get(url + "/metrics" + ("?by=replica" if by_replica else ""),
+                              timeout=30).text)
+
+
+def _replica_pids(server_pid: int) -> set[int]:
+    """The Ray Serve replica processes among the server's descendants."""
+    pids = set()
+    for pid in children(server_pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if "ServeReplica" in cmd and alive(pid):
+            pids.add(pid)
+    return pids
+
+
+@ray_only
+def test_two_replicas_answer_64_requests_like_one_engine(tmp_path, expected):
+    prompts, want_ids, want_texts = expected
+    jobs = [(i % len(prompts), i % 2 == 0) for i in range(REQUESTS)]
+    with Served(tmp_path, "--replicas", "2", timeout=240) as served:
+        with concurrent.futures.ThreadPoolExecutor(REQUESTS) as pool:
+            results = list(pool.map(lambda j: _complete(served.url, prompts[j[0]], j[1]), jobs))
+        for (p, stream), r in zip(jobs, results):
+            assert r["status"] == 200 and r["done"] and r["error"] is None, r
+            if stream:
+                assert r["ids"] == want_ids[p]
+            else:
+                assert r["text"] == want_texts[p]
+        total, apart = _scrape(served.url), _scrape(served.url, by_replica=True)
+        assert len(_replica_pids(served.proc.pid)) == 2
+    assert total[("bole_replicas", ())] == 2
+    assert total[("bole_requests_total", (("status", "length"),))] == REQUESTS
+    per_replica = {dict(labels)["replica"]: v for (name, labels), v in apart.items()
+                   if name == "bole_requests_total"}
+    assert len(per_replica) == 2 and sum(per_replica.values()) == REQUESTS
+    assert all(v > 0 for v in per_replica.values()), f"one replica served all: {per_replica}"
+    assert served.returncode == 0, served.output
+    assert not served.left, f"processes left behind after SIGTERM: {served.left}"
+
+
+@ray_only
+def test_a_killed_replica_loses_only_the_requests_it_was_running(tmp_path, expected):
+    """SIGSTOP then SIGKILL one replica mid-run: it held at most --max-batch requests (Ray
+    Serve's max_ongoing_requests), so at most that many fail; every other request, those that
+    waited at the proxy included, finishes with one engine's output; Ray starts a new
+    replica."""
+    prompts, want_ids, _ = expected
+    with Served(tmp_path, "--replicas", "2", timeout=240) as served:
+        victims = sorted(_replica_pids(served.proc.pid))
+        assert len(victims) == 2
+        with concurrent.futures.ThreadPoolExecutor(REQUESTS) as pool:
+            futures = [pool.submit(_complete, served.url, prompts[i % len(prompts)], True)
+                       for i in range(REQUESTS)]
+            deadline = time.time() + 120
+            while sum(f.done() for f in futures) < 8:         # mid-run: some done, most not
+                assert time.time() < deadline, "no request finished"
+                time.sleep(0.05)
+            os.kill(victims[0], signal.SIGSTOP)
+            waiting = sum(not f.done() for f in futures)
+            time.sleep(1.0)
+            os.kill(victims[0], signal.SIGKILL)
+            results = [f.result(timeout=300) for f in futures]
+        assert waiting >= 16, "the kill came too late to leave requests waiting"
+        failed = {i for i, r in enumerate(results) if not (r["status"] == 200 and r["done"])}
+        assert len(failed) <= BATCH, [results[i] for i in failed]
+        for i, r in enumerate(results):
+            if i not in failed:
+                assert r["error"] is None and r["ids"] == want_ids[i % len(prompts)], r
+        deadline = time.time() + 180                          # Ray replaces the dead replica
+        while True:
+            pids = _replica_pids(served.proc.pid)
+            if len(pids) == 2 and victims[0] not in pids and \
+                    _scrape(served.url).get(("bole_replicas", ())) == 2:
+                break
+            assert time.time() < deadline, f"no new replica: {pids}"
+            time.sleep(1.0)
+        assert _complete(served.url, prompts[0], True)["ids"] == want_ids[0]
+    assert served.returncode == 0, served.output
+    assert not served.left, f"processes left behind after SIGTERM: {served.left}"

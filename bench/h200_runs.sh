@@ -19,7 +19,7 @@
 #               SET=a batch 1 2, SET=b batch 4 16 (512-token requests, 4096 tokens a run; ~4 min
 #               each), SET=c batch 32 64 (one wave of 128-token requests; ~5 min), SET=8 batch 8
 #               (512-token requests; ~4 min), SET=confirm tree-serial's max batch at 8k context
-#               run for a few rounds
+#               run for a few rounds, SET=fp8 the qwen3.5-9b-fp8 preset at batch 1-8 (not yet run)
 #   e2e-27b     bench/e2e.py, Qwen3.5-27B with bole-goodput: SET=b1-8 batch 8 1, SET=small
 #               batch 16 4 2, SET=large batch 32, SET=b64 batch 64 (chain and tree-serial do not
 #               fit: recorded so; warm-ups of 8 requests) (each ~3.5-5.5 min)
@@ -37,9 +37,12 @@
 #   moe         the MoE presets ($MODELS, default qwen3.5-35b-a3b): SET=forward: bench/model_forward.py
 #               (decode and verify widths at batch 1 and 8, the touched experts' byte floor);
 #               SET=e2e: bench/e2e.py at batches $BATCHES (default 1 8), every mode at the swept
-#               shapes plus bole-goodput, replayed qwen3-next-mtp acceptance
+#               shapes plus bole-goodput, replayed qwen3-next-mtp acceptance; SET=gemv: the
+#               few-token MoE kernels' tiles (bench/tuning/moe_configs.py --gemv). $MODELS may be
+#               an FP8 twin (qwen3.5-9b-fp8, qwen3-next-80b-a3b-fp8: one H200)
 #   serve       bench/serve.py, all four modes behind bole serve (~5 min); ENGINE_PROCESS=1:
-#               bole serve --engine-process (not yet run)
+#               bole serve --engine-process; SET=prefix: bole with 8 shared 2k-token prefixes and
+#               with unique ones, prefix cache on and off (neither yet run)
 #   tp          bench/tp.py, 27B forwards and all-reduces at tp 1 and 2; SET=e2e: bench/e2e.py
 #               --tp 2, 27B at batch 1 and 8 (nvidia-h200-x2; not yet run)
 #
@@ -105,7 +108,10 @@ case "$part" in
       confirm) timeout $(lim 585) python3 bench/e2e.py --models qwen3.5-9b --batches 1 \
            --chain-depths 4 --tree-shapes 8,4,32 "${vocab[@]}" --confirm-max-batch --out "$out" \
            --tag=-9b-confirm ;;
-      *) need_set e2e-9b "a b c 8 confirm" ;;
+      fp8) timeout $(lim 585) python3 bench/e2e.py --models qwen3.5-9b-fp8 --batches 1 2 4 8 \
+           --chain-depths 4 6 --tree-shapes 6,3,16 8,4,32 "${vocab[@]}" "${policy[@]}" \
+           --out "$out" --tag=-9b-fp8 ;;
+      *) need_set e2e-9b "a b c 8 confirm fp8" ;;
     esac ;;
   e2e-27b)
     local b=(--models qwen3.5-27b "${vocab[@]}" "${policy[@]}" --out "$out")
@@ -156,10 +162,19 @@ case "$part" in
       e2e) timeout $(lim 585) python3 bench/e2e.py --models "${models[@]}" --batches ${BATCHES:-1 8} \
              --chain-depths 3 --tree-shapes 6,3,16 8,4,32 "${vocab[@]}" "${policy[@]}" \
              --out "$out" --tag=-${models[0]}${TAG:-} ;;
-      *) need_set moe "forward e2e" ;;
+      gemv) timeout $(lim 585) python3 bench/tuning/moe_configs.py --preset "${models[0]}" \
+              --gemv --tokens 1 2 3 4 6 8 --out "$out/moe-gemv-${models[0]}.json" ;;
+      *) need_set moe "forward e2e gemv" ;;
     esac ;;
   serve)
-    if [ -n "${ENGINE_PROCESS:-}" ]; then
+    if [ "${SET:-}" = prefix ]; then       # the prefix cache: shared and unique prefixes, on and off
+      local pre=(--modes bole --requests 128 --out "$out" --log-dir "$out/serve-logs")
+      for w in shared unique; do
+        timeout $(lim 140) python3 bench/serve.py "${pre[@]}" --workload $w-prefix --tag=-$w
+        timeout $(lim 140) python3 bench/serve.py "${pre[@]}" --workload $w-prefix \
+          --no-prefix-cache --tag=-$w-off
+      done
+    elif [ -n "${ENGINE_PROCESS:-}" ]; then
       timeout $(lim 580) python3 bench/serve.py --requests 512 --engine-process \
         --tag=-engine-process --out "$out" --log-dir "$out/serve-logs"
     else

@@ -24,6 +24,15 @@ and prints a markdown table. Targets: bole's output tokens/s >= 1.8x ar's, its p
         --max-tokens 8 --out /tmp/serve-smoke                   # CPU smoke run
     python bench/serve.py --modes bole --workload shared-prefix --tag=-shared        # on a GPU
     python bench/serve.py --modes bole --workload shared-prefix --no-prefix-cache --tag=-shared-off
+
+``--replicas 1 2`` (issue 48) measures the first of --modes under ``bole serve --replicas N`` for
+each N (0: plain ``bole serve``, no Ray) instead of the modes, each N's output tokens/s over the
+first N's, into serve-<date>-bundled-replicas<tag>.json and a markdown table. Target: on the CPU,
+2 replicas >= 1.7x one replica's output tokens/s under 32 clients, on a machine with the cores for
+it (--replica-cpus cores each; the record holds the machine's core count):
+
+    python bench/serve.py --device cpu --modes bole --replicas 1 2 --max-batch 16 \\
+        --requests 128 --max-tokens 64 --concurrency 32             # needs bole[ray]
 """
 
 from __future__ import annotations
@@ -138,8 +147,11 @@ class Server:
     """``bole serve`` in a process group of its own: started on entry, stopped on exit (SIGINT to
     the group, SIGKILL after ``grace`` s), whatever happened in between."""
 
-    def __init__(self, mode: str, args: argparse.Namespace, log: Path, grace: float = 20.0):
+    def __init__(self, mode: str, args: argparse.Namespace, log: Path, grace: float = 20.0,
+                 replicas: int = 0):
+        """``replicas``: ``bole serve --replicas N`` (0: a plain server)."""
         self.mode, self.args, self.log, self.grace = mode, args, log, grace
+        self.replicas = replicas
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
@@ -155,6 +167,10 @@ class Server:
             argv.append("--engine-process")
         if not a.prefix_cache:
             argv.append("--no-prefix-cache")
+        if self.replicas:
+            argv += ["--replicas", str(self.replicas)]
+            if a.replica_cpus:
+                argv += ["--replica-cpus", str(a.replica_cpus)]
         return [sys.executable, "-c", _LAUNCH.format(parent=os.getpid()), *argv]
 
     def __enter__(self) -> Server:
@@ -286,12 +302,14 @@ def _pick(stats: dict | None) -> dict | None:
     return None if stats is None else {k: stats[k] for k in ("mean", "p50", "p90", "p99")}
 
 
-def measure(mode: str, args: argparse.Namespace, prompts: list[Prompt], log: Path) -> dict:
-    """Start mode's server, warm it up, load it, scrape it, stop it: the mode's record."""
-    rec: dict[str, Any] = dict(mode=mode, ok=False, error=None)
+def measure(mode: str, args: argparse.Namespace, prompts: list[Prompt], log: Path,
+            replicas: int = 0) -> dict:
+    """Start mode's server (``replicas``: under ``--replicas N``), warm it up, load it, scrape
+    it, stop it: the mode's record."""
+    rec: dict[str, Any] = dict(mode=mode, ok=False, error=None, replicas=replicas)
     load = dict(concurrency=args.concurrency, temperature=0.0, slo_tpot_ms=args.slo_tpot_ms,
                 duration=args.duration, timeout=args.request_timeout)
-    server = Server(mode, args, log)
+    server = Server(mode, args, log, replicas=replicas)
     try:
         with server:
             startup = server.wait_ready(args.startup_timeout)
@@ -488,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-dir", default=None,
                     help="keep the servers' logs here (default: a temporary folder)")
     ap.add_argument("--commit", default=None, help="commit to record (default: git's HEAD)")
+    ap.add_argument("--replicas", type=int, nargs="+", default=None,
+                    help="measure the first of --modes under bole serve --replicas N for each N "
+                         "(0: plain bole serve) instead of the modes")
+    ap.add_argument("--replica-cpus", type=int, default=None,
+                    help="bole serve --replica-cpus (with --replicas, on the CPU)")
     add_output_args(ap)
     args = ap.parse_args(argv)
     if args.plot:
@@ -501,9 +524,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.dtype = DTYPES[args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")]
     args.warmup = args.concurrency if args.warmup is None else max(args.warmup, 0)
+    if args.replicas is not None and min(args.replicas) < 0:
+        ap.error("--replicas counts must be >= 0 (0: plain bole serve)")
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        return run(args)
+        return run(args) if args.replicas is None else run_replicas(args)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -552,6 +577,68 @@ def run(args: argparse.Namespace) -> int:
             f.unlink()
         logs.rmdir()
     return 0 if ok else 1
+
+
+#: issue 48's target on the CPU: 2 replicas' output tokens/s over one replica's
+TARGET_REPLICAS_X = 1.7
+
+
+def replicas_table(data: dict) -> str:
+    """The replica counts' records as a markdown table, and the target's verdict."""
+    lines = ["| replicas | output tok/s | x first | p50 TPOT ms | p50 TTFT ms | requests |",
+             "|---|" + "---:|" * 5]
+    for r in data["records"]:
+        name = r["replicas"] or "plain"
+        if r.get("output_tokens_per_s") is None:
+            lines.append(f"| {name} | failed: {(r['error'] or '').splitlines()[0][:90]} |"
+                         + " |" * 4)
+            continue
+        s = r["loadgen"]["summary"]
+        lines.append(f"| {name} | {r['output_tokens_per_s']:.1f} | {_f(r['x_first'], '.2f')} | "
+                     f"{_f((r['tpot_ms'] or {}).get('p50'), '.2f')} | "
+                     f"{_f((r['ttft_ms'] or {}).get('p50'), '.1f')} | "
+                     f"{s['completed']}/{s['requests']} |")
+    t = data["targets"]
+    lines += ["", f"target: 2 replicas >= {TARGET_REPLICAS_X}x one replica's output tok/s "
+              f"({_f(t['x'], '.2f')}x: {_yes(t['ok'])}) on {data['meta']['device']}"]
+    return "\n".join(lines)
+
+
+def run_replicas(args: argparse.Namespace) -> int:
+    """``--replicas``: the first mode under each replica count; the JSON and the table."""
+    now = _dt.datetime.now()
+    commit, dirty = (args.commit, None) if args.commit else git_commit()
+    mode = args.modes[0]
+    settings = dict(mode=mode, replicas=args.replicas, replica_cpus=args.replica_cpus,
+                    requests=args.requests, concurrency=args.concurrency,
+                    max_tokens=args.max_tokens, max_batch=args.max_batch, warmup=args.warmup,
+                    temperature=0.0, arrival="closed-loop", workload=args.workload,
+                    prompts=WORKLOADS[args.workload], cores=os.cpu_count())
+    meta = dict(_versions(args.device), date=now.date().isoformat(), time=now.strftime("%H:%M:%S"),
+                commit=commit, dirty=dirty, model="bundled", dtype=DTYPE_NAMES[args.dtype],
+                settings=settings)
+    path = results_path(args.out, f"serve-{meta['date']}-bundled-replicas{args.tag}.json")
+    prompts = workload_prompts(args)
+    records: list[dict] = []
+    data = dict(meta=meta, records=records, targets=dict(x=None, ok=None))
+    logs = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bole-serve-"))
+    for n in args.replicas:
+        records.append(measure(mode, args, prompts, logs / f"serve-replicas-{n}.log", n))
+        first = records[0].get("output_tokens_per_s")
+        for r in records:
+            tps = r.get("output_tokens_per_s")
+            r["x_first"] = tps / first if tps is not None and first else None
+        by = {r["replicas"]: r.get("output_tokens_per_s") for r in records}
+        x = by[2] / by[1] if by.get(1) and by.get(2) else None
+        data["targets"] = dict(x=x, ok=None if x is None else x >= TARGET_REPLICAS_X)
+        path.write_text(json.dumps(data, indent=1))
+    print()
+    print(f"bundled model, {mode} mode, {meta['dtype']} on {meta['device']}, {args.requests} "
+          f"requests x {args.max_tokens} tokens, {args.concurrency} clients, --max-batch "
+          f"{args.max_batch} per replica")
+    print(replicas_table(data))
+    print(f"wrote {path}\nthe servers' logs are in {logs}")
+    return 0 if all(r["ok"] for r in records) else 1
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path
 from bench.harness import add_output_args, results_path, run_label, save_png  # noqa: E402
 
 from bole.assets import code_prompts  # noqa: E402
-from bole.engine.engine import MODES  # noqa: E402
+from bole.engine.spec import MODES  # noqa: E402
 from bole.bench.loadgen import LoadConfig, Prompt, format_table, run_load  # noqa: E402
 
 ALL_MODES = ("ar", "chain", "tree-serial", "bole")

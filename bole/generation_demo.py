@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from bole.assets import BUNDLED_MODEL
-from bole.engine.engine import DEFAULT_TREE
+from bole.engine.spec import DEFAULT_TREE
 
 
 def run(model_dir: str | Path = BUNDLED_MODEL, prompt: str | None = None, max_tokens: int = 96,

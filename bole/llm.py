@@ -32,7 +32,7 @@ import torch
 from bole.assets import BUNDLED_MODEL
 from bole.engine import (Engine, GenerationParams, GenerationResult, SpecConfig, TokenLogprob,
                          default_drafter)
-from bole.engine.engine import DEFAULT_TREE
+from bole.engine.spec import DEFAULT_TREE
 from bole.engine.prefix_admission import PrefixCacheConfig
 from bole.speculative import sampling
 from bole.speculative.drafters.registry import FALLBACK_DRAFTER, drafter_info

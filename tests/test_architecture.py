@@ -47,14 +47,11 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
 # (importer, imported) edges that close an import cycle, not yet broken
-CYCLE_EDGES_ALLOWED: set[tuple[str, str]] = {
-    ("bole.engine.scheduler", "bole.engine.engine"),
-}
+CYCLE_EDGES_ALLOWED: set[tuple[str, str]] = set()
 # (importer, imported) edges from a lower layer to a higher one, not yet removed
 UPWARD_EDGES_ALLOWED: set[tuple[str, str]] = set()
 # files (relative to the repository) over MAX_FILE_LINES
 LONG_FILES_ALLOWED: set[str] = {
-    "bole/engine/engine.py",
     "bole/ops/attention.py",
     "bole/server/api.py",
 }

@@ -50,7 +50,7 @@ def test_help_shows_each_default_once_and_no_empty_ones(capsys, command):
 
 def test_the_demo_runs_and_describes_the_default_tree(capsys):
     from bole import generation_demo
-    from bole.engine.engine import DEFAULT_TREE
+    from bole.engine.spec import DEFAULT_TREE
     depth, topk, budget = DEFAULT_TREE
     generation_demo.run(max_tokens=4)
     out = capsys.readouterr().out

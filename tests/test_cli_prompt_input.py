@@ -52,7 +52,7 @@ def test_a_200kb_prompt_file_is_truncated_with_a_warning(capsys, tmp_path):
     from tokenizers import Tokenizer
 
     from bole.assets import BUNDLED_MODEL
-    from bole.engine.engine import DEFAULT_TREE
+    from bole.engine.spec import DEFAULT_TREE
     text = "x = 1\n" * 35000                     # 210 KB: past the kernel's argument limit
     file = tmp_path / "long.txt"
     file.write_text(text)

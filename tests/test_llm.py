@@ -5,7 +5,7 @@ import torch
 
 from bole import LLM, SamplingParams
 from bole.engine import Engine, GenerationParams, SpecConfig
-from bole.engine.engine import DEFAULT_TREE
+from bole.engine.spec import DEFAULT_TREE
 from bole.speculative import sampling
 
 

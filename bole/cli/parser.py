@@ -7,7 +7,7 @@ import argparse
 from bole.assets import BUNDLED_MODEL
 from bole.cli.common import HelpFormatter
 from bole.config import GDN_SHAPES
-from bole.engine.engine import DEFAULT_TREE, MAX_BUDGET, MAX_DEPTH, MAX_TOPK, MODES
+from bole.engine.spec import DEFAULT_TREE, MAX_BUDGET, MAX_DEPTH, MAX_TOPK, MODES
 from bole.speculative.budget.registry import DEFAULT_POLICY, POLICIES
 from bole.speculative.drafters.registry import drafter_names
 

@@ -1,8 +1,13 @@
-"""The serving engine: the speculative round (engine.py), its device phases and graphs
-(round.py, graphs.py), and the model runner (runner.py)."""
+"""The serving engine: engine.py (admission and a step: plan, round, emit), spec.py (the
+speculative configuration), request.py (requests, their parameters and results), scheduler.py
+(continuous batching), round.py (one round: plan, phases, result) with phases.py, admission.py,
+buffers.py, timings.py, buckets.py and graphs.py (CUDA graphs), runner.py (the model runner's
+forwards and commits), calibrate.py (measuring a budget profile), lockstep.py (tensor-parallel
+serving), prefix_cache.py and prefix_admission.py (the prefix cache)."""
 
-from bole.engine.engine import (DRAFTERS, MODES, Engine, GenerationParams, GenerationResult,
-                                SpecConfig, TokenLogprob, default_drafter)
+from bole.engine.engine import Engine
+from bole.engine.request import GenerationParams, GenerationResult, TokenLogprob
+from bole.engine.spec import DRAFTERS, MODES, SpecConfig, default_drafter
 
 __all__ = ["DRAFTERS", "MODES", "Engine", "GenerationParams", "GenerationResult", "SpecConfig",
            "TokenLogprob", "default_drafter"]

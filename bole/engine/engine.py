@@ -13,214 +13,29 @@ head grows every request's tree, the target verifies the forest, acceptance and 
 and the host learns each request's new tokens in one copy, the round's one synchronisation
 (:mod:`bole.engine.round`). Requests run in slots of one cache; a request that stops (max tokens,
 a stop token or string) leaves the batch and frees its slot at the end of that round while the
-others go on. The node budget is per request; the calibrated batch-shared budget is separate.
-"""
+others go on. The node budget is per request; the calibrated batch-shared budget is separate."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from bole.engine.prefix_admission import PrefixAdmission, PrefixCacheConfig
+from bole.engine.request import (EngineInfo, GenerationParams, GenerationResult, Request,
+                                 TokenLogprob, result_text)
 from bole.engine.round import RoundRunner
-from bole.engine.timings import RoundTimings
 from bole.engine.runner import PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunner, prefill_bucket
+from bole.engine.spec import SpecConfig
+from bole.engine.timings import RoundTimings
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.accept_device import sample_rows
-from bole.speculative.budget.registry import DEFAULT_POLICY, policy_info
+from bole.speculative.budget.registry import policy_info
 from bole.speculative.drafters import registry as drafters
 from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams, penalize_params, target_probs
-from bole.speculative.tree_growth import node_capacity
 
-MODES = ("ar", "bole", "tree-serial", "chain")
-DRAFTERS = drafters.drafter_names()
-#: documented limits of the tree shape (a wider tree costs more than it can gain)
-MAX_TOPK = 16
-MAX_DEPTH = 15
-MAX_BUDGET = 256
-
-
-def default_drafter(model: HybridModel, draft_model: HybridModel | None = None) -> str:
-    """A separate draft model when one is given, else the checkpoint's MTP head when it has
-    one, else n-gram lookup."""
-    return drafters.default_drafter(model.has_mtp_head, draft_model is not None)
-
-
-#: the default draft tree (depth, children per expanded node, nodes per request): the fastest
-#: of the shapes swept on the bundled model at batch 1 and 8 (bench/NOTES.md)
-DEFAULT_TREE = (6, 4, 16)
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    mode: str = "bole"
-    drafter: str = drafters.FALLBACK_DRAFTER
-    depth: int = DEFAULT_TREE[0]
-    topk: int = DEFAULT_TREE[1]
-    budget: int = DEFAULT_TREE[2]
-    #: the replay drafter's acceptance profile: a shipped name ("bundled", "qwen3-next-mtp")
-    #: or a JSON file (bole/speculative/drafters/replay.py)
-    acceptance: str | None = None
-    #: which drafted nodes a verify takes (bole/speculative/budget/): "fixed" (every request its
-    #: tree), "global" (the batch's best ``shared_budget`` draft nodes), "calibrated" (the
-    #: budget of this GPU's calibration profile) or "goodput" (the budget that maximises
-    #: expected tokens per ms, plain decoding when drafting does not pay); ``root_floor`` root
-    #: children per request kept
-    budget_policy: str = DEFAULT_POLICY
-    shared_budget: int = 0
-    root_floor: int = 1
-    #: the MTP head drafts over this many most frequent tokens (0: the whole vocabulary;
-    #: bole/speculative/drafters/draft_vocab.py); verification always uses the whole vocabulary
-    draft_vocab: int = 0
-    #: benchmarks only, with the replay drafter: greedy acceptance takes the known continuation
-    #: as the target's choice (the verify forward still runs in full). Random weights in bf16
-    #: have near-tied logits whose argmax flips between a decode and a tree verify; one flip
-    #: makes the continuation stale and acceptance collapses. Output then equals plain
-    #: decoding's by construction, so exactness is checked with this off (fp32 tests)
-    forced_acceptance: bool = False
-    #: the calibrated policy's tolerance: B_ver(b) = the most nodes with T_ver <= (1 + eps)
-    #: T_dec, derived from the profile's measured curves (None: the eps it was calibrated at)
-    budget_eps: float | None = None
-
-    def validate(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        drafter = drafters.drafter_info(self.drafter)
-        policy = policy_info(self.budget_policy)
-        if self.forced_acceptance and not drafter.replays_continuation:
-            raise ValueError("forced_acceptance replays a known continuation: it needs the "
-                             "replay drafter")
-        if self.draft_vocab < 0:
-            raise ValueError(f"draft_vocab must be >= 0 (0: the whole vocabulary), got "
-                             f"{self.draft_vocab}")
-        if 0 < self.draft_vocab < self.topk:
-            raise ValueError(f"a draft vocabulary of {self.draft_vocab} tokens cannot give "
-                             f"top-{self.topk} proposals; make it at least topk")
-        if self.draft_vocab and not drafter.takes_draft_vocab:
-            raise ValueError(f"draft_vocab restricts the MTP head's proposals; the "
-                             f"{self.drafter} drafter has none (leave it at 0)")
-        if self.root_floor < 0:
-            raise ValueError(f"root_floor must be >= 0, got {self.root_floor}")
-        if self.budget_eps is not None:
-            if not policy.takes_eps:
-                raise ValueError(f"budget_eps is the calibrated policy's tolerance; the "
-                                 f"{self.budget_policy} policy has none (leave it unset)")
-            eps = self.budget_eps
-            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < 1e9:
-                raise ValueError(f"budget_eps must be a finite number in [0, 1e9), got {eps!r}")
-        if drafter.needs_acceptance_profile and self.mode != "ar" and not self.acceptance:
-            raise ValueError(f"the {self.drafter} drafter needs an acceptance profile "
-                             "(--acceptance bundled, qwen3-next-mtp or a JSON file)")
-        if not (1 <= self.depth <= MAX_DEPTH and 1 <= self.topk <= MAX_TOPK
-                and 2 <= self.budget <= MAX_BUDGET):
-            raise ValueError(f"need 1 <= depth <= {MAX_DEPTH}, 1 <= topk <= {MAX_TOPK} and "
-                             f"2 <= budget <= {MAX_BUDGET}; got depth={self.depth}, "
-                             f"topk={self.topk}, budget={self.budget}")
-
-    @property
-    def nodes_per_request(self) -> int:
-        """Node slots of a request's tree in a verify forward (no more than a tree of this
-        depth and width can hold)."""
-        if self.mode == "ar":
-            return 1
-        if self.mode == "chain":
-            return self.depth + 1
-        return min(self.budget, node_capacity(self.topk, self.depth))
-
-    @property
-    def gdn(self) -> str:
-        """The GDN backend family: the in-place decode step for ar, the closed form for bole,
-        serial snapshots otherwise."""
-        if self.mode == "ar":
-            return "decode"
-        return "serial" if self.mode in ("tree-serial", "chain") else "closed"
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """One request's generation: ``max_tokens`` output tokens at most; ``sampling`` the target
-    distribution (penalties included); ``stop_token_ids`` every token that ends the output
-    (returned with it): front ends add the checkpoint's end-of-sequence tokens unless asked to
-    ignore them; ``stop_strings`` end it too (not returned; need the engine's tokenizer);
-    ``logprobs``: None, or return each output token's log-probability with this many (0 to
-    :data:`MAX_LOGPROBS`) most likely alternatives, under the model's raw distribution
-    (log_softmax of its logits, before penalties, temperature, top-k and top-p, as vLLM's
-    default), read at the tree node the token was emitted from."""
-
-    max_tokens: int = 64
-    sampling: SamplingParams = SamplingParams(temperature=0)
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()      # need the engine's tokenizer
-    logprobs: int | None = None
-
-    def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
-        lp = self.logprobs
-        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)
-                               or not 0 <= lp <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
-                             f"got {lp!r}")
-        if any(not isinstance(t, str) or not t for t in self.stop_strings):
-            raise ValueError("stop strings must be non-empty strings")
-        self.sampling.validate()
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """An output token's log-probability under the model's raw distribution, and the ``top``
-    most likely tokens' ``(token id, logprob)``, most likely first (as many as asked)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]
-    finish_reason: str                    # "length" or "stop"
-    rounds: int = 0
-    accepted: list[int] = field(default_factory=list)   # tokens emitted per round
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    #: one per token of token_ids when the request asked for logprobs, else None
-    logprobs: list[TokenLogprob] | None = None
-    #: prompt tokens restored from the prefix cache instead of computed
-    cached_tokens: int = 0
-
-    @property
-    def mean_accepted_tokens(self) -> float:
-        return sum(self.accepted) / max(1, len(self.accepted))
-
-
-@dataclass
-class Request:
-    """A request's host-side state while it runs."""
-
-    index: int
-    prompt: list[int]
-    params: GenerationParams
-    slot: int
-    out: list[int] = field(default_factory=list)
-    rounds: int = 0
-    accepted: list[int] = field(default_factory=list)
-    result: GenerationResult | None = None
-    prefill_s: float = 0.0
-    started: float = 0.0
-    gen: torch.Generator | None = None        # this request's sampling draws
-    continuation: list[int] | None = None     # plain decoding's output (the replay drafter's)
-    logprobs: list[TokenLogprob] = field(default_factory=list)   # one per out token, if asked
-    cached_tokens: int = 0                    # prompt tokens the prefix cache restored
-
-    @property
-    def remaining(self) -> int:
-        return self.params.max_tokens - len(self.out)
+__all__ = ["Engine"]
 
 
 class Engine:
@@ -478,46 +293,3 @@ def _token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     best = torch.topk(lp, min(MAX_LOGPROBS, lp.shape[-1]))
     ids, values = best.indices[:top].tolist(), best.values[:top].tolist()
     return TokenLogprob(token, float(lp[token]), tuple(zip(ids, values)))
-
-
-def result_text(tokenizer, result: GenerationResult, params: GenerationParams) -> str:
-    """Decoded output, cut before the first stop string (the stop string is not returned); a
-    multi-byte character that max_tokens cut in two is left out, not shown as U+FFFD."""
-    text = tokenizer.decode(result.token_ids)
-    if result.finish_reason == "length":
-        text = text.rstrip("\ufffd")
-    hits = [text.find(s) for s in params.stop_strings if s in text]
-    return text[: min(hits)] if hits else text
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What a front end needs of an engine, in another process too: its settings and the
-    limits a request must fit (``check_request``)."""
-
-    spec: SpecConfig
-    max_len: int
-    scratch: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    has_tokenizer: bool
-
-    def check_request(self, prompt: Sequence[int], params: GenerationParams,
-                      name: str = "the prompt") -> None:
-        """Raise a ValueError naming what is wrong with one request."""
-        params.validate()
-        if params.stop_strings and not self.has_tokenizer:
-            raise ValueError("stop strings need a tokenizer: build the Engine with one")
-        if len(prompt) == 0:
-            raise ValueError(f"{name} is empty; give at least one token")
-        vocab = self.vocab_size
-        if any(not 0 <= int(t) < vocab for t in prompt):
-            raise ValueError(f"{name} holds token ids outside [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids hold token ids outside [0, {vocab})")
-        need = len(prompt) + params.max_tokens + self.scratch
-        if need > self.max_len:
-            raise ValueError(
-                f"{name} ({len(prompt)} tokens) plus max_tokens={params.max_tokens} needs {need} "
-                f"cache positions (with {self.scratch} for a round's tree), more than the "
-                f"context of {self.max_len}")

@@ -20,7 +20,8 @@ from typing import Sequence
 import torch.distributed as dist
 
 from bole.distributed import TensorParallel
-from bole.engine.engine import Engine, GenerationParams
+from bole.engine.engine import Engine
+from bole.engine.request import GenerationParams
 from bole.engine.scheduler import EventFn, Handle, QueueFull, Scheduler
 
 log = logging.getLogger("bole.server")

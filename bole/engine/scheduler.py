@@ -13,9 +13,29 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from bole.engine.engine import Engine, GenerationParams, GenerationResult, Request
+from bole.engine.request import GenerationParams, GenerationResult, Request
+
+
+class SteppedEngine(Protocol):
+    """What the scheduler drives: an :class:`~bole.engine.engine.Engine` (whose ``generate``
+    runs this scheduler, so the scheduler knows it only by these methods)."""
+
+    spec: Any
+    cache: Any
+
+    def check_request(self, prompt: Sequence[int], params: GenerationParams,
+                      name: str = "the prompt") -> None: ...
+
+    def new_request(self, index: int, prompt: Sequence[int], params: GenerationParams,
+                    seed: int | None = None) -> Request: ...
+
+    def admit_many(self, requests: Sequence[Request]) -> None: ...
+
+    def release(self, r: Request) -> None: ...
+
+    def step(self, running: list[Request], prelaunch: bool = False) -> dict: ...
 
 
 class QueueFull(RuntimeError):
@@ -62,7 +82,7 @@ class RoundReport:
 class Scheduler:
     """Admission, rounds and retirement over one engine."""
 
-    def __init__(self, engine: Engine, max_queue: int = 256, max_batch: int | None = None,
+    def __init__(self, engine: SteppedEngine, max_queue: int = 256, max_batch: int | None = None,
                  on_round: Callable[[RoundReport], None] | None = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")

@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 
 from bole.engine import Engine, GenerationParams
-from bole.engine.engine import GenerationResult, result_text
+from bole.engine.request import GenerationResult, result_text
 from bole.engine.scheduler import Handle, QueueFull, Scheduler
 from bole.server import errors
 from bole.server.chat import ChatTemplate

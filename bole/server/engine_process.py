@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from bole.engine.engine import EngineInfo, GenerationParams, GenerationResult
+from bole.engine.request import EngineInfo, GenerationParams, GenerationResult
 from bole.engine.scheduler import EventFn, Handle, QueueFull, RoundReport, Scheduler
 
 log = logging.getLogger("bole.server")

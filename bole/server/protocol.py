@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from bole.engine.engine import GenerationParams, TokenLogprob
+from bole.engine.request import GenerationParams, TokenLogprob
 from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams
 
 #: the most choices (``n``) one request may ask for per prompt

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bole.engine import Engine, GenerationParams, SpecConfig
-from bole.engine.engine import GenerationResult, result_text
+from bole.engine.request import GenerationResult, result_text
 from bole.engine.runner import ModelRunner
 from bole.engine.scheduler import Scheduler
 from bole.models.presets import preset_config

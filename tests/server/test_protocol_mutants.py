@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bole.engine.engine import GenerationParams, TokenLogprob
+from bole.engine.request import GenerationParams, TokenLogprob
 from bole.server.protocol import (ChatCompletionRequest, CompletionRequest, choice_seed,
                                   engine_params, logprobs_body)
 from bole.speculative.sampling import SamplingParams

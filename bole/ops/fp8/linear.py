@@ -1,7 +1,7 @@
 """``y = x @ w.T`` with ``w`` held in FP8 with block scales, read as FP8.
 
 At decode and verify widths (at most :data:`KERNEL_ROWS` rows) one program computes
-``BLOCK_N`` output columns: it streams its FP8 rows in ``[BLOCK_N, BLOCK_K]`` tiles, each step
+``BLOCK_N`` (32) output columns: it streams its FP8 rows in ``[BLOCK_N, BLOCK_K]`` tiles, each step
 inside one scale block along K (``BLOCK_K`` divides the block's width), dequantizes the tile
 in fp32 with the step's per-row scales, rounds it to x's dtype (the dequantized weight's own
 values) and multiplies with tensor cores, the rows of x padded to 16. Bytes read: one per
@@ -55,11 +55,13 @@ def _fp8_linear_kernel(x, q, s, bias, y, M, N, K, stride_xm, stride_qn, stride_s
 
 def _kernel_tiles(w: Fp8Weight) -> tuple[int, int] | None:
     """(BLOCK_N, BLOCK_K) for ``w``'s blocks, or None where the kernel cannot step inside one
-    scale block (a block width that is not a power of two of at least 16)."""
+    scale block (a block width that is not a power of two of at least 16). 32 columns a
+    program: at decode the weight's read is the cost, and narrow programs keep every SM
+    streaming (untuned on a GPU yet; bench/NOTES.md section 7)."""
     bk = w.block[1]
     if bk < 16 or bk & (bk - 1):
         return None
-    return 64, min(bk, 128)
+    return 32, min(bk, 128)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *,
@@ -96,7 +98,8 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
             rows.stride(0), w.q.stride(0), w.scale.stride(0), y.stride(0),
             QBN=w.block[0], QBK=w.block[1], HAS_BIAS=bias is not None,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k)
+            BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=4, num_stages=1 if interpreting() else 4)
     return y if out is not None else y.view(*x.shape[:-1], N)
 
 

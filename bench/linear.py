@@ -10,6 +10,11 @@ rate, read + write counted as bole's other benchmarks count it).
 
     python bench/linear.py             # -> bench/results/linear-<date>-<preset>.{json,png}
     python bench/linear.py --rows 1 --quick                # a smaller grid
+    python bench/linear.py --fp8 --rows 1 8 32 64          # FP8 weights (128 x 128 blocks)
+
+``--fp8``: each weight quantized as Qwen's FP8 releases are; cuBLAS multiplies the dequantized
+bf16 weight (what dequantize-then-bf16 costs at best), each launch of the FP8 kernel's grid reads
+the FP8 bytes; the floor counts the FP8 values and their fp32 scales.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path
 
 from bole.engine.calibrate import captured_ms  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
+from bole.ops.fp8 import fp8_linear, quantize_blockwise  # noqa: E402
+from bole.ops.fp8.linear import Fp8Tiles  # noqa: E402
 from bole.ops.linear import LinearConfig, linear_triton, pick_linear_config  # noqa: E402
 from bench.harness import results_path, run_meta, save_png  # noqa: E402
 from bench.model_forward import copy_bandwidth  # noqa: E402
@@ -85,6 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smaller sweep grid")
     ap.add_argument("--out", default=None)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--fp8", action="store_true",
+                    help="FP8 weights with 128 x 128 block scales: the FP8 kernel's grid")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/linear.py needs a CUDA GPU", file=sys.stderr)
@@ -93,6 +102,8 @@ def main(argv=None) -> int:
     bw = copy_bandwidth(dev)
     meta = run_meta(preset=args.preset, dtype="bfloat16", copy_bandwidth_tb_s=bw / 1e12)
     path = results_path(args.out, f"linear-{meta['date']}-{args.preset}{args.tag}.json")
+    if args.fp8:
+        return fp8_sweep(args, dev, bw)
     records = []
     gen = torch.Generator(device=dev).manual_seed(0)
     for shape in preset_shapes(args.preset, args.draft_vocab):
@@ -153,6 +164,74 @@ def main(argv=None) -> int:
         print(json.dumps(dict(decode_linear_layers=summary)), flush=True)
     path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
     print(f"wrote {path} and {plot(path)}")
+    return 0
+
+
+def fp8_grid(quick: bool) -> list[Fp8Tiles]:
+    return [Fp8Tiles(bn, bk, w, s) for bn, bk, w, s in itertools.product(
+        (16, 32, 64), (64, 128), (4,) if quick else (2, 4), (4,) if quick else (3, 5))]
+
+
+def fp8_sweep(args, dev, bw: float) -> int:
+    """``--fp8``: per projection and row count, cuBLAS on the dequantized weight, each launch of
+    the FP8 kernel, and the FP8 floor; then the decode's sums."""
+    meta = run_meta(preset=args.preset, dtype="fp8 e4m3 weights (128x128 blocks), bf16 "
+                    "activations", copy_bandwidth_tb_s=bw / 1e12)
+    path = results_path(args.out, f"linear-{meta['date']}-{args.preset}-fp8{args.tag}.json")
+    records = []
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for shape in preset_shapes(args.preset, args.draft_vocab):
+        N, K = shape["N"], shape["K"]
+        nbytes = N * K + (-(-N // 128)) * (-(-K // 128)) * 4
+        copies = max(1, min(16, -(-4 * L2_BYTES // nbytes)))
+        weights = [quantize_blockwise(torch.randn(N, K, device=dev, generator=gen) * 0.02)
+                   for _ in range(copies)]
+        dense = [w.dequantize(torch.bfloat16) for w in weights[:max(1, copies // 2)]]
+        for M in args.rows:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16, generator=gen)
+            ref = F.linear(x.float(), dense[0].float())
+            cublas = time_calls(lambda i: F.linear(x, dense[i % len(dense)]), len(dense),
+                                args.reps)
+            rec = dict(shape=shape["name"], N=N, K=K, count=shape["count"], rows=M,
+                       fp8_mb=nbytes / 1e6, cublas_bf16_ms=cublas, floor_ms=nbytes / bw * 1e3,
+                       configs=[])
+            for tiles in fp8_grid(args.quick):
+                try:
+                    y = fp8_linear(x, weights[0], kernel=True, tiles=tiles)
+                    err = ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+                    ms = time_calls(lambda i: fp8_linear(x, weights[i], kernel=True, tiles=tiles),
+                                    copies, args.reps)
+                except Exception as e:               # a launch the compiler refuses
+                    rec["configs"].append(dict(tiles=vars(tiles), error=str(e)[:200]))
+                    continue
+                rec["configs"].append(dict(tiles=vars(tiles), ms=ms, rel_err=err))
+            ok = [c for c in rec["configs"] if "ms" in c and c["rel_err"] < 2e-2]
+            best = min(ok, key=lambda c: c["ms"], default=None)
+            default = next((c for c in ok if c["tiles"] == vars(Fp8Tiles())), None)
+            if best:
+                rec.update(best=best["tiles"], best_ms=best["ms"],
+                           best_over_floor=best["ms"] / rec["floor_ms"],
+                           vs_cublas_bf16=cublas / best["ms"])
+            if default:
+                rec["default_ms"] = default["ms"]
+            records.append(rec)
+            print(f"{shape['name']:<18} M={M:<3} {N:>6}x{K:<6} bf16 cublas {cublas * 1e3:7.1f} us"
+                  f"  fp8 best {rec.get('best_ms', float('nan')) * 1e3:7.1f} us "
+                  f"({rec.get('best_over_floor', 0):.2f}x floor) {rec.get('best')}", flush=True)
+        del weights, dense
+        torch.cuda.empty_cache()
+        path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+    decode = [r for r in records if r["rows"] == 1 and r["count"]]
+    if decode:
+        meta["decode_linear_layers"] = summary = dict(
+            cublas_bf16_ms=sum(r["cublas_bf16_ms"] * r["count"] for r in decode),
+            fp8_best_ms=sum(r.get("best_ms", r["cublas_bf16_ms"]) * r["count"] for r in decode),
+            fp8_default_ms=sum(r.get("default_ms", r["cublas_bf16_ms"]) * r["count"]
+                               for r in decode),
+            fp8_floor_ms=sum(r["floor_ms"] * r["count"] for r in decode))
+        print(json.dumps(dict(decode_linear_layers=summary)), flush=True)
+    path.write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+    print(f"wrote {path}")
     return 0
 
 

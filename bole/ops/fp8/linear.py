@@ -11,6 +11,8 @@ and run cuBLAS: the product then costs its compute, not its read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -19,12 +21,23 @@ import triton.language as tl
 from bole.ops.fp8.blockwise import Fp8Weight, StackedWeight
 from bole.ops.triton_utils import fix_interpreter_scalar_index, interpreting
 
-__all__ = ["fp8_linear", "stacked_linear", "KERNEL_ROWS"]
+__all__ = ["fp8_linear", "stacked_linear", "Fp8Tiles", "KERNEL_ROWS"]
 
 fix_interpreter_scalar_index()
 
 #: the most rows the kernel takes (more: dequantize, then cuBLAS)
 KERNEL_ROWS = 64
+
+
+@dataclass(frozen=True)
+class Fp8Tiles:
+    """One launch of the kernel: output columns and K elements a step (the step must stay in
+    one scale block: ``block_k`` divides the block's width), warps, pipeline stages."""
+
+    block_n: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
 
 
 @triton.jit
@@ -53,29 +66,35 @@ def _fp8_linear_kernel(x, q, s, bias, y, M, N, K, stride_xm, stride_qn, stride_s
              mask=(m < M)[:, None] & n_ok[None, :])
 
 
-def _kernel_tiles(w: Fp8Weight) -> tuple[int, int] | None:
-    """(BLOCK_N, BLOCK_K) for ``w``'s blocks, or None where the kernel cannot step inside one
-    scale block (a block width that is not a power of two of at least 16). 32 columns a
-    program: at decode the weight's read is the cost, and narrow programs keep every SM
-    streaming (untuned on a GPU yet; bench/NOTES.md section 7)."""
+def _kernel_tiles(w: Fp8Weight, tiles: Fp8Tiles | None = None) -> Fp8Tiles | None:
+    """The launch for ``w``'s blocks (``tiles``, default :class:`Fp8Tiles`'s: 32 columns a
+    program, since at decode the weight's read is the cost and narrow programs keep every SM
+    streaming; untuned on a GPU yet, ``bench/linear.py --fp8`` sweeps them), or None where
+    the kernel cannot step inside one scale block (a block width that is not a power of two
+    of at least 16)."""
     bk = w.block[1]
     if bk < 16 or bk & (bk - 1):
         return None
-    return 32, min(bk, 128)
+    tiles = tiles or Fp8Tiles()
+    if bk % tiles.block_k:
+        tiles = Fp8Tiles(tiles.block_n, min(bk, tiles.block_k), tiles.num_warps,
+                         tiles.num_stages)
+    return tiles
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, *,
-               out: torch.Tensor | None = None, kernel: bool | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, kernel: bool | None = None,
+               tiles: Fp8Tiles | None = None) -> torch.Tensor:
     """``x [..., K] @ dequantize(w).T (+ bias)`` in x's dtype. ``kernel``: the FP8 kernel (CUDA,
     or the interpreter on CPU), default where it applies (at most :data:`KERNEL_ROWS` rows);
     otherwise the weight is dequantized into x's dtype for ``F.linear``. ``out``: an [M, N]
-    tensor of x's dtype to write into (2-D x)."""
+    tensor of x's dtype to write into (2-D x). ``tiles``: the kernel's launch (benchmarks)."""
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"fp8_linear takes x [..., K] and a 2-D weight [N, K], got "
                          f"{tuple(x.shape)} and {tuple(w.shape)}")
     rows = x.reshape(-1, x.shape[-1])
     M, N = rows.shape[0], w.shape[0]
-    tiles = _kernel_tiles(w)
+    tiles = _kernel_tiles(w, tiles)
     on_device = x.device.type == "cuda" or interpreting()
     if kernel is None:
         kernel = on_device and tiles is not None and M <= KERNEL_ROWS
@@ -92,14 +111,14 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
         raise ValueError("the FP8 kernel reads q and scale with unit stride along K")
     y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
-        block_n, block_k = tiles
-        _fp8_linear_kernel[(triton.cdiv(N, block_n),)](
+        _fp8_linear_kernel[(triton.cdiv(N, tiles.block_n),)](
             rows, w.q, w.scale, bias if bias is not None else rows, y, M, N, rows.shape[1],
             rows.stride(0), w.q.stride(0), w.scale.stride(0), y.stride(0),
             QBN=w.block[0], QBK=w.block[1], HAS_BIAS=bias is not None,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=4, num_stages=1 if interpreting() else 4)
+            BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+            num_stages=1 if interpreting() else tiles.num_stages)
     return y if out is not None else y.view(*x.shape[:-1], N)
 
 

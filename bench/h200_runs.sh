@@ -12,7 +12,8 @@
 #   tests       the compiled test suite in 8 shards (~4 min) -> $OUT/tests/summary.txt (kept as
 #               bench/results/gpu-tests-<date>.txt)
 #   linear      bench/linear.py, the 9B preset's projections at 1-16 rows, cuBLAS against each
-#               tile (~3 min); ROWS=1: the same at 24-64 rows (tag -rows)
+#               tile (~3 min); ROWS=1: the same at 24-64 rows (tag -rows); FP8=1: FP8 weights,
+#               the FP8 kernel's tiles at 1-64 rows against cuBLAS on bf16 (not yet run)
 #   round       bole bench (bundled, batch 1 and 8), then bench/model_forward.py (9B) (~4.5 min)
 #   e2e-9b      bench/e2e.py, Qwen3.5-9B, replayed qwen3-next-mtp acceptance, 32k draft
 #               vocabulary, tree-serial tuned on its own (the README's headline):
@@ -85,7 +86,9 @@ case "$part" in
       tests/engine tests/test_round_cuda.py tests/test_engine.py tests/test_forest.py > /dev/null
     head -20 "$out/tests/summary.txt" ;;
   linear)
-    if [ -n "${ROWS:-}" ]; then
+    if [ -n "${FP8:-}" ]; then
+      timeout $(lim 500) python3 bench/linear.py --fp8 --rows 1 8 32 64 --out "$out"
+    elif [ -n "${ROWS:-}" ]; then
       timeout $(lim 400) python3 bench/linear.py --rows 24 32 48 64 --quick --tag=-rows --out "$out"
     else
       timeout $(lim 400) python3 bench/linear.py --out "$out"

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bole.engine.prefix_cache import DEFAULT_BLOCK, CachePools, MTPPools, PrefixCache
-from bole.engine.runner import PREFILL_BATCH_MAX
+from bole.engine.prefix_cache import CachePools, MTPPools, PrefixCache
+from bole.engine.runner import PREFILL_BATCH_MAX, PREFILL_CHUNK_FLA, PREFILL_CHUNK_TREE
 from bole.forest import DenseForest
 from bole.speculative.drafters.mtp import MTPDrafter
 
@@ -37,15 +37,17 @@ GIB = 1 << 30
 @dataclass(frozen=True)
 class PrefixCacheConfig:
     """``capacity_gib``: device memory the cache may hold (None: :func:`default_capacity_bytes`);
-    ``block``: tokens per block (a checkpoint of the recurrent state at each block boundary)."""
+    ``block``: tokens per block (a checkpoint of the recurrent state at each block boundary);
+    None: the prefill's chunk (1,024 tokens with fla on a GPU, 64 otherwise), so that a
+    checkpoint costs no chunk the prefill would not run anyway."""
 
     capacity_gib: float | None = None
-    block: int = DEFAULT_BLOCK
+    block: int | None = None
 
     def __post_init__(self):
         if self.capacity_gib is not None and self.capacity_gib < 0:
             raise ValueError(f"prefix cache capacity must be >= 0 GiB, got {self.capacity_gib}")
-        if self.block < 1:
+        if self.block is not None and self.block < 1:
             raise ValueError(f"prefix cache block must be >= 1 token, got {self.block}")
 
 
@@ -74,7 +76,9 @@ class PrefixAdmission:
             pools.append(MTPPools(head))
         capacity = default_capacity_bytes(engine.model.device) if config.capacity_gib is None \
             else int(config.capacity_gib * GIB)
-        self.store = PrefixCache(pools, capacity, config.block)
+        self.block = config.block or (PREFILL_CHUNK_FLA if engine.model.prefill_gdn is not None
+                                      else PREFILL_CHUNK_TREE)
+        self.store = PrefixCache(pools, capacity, self.block)
 
     def admit(self, requests: list) -> torch.Tensor:
         """Fill each request's fresh slot with its prompt (restoring what the cache holds);
@@ -129,7 +133,7 @@ class PrefixAdmission:
             self.store.restore(hit, slot)
             h = hit.length
         r.cached_tokens = h
-        n, block = len(prompt), self.config.block
+        n, block = len(prompt), self.block
         points = {p for p in range(block, n, block) if p > h} | ({n - 1} if n - 1 > h else set())
         target = {}
         pool = self.store.pools[0]

@@ -5,7 +5,8 @@ sent twice; and the default prompt size limit."""
 
 from __future__ import annotations
 
-from bole.server.api import TextStream, default_prompt_bytes
+from bole.server.api import default_prompt_bytes
+from bole.server.responses import TextStream
 
 PIECES = {1: b"ab", 2: b"\xc3", 3: b"\xa9c", 4: b"STO", 5: b"P", 6: b"de"}
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 log = logging.getLogger("bole.server")
@@ -68,9 +68,9 @@ class ReplicaOptions:
     name: str = "bole"
 
     def __post_init__(self):
-        for field in ("replicas", "max_ongoing_requests", "max_queued_requests"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+        for name in ("replicas", "max_ongoing_requests", "max_queued_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_cpus <= 0 or self.num_gpus < 0:
             raise ValueError(f"a replica needs num_cpus > 0 and num_gpus >= 0, got "
                              f"{self.num_cpus} and {self.num_gpus}")
@@ -166,11 +166,14 @@ class RayCluster:
     address: str | None = None
     num_cpus: int | None = None
     num_gpus: int | None = None
+    _before: set = field(default_factory=set, repr=False)   # processes that were not Ray's
 
     def start(self, host: str, port: int) -> None:
         """Ray, then Serve's HTTP proxy on ``host:port``."""
         import ray
+        import psutil                       # Ray's own copy (ray/thirdparty_files)
         from ray import serve
+        self._before = {p.pid for p in psutil.Process().children(recursive=True)}
         if self.address is None:
             ray.init(address="local", num_cpus=self.num_cpus, num_gpus=self.num_gpus,
                      include_dashboard=False, log_to_driver=True)
@@ -186,7 +189,8 @@ class RayCluster:
         from ray import serve
         if not ray.is_initialized():
             return
-        ours = psutil.Process().children(recursive=True) if self.address is None else []
+        ours = [p for p in psutil.Process().children(recursive=True)
+                if p.pid not in self._before] if self.address is None else []
         try:
             if self.address is None:
                 serve.shutdown()

@@ -234,3 +234,28 @@ def test_a_killed_replica_loses_only_the_requests_it_was_running(tmp_path, expec
         assert _complete(served.url, prompts[0], True)["ids"] == want_ids[0]
     assert served.returncode == 0, served.output
     assert not served.left, f"processes left behind after SIGTERM: {served.left}"
+
+
+@ray_only
+def test_the_python_deployment_for_a_ray_cluster(expected):
+    """docs/multi-node.md's Python deployment, on a Ray instance of this process: replica_app
+    with bole serve's flags, serve.run, one streamed greedy request."""
+    from ray import serve
+
+    from bole.cli.serve import replica_app
+    from bole.distributed import free_port
+    from bole.server.replicas import RayCluster
+    from tests.server.served import SHAPE
+    prompts, want_ids, _ = expected
+    port = free_port()
+    cluster = RayCluster(num_cpus=2)
+    try:
+        cluster.start("127.0.0.1", port)
+        serve.run(replica_app(["--device", "cpu", "--replicas", "1", "--max-batch", "2",
+                               "--max-len", "256", "--mode", "bole", "--drafter", "mtp",
+                               *[f"--{k}={v}" for k, v in SHAPE.items()]]),
+                  name="bole", route_prefix="/")
+        r = _complete(f"http://127.0.0.1:{port}", prompts[1], True)
+        assert r["status"] == 200 and r["done"] and r["ids"] == want_ids[1], r
+    finally:
+        cluster.stop("bole")

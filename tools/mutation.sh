@@ -26,8 +26,6 @@ for key, value in (("only_mutate", sys.argv[1]), ("pytest_add_cli_args_test_sele
 open("pyproject.toml", "w").write(text)
 PY
 export OMP_NUM_THREADS=1
-# subprocesses a test starts (bole serve, the engine process) import the mutated copy too
-export PYTHONPATH="$work/mutants${PYTHONPATH:+:$PYTHONPATH}"
 # shellcheck disable=SC2086  (MUTMUT_NAMES: patterns, split on spaces, not globbed here)
 set -f
 mutmut run --max-children "${MUTMUT_CHILDREN:-2}" ${MUTMUT_NAMES:-} || true

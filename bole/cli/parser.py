@@ -223,7 +223,7 @@ def _add_serve(sub, fmt) -> None:
 def _replica_options(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--replicas", type=int, default=None,
                        help="run N engines as Ray Serve replicas behind Ray Serve's HTTP proxy "
-                            "(one GPU each on CUDA; needs: pip install \"bole[ray]\"); "
+                            "(a GPU per --tp rank each on CUDA; needs: pip install \"bole[ray]\"); "
                             "docs/multi-node.md")
     serve.add_argument("--replica-cpus", type=int, default=None,
                        help="with --replicas on the CPU: cores (torch threads) per replica "

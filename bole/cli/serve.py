@@ -114,8 +114,7 @@ def serve_tp(args, argv: list[str]) -> int:
     from bole.engine.lockstep import Channel
 
     if getattr(args, "replicas", None) is not None:
-        raise UsageError("--replicas with --tp is not supported yet: each replica runs one "
-                         "engine, on one GPU or the CPU (docs/multi-node.md)")
+        return serve_replicas(args)
     folder = _serve_checks(args)
     logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
     port = distributed.free_port()
@@ -153,36 +152,56 @@ def _replica_plan(args, folder: Path):
         raise UsageError(str(exc)) from None
     cuda = pick_device(args.device).startswith("cuda")
     cores = os.cpu_count() or 1
+    tp = getattr(args, "tp", 1)
     if cuda and args.replica_cpus is not None:
         raise UsageError("--replica-cpus is for replicas on the CPU; on CUDA each replica has "
-                         "a GPU of its own")
-    if cuda and args.ray_address is None and torch.cuda.device_count() < args.replicas:
-        raise UsageError(f"--replicas {args.replicas} needs {args.replicas} GPUs, this machine "
-                         f"has {torch.cuda.device_count()} (--ray-address deploys on a cluster)")
+                         "GPUs of its own")
+    if cuda and args.ray_address is None and torch.cuda.device_count() < args.replicas * tp:
+        raise UsageError(f"--replicas {args.replicas} x --tp {tp} needs {args.replicas * tp} "
+                         f"GPUs, this machine has {torch.cuda.device_count()} (--ray-address "
+                         "deploys on a cluster)")
     cpus = 1 if cuda else args.replica_cpus or max(1, cores // args.replicas)
     if not cuda and args.ray_address is None and cpus * args.replicas > cores:
         logging.getLogger("bole.server").warning(
             "%d replicas x %d cores is more than this machine's %d cores: they will contend",
             args.replicas, cpus, cores)
-    options = ReplicaOptions(args.replicas, num_cpus=cpus, num_gpus=1 if cuda else 0,
+    options = ReplicaOptions(args.replicas, num_cpus=cpus, num_gpus=tp if cuda else 0,
                              max_ongoing_requests=args.max_batch,
                              max_queued_requests=args.max_queue,
                              shutdown_timeout=args.shutdown_timeout,
                              access_log=args.access_log)
     if cuda:
-        args.device = "cuda"                  # a replica sees only its own GPU, as cuda:0
+        args.device = "cuda"             # a replica sees only its own GPUs, from cuda:0
     cluster = RayCluster(args.ray_address, num_cpus=max(cores, cpus * args.replicas)
                          if args.ray_address is None else None)
     return options, cluster
 
 
 def _replica_server(args, folder: Path):
-    """A replica's server (run in the replica's process): engine, scheduler, app state."""
+    """A replica's server (run in the replica's process): engine, scheduler, app state; under
+    ``--tp N`` rank 0, ranks 1..N-1 spawned as followers (they die with this process)."""
+    if getattr(args, "tp", 1) > 1:
+        return _replica_tp_server(args, folder)
     if not args.engine_process:
         return _serve_server(args, folder, _serve_engine(args, folder))
     from bole.server.engine_process import EngineClient
     client = EngineClient(_serve_engine, (args, folder), max_queue=args.max_queue)
     return _serve_server(args, folder, None, client=client)
+
+
+def _replica_tp_server(args, folder: Path):
+    import torch.multiprocessing as mp
+
+    from bole import distributed
+    from bole.engine.lockstep import Channel
+    from bole.server.replicas import ReplicaServer
+    port = distributed.free_port()
+    followers = mp.spawn(_follower, args=(args.tp, port, args, folder), nprocs=args.tp - 1,
+                         join=False, daemon=True).processes
+    set_rank_device(args, 0)
+    tp = distributed.init(0, args.tp, port, args.device or "cpu")
+    server = _serve_server(args, folder, _serve_engine(args, folder, tp), Channel(tp))
+    return ReplicaServer(server, alive=lambda: all(p.is_alive() for p in followers))
 
 
 def replica_app(argv: list[str]):
@@ -238,6 +257,11 @@ def _stop_followers(processes, timeout: float) -> None:
 def _serve_follower(i: int, world: int, port: int, argv: list[str]) -> None:
     """Rank ``i + 1`` of ``serve --tp``: silent, binds no port, steps as rank 0 says until it
     stops; ignores Ctrl-C (rank 0 stops it) and dies with rank 0's process."""
+    _follower(i, world, port, build_parser().parse_args(argv), None)
+
+
+def _follower(i: int, world: int, port: int, args, folder: Path | None) -> None:
+    """Rank ``i + 1`` of ``args`` (``folder``: the checkpoint's, None: ``args.model``)."""
     import signal
 
     from bole import distributed
@@ -245,13 +269,12 @@ def _serve_follower(i: int, world: int, port: int, argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     distributed.die_with_parent()
     rank = i + 1
-    args = build_parser().parse_args(argv)
     set_rank_device(args, rank)
     tp = distributed.init(rank, world, port, args.device or "cpu")
     try:
         channel = Channel(tp)
         with distributed.quiet_unless_rank0(rank):
-            engine = _serve_engine(args, Path(args.model), tp)
+            engine = _serve_engine(args, folder or Path(args.model), tp)
             LockstepScheduler(engine, channel, max_queue=args.max_queue).follow()
     finally:
         distributed.shutdown()

@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 log = logging.getLogger("bole.server")
 
-__all__ = ["RAY_EXTRA", "RayMissing", "ReplicaOptions", "BoleReplica", "replica_app",
-           "require_ray"]
+__all__ = ["RAY_EXTRA", "RayMissing", "ReplicaOptions", "ReplicaServer", "BoleReplica",
+           "RayCluster", "replica_app", "require_ray", "serve_replicas"]
 
 #: how to install what ``--replicas`` needs
 RAY_EXTRA = 'pip install "bole[ray]"'
@@ -50,7 +50,7 @@ def require_ray() -> None:
 @dataclass
 class ReplicaOptions:
     """How the replicas are deployed. ``num_gpus`` / ``num_cpus``: Ray resources each replica
-    reserves (1 GPU per tensor-parallel rank on CUDA, CPU cores on the CPU);
+    reserves (a GPU per tensor-parallel rank on CUDA, CPU cores on the CPU);
     ``max_ongoing_requests``: requests a replica takes at once (its engine's batch);
     ``max_queued_requests``: requests waiting at the proxy for a replica before new ones get 503;
     ``shutdown_timeout``: seconds a stopping replica lets its requests finish;
@@ -88,9 +88,19 @@ class ReplicaOptions:
                     logging_config={"enable_access_log": self.access_log})
 
 
+@dataclass
+class ReplicaServer:
+    """What a replica's build returns when the replica has processes besides its own
+    (tensor-parallel ranks): the server, and whether those processes still run."""
+
+    server: Any
+    alive: Callable[[], bool] | None = None
+
+
 class BoleReplica:
     """One replica: ``build(*build_args)`` makes its :class:`~bole.server.api.BoleServer`
-    (engine included) in the replica's process; Ray Serve then serves the server's app."""
+    (engine included; or a :class:`ReplicaServer`) in the replica's process; Ray Serve then
+    serves the server's app."""
 
     def __init__(self, build: Callable[..., Any], build_args: tuple = (),
                  num_threads: int | None = None):
@@ -101,7 +111,10 @@ class BoleReplica:
             import torch
             torch.set_num_threads(num_threads)
         sys.setswitchinterval(GIL_SWITCH_INTERVAL)
-        self.server = build(*build_args)
+        built = build(*build_args)
+        if not isinstance(built, ReplicaServer):
+            built = ReplicaServer(built)
+        self.server, self.others_alive = built.server, built.alive
 
     def __serve_build_asgi_app__(self):
         """The server's app, its /metrics answering for every replica."""
@@ -119,10 +132,12 @@ class BoleReplica:
         return app
 
     def check_health(self) -> None:
-        """Ray Serve's health check: an engine thread that stopped on an error fails it (Ray
-        Serve then replaces this replica)."""
+        """Ray Serve's health check: an engine thread that stopped on an error, or a
+        tensor-parallel rank that exited, fails it (Ray Serve then replaces this replica)."""
         if not self.server.loop.healthy():
             raise RuntimeError("the engine stopped")
+        if self.others_alive is not None and not self.others_alive():
+            raise RuntimeError("a tensor-parallel rank exited")
 
     def replica_metrics(self) -> tuple[str, bytes]:
         """This replica's id and its /metrics page (called on every replica by a broadcast)."""

@@ -4,8 +4,9 @@ With Ray (``pip install "bole[ray]"``; skipped without it): two replicas of the 
 answer 64 concurrent greedy requests, half streamed, with the output of one engine, and both
 served some; /metrics sums the replicas (``?by=replica``: each apart); a replica killed mid-run
 costs at most the requests it was running (--max-batch), every request that waited at the proxy
-finishes, Ray starts a new replica; SIGTERM stops every process. Without Ray: the metrics merge, the one-line
-errors (Ray missing, --replicas 0, --replicas with --tp)."""
+finishes, Ray starts a new replica; SIGTERM stops every process; replicas of two tensor-parallel
+ranks (gloo) answer as one engine; the Python deployment serves. Without Ray: the metrics merge
+and the one-line errors (Ray missing, --replicas 0, --replica-cpus 0)."""
 
 from __future__ import annotations
 
@@ -98,7 +99,6 @@ def test_without_ray_replicas_is_a_one_line_error_naming_the_extra(monkeypatch, 
 @pytest.mark.parametrize("flags, says", [
     (["--replicas", "0"], "--replicas must be >= 1, got 0"),
     (["--replicas", "2", "--replica-cpus", "0"], "--replica-cpus must be >= 1, got 0"),
-    (["--replicas", "2", "--tp", "2"], "--replicas with --tp is not supported yet"),
 ])
 def test_bad_replica_flags_are_usage_errors(flags, says, capsys):
     from bole.cli import main
@@ -232,6 +232,26 @@ def test_a_killed_replica_loses_only_the_requests_it_was_running(tmp_path, expec
             assert time.time() < deadline, f"no new replica: {pids}"
             time.sleep(1.0)
         assert _complete(served.url, prompts[0], True)["ids"] == want_ids[0]
+    assert served.returncode == 0, served.output
+    assert not served.left, f"processes left behind after SIGTERM: {served.left}"
+
+
+@ray_only
+def test_replicas_of_two_tensor_parallel_ranks(tmp_path, expected):
+    """--replicas 2 --tp 2: two replicas, each rank 0 of two gloo ranks (its follower spawned
+    in it); 8 concurrent greedy requests, half streamed, equal one engine's output."""
+    prompts, want_ids, want_texts = expected
+    jobs = [(i % len(prompts), i % 2 == 0) for i in range(8)]
+    with Served(tmp_path, "--replicas", "2", "--tp", "2", timeout=240) as served:
+        replicas = _replica_pids(served.proc.pid)
+        assert len(replicas) == 2
+        assert all(children(pid) for pid in replicas), "a replica without its follower rank"
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(lambda j: _complete(served.url, prompts[j[0]], j[1]), jobs))
+        for (p, stream), r in zip(jobs, results):
+            assert r["status"] == 200 and r["done"] and r["error"] is None, r
+            assert (r["ids"] if stream else r["text"]) == \
+                (want_ids[p] if stream else want_texts[p])
     assert served.returncode == 0, served.output
     assert not served.left, f"processes left behind after SIGTERM: {served.left}"
 

@@ -34,7 +34,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path
 from bench.harness import save_png  # noqa: E402
 
 from bole.engine.calibrate import captured_ms  # noqa: E402
-from bole.ops.attention import _tile, default_num_splits, tree_attention  # noqa: E402
+from bole.ops.attention.kernel import _tile, default_num_splits, tree_attention  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -100,33 +100,9 @@ def _check_int_tensor(name: str, x, shape: tuple[int, ...], device) -> None:
         raise ValueError(f"{name} is on {x.device} but state_pool is on {device}")
 
 
-def commit_factored_triton(
-    factors: TreeFactors, state_pool: torch.Tensor, state_indices: torch.Tensor,
-    path_index: torch.Tensor, path_lengths: torch.Tensor, *,
-    block_k: int | None = None, block_v: int | None = None,
-    num_warps: int = 4, num_stages: int = 3, check_values: bool = False,
-) -> torch.Tensor:
-    """Commit the accepted paths of every layer, request and head in one launch, in place.
-
-    Args:
-        factors: :class:`TreeFactors` stacked over layers (``log_decay [Ly, N, H_v]``,
-            ``k [Ly, N, H_k, d_k]``, ``u [Ly, N, H_v, d_v]``, optional ``k_inv_norm [Ly, N, H_k]``),
-            or one layer without the leading dim. ``k`` may be fp16/bf16/fp32; math is fp32.
-        state_pool: fp32 ``[Ly, S, H_v, d_k, d_v]`` (or ``[S, H_v, d_k, d_v]`` for one layer),
-            contiguous in its last three dims. Slot ``state_indices[r]`` holds request r's S_pre
-            and receives S_new; other slots are untouched.
-        state_indices: ``[R]`` distinct pool slots; a negative slot skips the request.
-        path_index: ``[R, P]`` packed node indices of each accepted path, root first, padded
-            (entries past ``path_lengths[r]`` are ignored); see ``PackedForest.padded_paths``.
-        path_lengths: ``[R]``; 0 skips the request (nothing written).
-        block_k, block_v, num_warps, num_stages: launch configuration: ``block_v`` state columns
-            per program, streamed ``block_k`` rows at a time. The whole path is one ``tl.dot``
-            operand (``max(16, next_pow2(P))`` rows). The defaults (16, 64, 4 warps, 3 stages)
-            were the fastest of 56 launches at every batch on the H200 (bench/NOTES.md, Commit).
-        check_values: also check index ranges and distinct slots (syncs with the device).
-
-    Returns ``state_pool``.
-    """
+def _stacked(factors: TreeFactors, state_pool: torch.Tensor):
+    """``(log_decay, k, u, k_inv_norm, pool, single)`` with a leading layer dim (one layer's
+    factors and pool gain one; ``single`` says so)."""
     if not isinstance(factors, TreeFactors):
         raise TypeError(f"factors must be TreeFactors, got {type(factors).__name__}")
     if not isinstance(state_pool, torch.Tensor):
@@ -149,6 +125,12 @@ def commit_factored_triton(
                 f"stacked factors need a pool [Ly, S, H_v, d_k, d_v], got shape "
                 f"{tuple(state_pool.shape)}")
         pool = state_pool
+    return L, k, u, k_inv, pool, single
+
+
+def _checked_shapes(factors: TreeFactors, state_pool: torch.Tensor, L, k, u, k_inv, pool,
+                    single: bool) -> tuple[int, int, int, int, int, int]:
+    """The stacked factors and pool checked against each other: ``(Ly, N, H_v, H_k, d_k, d_v)``."""
     Ly, N, H_v = L.shape
     if k.dim() != 4 or k.shape[:2] != (Ly, N):
         raise ValueError(f"factors.k has shape {tuple(factors.k.shape)}, expected [.., {N}, H_k, d_k]")
@@ -178,6 +160,14 @@ def commit_factored_triton(
                 raise TypeError(f"factors.{name} must be floating point, got {x.dtype}")
             if x.device != pool.device:
                 raise ValueError(f"factors.{name} is on {x.device} but state_pool is on {pool.device}")
+    return Ly, N, H_v, H_k, d_k, d_v
+
+
+def _checked_paths(state_indices: torch.Tensor, path_index: torch.Tensor,
+                   path_lengths: torch.Tensor, pool: torch.Tensor, N: int,
+                   check_values: bool) -> tuple[int, int]:
+    """The slots and accepted paths checked (their values too when ``check_values``):
+    ``(R, P)``."""
     if not isinstance(state_indices, torch.Tensor) or state_indices.dim() != 1:
         raise ValueError("state_indices must be a 1-D integer tensor [R]")
     R = state_indices.shape[0]
@@ -199,6 +189,39 @@ def commit_factored_triton(
         live = torch.arange(P, device=pool.device)[None, :] < path_lengths[:, None]
         if bool(((path_index < 0) | (path_index >= N))[live].any()):
             raise ValueError(f"path_index holds node indices outside 0..{N - 1}")
+    return R, P
+
+
+def commit_factored_triton(
+    factors: TreeFactors, state_pool: torch.Tensor, state_indices: torch.Tensor,
+    path_index: torch.Tensor, path_lengths: torch.Tensor, *,
+    block_k: int | None = None, block_v: int | None = None,
+    num_warps: int = 4, num_stages: int = 3, check_values: bool = False,
+) -> torch.Tensor:
+    """Commit the accepted paths of every layer, request and head in one launch, in place.
+
+    Args:
+        factors: :class:`TreeFactors` stacked over layers (``log_decay [Ly, N, H_v]``,
+            ``k [Ly, N, H_k, d_k]``, ``u [Ly, N, H_v, d_v]``, optional ``k_inv_norm [Ly, N, H_k]``),
+            or one layer without the leading dim. ``k`` may be fp16/bf16/fp32; math is fp32.
+        state_pool: fp32 ``[Ly, S, H_v, d_k, d_v]`` (or ``[S, H_v, d_k, d_v]`` for one layer),
+            contiguous in its last three dims. Slot ``state_indices[r]`` holds request r's S_pre
+            and receives S_new; other slots are untouched.
+        state_indices: ``[R]`` distinct pool slots; a negative slot skips the request.
+        path_index: ``[R, P]`` packed node indices of each accepted path, root first, padded
+            (entries past ``path_lengths[r]`` are ignored); see ``PackedForest.padded_paths``.
+        path_lengths: ``[R]``; 0 skips the request (nothing written).
+        block_k, block_v, num_warps, num_stages: launch configuration: ``block_v`` state columns
+            per program, streamed ``block_k`` rows at a time. The whole path is one ``tl.dot``
+            operand (``max(16, next_pow2(P))`` rows). The defaults (16, 64, 4 warps, 3 stages)
+            were the fastest of 56 launches at every batch on the H200 (bench/NOTES.md, Commit).
+        check_values: also check index ranges and distinct slots (syncs with the device).
+
+    Returns ``state_pool``.
+    """
+    L, k, u, k_inv, pool, single = _stacked(factors, state_pool)
+    Ly, N, H_v, H_k, d_k, d_v = _checked_shapes(factors, state_pool, L, k, u, k_inv, pool, single)
+    R, P = _checked_paths(state_indices, path_index, path_lengths, pool, N, check_values)
     if R == 0 or P == 0:
         return state_pool
     BK = block_k or 16

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from bole.ops.gdn.closed_form import NEUMANN_MAX_DEPTH_FP32, TreeFactors
-from bole.ops.gdn.common import check_gdn_tensors
+from bole.ops.gdn.closed_form import TreeFactors
+from bole.ops.gdn.verify.arguments import checked_arguments
 from bole.ops.gdn.verify.blocks import (
     _dot, _gates, _load_ancestors, _load_dk_tiles, _load_gate_columns, _neumann, _output,
     _pad_tail, _state_products, _store_node_factors, _store_o_u, _stream_dk, _stream_state,
@@ -47,7 +47,7 @@ from bole.ops.gdn.verify.configs import (  # noqa: F401  (re-exported: the kerne
     CONFIG_TABLE, F16_SWEEP_MAX_DEPTH, INTERPRET_CONFIG, MIN_PROGRAMS, NARROW_TILE, ONE_WAVE,
     ONE_WAVE_PROGRAMS, PRECISIONS, WAVE_SLOTS, WHOLE_HEAD_COST, VerifyConfig,
     _refuse_known_miscompile, _whole_head_pays, device_sms, kernel_switches, pick_config)
-from bole.ops.triton_utils import check_kernel_device, check_same_device, interpreting
+from bole.ops.triton_utils import interpreting
 from bole.tree import ForestMeta
 
 try:                                    # in Triton 3.6 and 3.9; a Triton without it never raises it
@@ -65,8 +65,6 @@ __all__ = [
     "VerifyConfig", "CONFIG_TABLE", "NARROW_TILE", "INTERPRET_CONFIG", "PRECISIONS", "pick_config",
     "kernel_switches", "tree_gdn_verify_triton",
 ]
-
-KERNEL_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _interpreting() -> bool:
@@ -296,6 +294,62 @@ def _checked_factors_out(f: TreeFactors, N: int, H_k: int, H_v: int, d_v: int, d
     return f.u, f.log_decay, (f.k_inv_norm if l2norm else None)
 
 
+def _factors(factors_out: TreeFactors | None, N: int, H_k: int, H_v: int, d_v: int, device,
+             l2norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Where the kernel writes ``u [N, H_v, d_v]`` fp32, ``log_decay [N, H_v]`` fp64 and
+    ``k_inv_norm [N, H_k]`` fp32 (None without the in-kernel l2 norm): ``factors_out``'s tensors,
+    checked, or new ones."""
+    if factors_out is not None:
+        return _checked_factors_out(factors_out, N, H_k, H_v, d_v, device, l2norm)
+    u = torch.empty(N, H_v, d_v, dtype=torch.float32, device=device)
+    log_decay = torch.empty(N, H_v, dtype=torch.float64, device=device)
+    k_inv_norm = torch.empty(N, H_k, dtype=torch.float32, device=device) if l2norm else None
+    return u, log_decay, k_inv_norm
+
+
+def _gate_inputs(g, beta, a, b, A_log, dt_bias, N: int, H_v: int):
+    """The kernel's gate inputs ``[N, H_v]``: ``(g, beta)``, or the raw ``(a, b)`` with
+    ``A_log``, ``dt_bias`` (contiguous) when ``g`` is None (then the kernel computes the gates)."""
+    raw_gates = g is None
+    gate1, gate2 = (a, b) if raw_gates else (g, beta)
+    gate1 = gate1.reshape(N, H_v)
+    gate2 = gate2.reshape(N, H_v)
+    if raw_gates:
+        return gate1, gate2, A_log.contiguous(), dt_bias.contiguous()
+    return gate1, gate2, gate1, gate1             # A_log, dt_bias never read
+
+
+def _switches(config: VerifyConfig, dtype: torch.dtype, precision: str, raw_gates: bool,
+              l2norm: bool, meta: ForestMeta, d_k: int, d_v: int) -> tuple[dict, int]:
+    """The kernel's compile-time switches for ``config`` (refusing a known miscompile), and its
+    value tiles per head."""
+    switches = kernel_switches(config, dtype=dtype, precision=precision, raw_gates=raw_gates,
+                               l2norm=l2norm, max_depth=int(meta.max_depth),
+                               interpret=_interpreting(), d_k=d_k)
+    _refuse_known_miscompile(config, switches, meta.block_nodes, dtype, precision)
+    value_tiles = 1 if switches["WHOLE_HEAD"] else triton.cdiv(d_v, config.BV)
+    return switches, value_tiles
+
+
+def _compile_error(exc: Exception, config: VerifyConfig, BT: int) -> Exception:
+    """What a failed compile of ``config`` at ``BT`` node slots says to the caller (a ptxas
+    error under a register cap, or a configuration that does not fit the GPU)."""
+    if isinstance(exc, PTXASError):
+        # e.g. Triton 3.6 at BT = 256: one wgmma's accumulator alone needs ~154 registers
+        said = next((ln.strip() for ln in str(exc).splitlines() if "ptxas fatal" in ln),
+                    "no reason given")
+        return ValueError(
+            f"ptxas could not compile the verification kernel for {config} at "
+            f"block_nodes={BT} under maxnreg={config.maxnreg}; raise maxnreg or leave it "
+            f"None (ptxas: {said[:240]})")
+    # raised before the launch: the outputs are new and the pool is only read
+    return ValueError(
+        f"the verification kernel for {config} does not fit this GPU at "
+        f"block_nodes={BT} ({exc}); use fewer num_stages, a smaller BV or BK, "
+        f"split_gram=True for trees over 128 nodes, or config=None for pick_config's "
+        f"choice")
+
+
 def tree_gdn_verify_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ForestMeta, *,
     g=None, beta=None, a=None, b=None, A_log=None, dt_bias=None,
@@ -334,111 +388,26 @@ def tree_gdn_verify_triton(
     Padding nodes get ``o = 0``, ``u = 0``, ``log_decay = 0``; their ``k_inv_norm`` is the true
     inverse norm of their keys, so ``factors.keys()`` is the normalised keys on every row.
     """
-    if not isinstance(meta, ForestMeta):
-        raise TypeError(f"meta must be a ForestMeta (PackedForest.kernel_meta), got {type(meta).__name__}")
-    if precision is None:
-        precision = "tf32" if getattr(q, "dtype", None) in (torch.float16, torch.bfloat16) else "ieee"
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if initial_state is None:
-        raise ValueError("initial_state (the state pool [S, H_v, d_k, d_v]) is required")
-    if out_dtype is not None and out_dtype not in KERNEL_INPUT_DTYPES:
-        raise TypeError(f"out_dtype must be torch.float16, torch.bfloat16 or torch.float32, got {out_dtype}")
-
-    # raw gates are validated but not computed here: the kernel fuses the gating
-    B, T, H_k, d_k, H_v, d_v, _, _ = check_gdn_tensors(
-        q, k, v, g, beta, a, b, A_log, dt_bias, initial_state, None, check_values,
-        resolve_raw_gates=False)
-    raw_gates = g is None
-    check_kernel_device(q.device, "tree_gdn_verify_triton")
-    if q.dtype not in KERNEL_INPUT_DTYPES:
-        raise TypeError(
-            f"the Triton kernel takes fp16, bf16 or fp32 q/k/v, got {q.dtype}; "
-            "use tree_gdn_closed_form for fp64")
-    if initial_state.dtype != torch.float32:
-        raise TypeError(f"initial_state has dtype {initial_state.dtype}; the Triton kernel reads an fp32 pool")
-    if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (H_v, d_k, d_v):
-        raise ValueError(
-            f"initial_state has shape {tuple(initial_state.shape)}, expected a state pool "
-            f"[S, H_v={H_v}, d_k={d_k}, d_v={d_v}]")
-
-    if int(meta.max_depth) > NEUMANN_MAX_DEPTH_FP32:
-        raise ValueError(
-            f"a tree of depth {meta.max_depth} can overflow the kernel's fp32 Neumann sweeps "
-            f"(their iterates grow like (1 + beta)^depth before they converge); verify trees of "
-            f"depth <= {NEUMANN_MAX_DEPTH_FP32} (split long chains into chunks) or use "
-            f"tree_gdn_closed_form, which solves deeper trees by substitution")
+    precision, (B, T, H_k, d_k, H_v, d_v), state_indices = checked_arguments(
+        q, k, v, meta, g, beta, a, b, A_log, dt_bias, initial_state, state_indices, precision,
+        out_dtype, check_values)
+    raw_gates, l2norm = g is None, bool(use_qk_l2norm_in_kernel)
     N, R, BT = meta.num_nodes, meta.num_requests, meta.block_nodes
-    if B * T != N:
-        raise ValueError(
-            f"inputs carry B*T = {B}*{T} = {B * T} nodes but the forest has {N}; "
-            "pass a packed forest as B=1, T=N")
-    if BT < 16 or BT & (BT - 1) or BT < meta.max_tree_nodes:
-        raise ValueError(
-            f"meta.block_nodes={BT} must be a power of two >= max(16, max_tree_nodes={meta.max_tree_nodes})")
-    if tuple(meta.ancestor_mask.shape) != (N, BT) or meta.ancestor_mask.dtype != torch.uint8:
-        raise ValueError(
-            f"meta.ancestor_mask must be uint8 [N={N}, block_nodes={BT}], got "
-            f"{meta.ancestor_mask.dtype} {tuple(meta.ancestor_mask.shape)}")
-    if tuple(meta.cu_nodes.shape) != (R + 1,) or meta.cu_nodes.dtype != torch.int32:
-        raise ValueError(f"meta.cu_nodes must be int32 [R + 1 = {R + 1}], got "
-                         f"{meta.cu_nodes.dtype} {tuple(meta.cu_nodes.shape)}")
-
-    device = q.device
-    S = initial_state.shape[0]
-    if state_indices is None:
-        if S != R:
-            raise ValueError(
-                f"the state pool has {S} slots but the forest has {R} requests; "
-                "pass state_indices to say which slot each request reads")
-        state_indices = torch.arange(R, dtype=torch.int32, device=device)
-    else:
-        if not isinstance(state_indices, torch.Tensor) or state_indices.dtype not in (torch.int32, torch.int64):
-            raise TypeError("state_indices must be an int32 or int64 tensor")
-        if tuple(state_indices.shape) != (R,):
-            raise ValueError(
-                f"state_indices has shape {tuple(state_indices.shape)}, expected [R={R}], one slot per request")
-        if check_values and R and bool(((state_indices < 0) | (state_indices >= S)).any()):
-            raise ValueError(f"state_indices must lie in [0, {S}) (the pool's slots)")
-    check_same_device(device, v=v, g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
-                  initial_state=initial_state, state_indices=state_indices,
-                  cu_nodes=meta.cu_nodes, ancestor_mask=meta.ancestor_mask)
-
     if config is None:
         config = pick_config(BT, d_k, d_v, R * H_v, interpret=_interpreting())
     config.validate()
     scale = float(d_k ** -0.5 if scale is None else scale)
-
     qf = _rows(q, N, H_k, d_k)
     k_raw = k.reshape(N, H_k, d_k)
     kf = k_raw if k_raw.stride(-1) == 1 or d_k == 1 else k_raw.contiguous()
     vf = _rows(v, N, H_v, d_v)
-    gate1, gate2 = (a, b) if raw_gates else (g, beta)
-    gate1 = gate1.reshape(N, H_v)
-    gate2 = gate2.reshape(N, H_v)
-    if raw_gates:
-        A_log_t, dt_bias_t = A_log.contiguous(), dt_bias.contiguous()
-    else:
-        A_log_t = dt_bias_t = gate1               # never read
-
-    o = torch.empty(v.shape, dtype=v.dtype if out_dtype is None else out_dtype, device=device)
-    if factors_out is None:
-        u = torch.empty(N, H_v, d_v, dtype=torch.float32, device=device)
-        log_decay = torch.empty(N, H_v, dtype=torch.float64, device=device)
-        k_inv_norm = (torch.empty(N, H_k, dtype=torch.float32, device=device)
-                      if use_qk_l2norm_in_kernel else None)
-    else:
-        u, log_decay, k_inv_norm = _checked_factors_out(
-            factors_out, N, H_k, H_v, d_v, device, bool(use_qk_l2norm_in_kernel))
-
+    gate1, gate2, A_log_t, dt_bias_t = _gate_inputs(g, beta, a, b, A_log, dt_bias, N, H_v)
+    o = torch.empty(v.shape, dtype=v.dtype if out_dtype is None else out_dtype, device=q.device)
+    u, log_decay, k_inv_norm = _factors(factors_out, N, H_k, H_v, d_v, q.device, l2norm)
     kinv_arg = k_inv_norm if k_inv_norm is not None else log_decay       # never written then
     if N > 0 and R > 0:
-        switches = kernel_switches(config, dtype=q.dtype, precision=precision,
-                                   raw_gates=raw_gates, l2norm=bool(use_qk_l2norm_in_kernel),
-                                   max_depth=int(meta.max_depth), interpret=_interpreting(),
-                                   d_k=d_k)
-        _refuse_known_miscompile(config, switches, BT, q.dtype, precision)
-        value_tiles = 1 if switches["WHOLE_HEAD"] else triton.cdiv(d_v, config.BV)
+        switches, value_tiles = _switches(config, q.dtype, precision, raw_gates, l2norm, meta,
+                                          d_k, d_v)
         try:
             _tree_gdn_verify_kernel[(value_tiles, R, H_v)](
                 qf, kf, vf, gate1, gate2, A_log_t, dt_bias_t,
@@ -450,26 +419,13 @@ def tree_gdn_verify_triton(
                 *initial_state.stride(),
                 meta.ancestor_mask.stride(0),
                 H_V=H_v, H_K=H_k, GROUP=H_v // H_k, D_K=d_k, D_V=d_v, BT=BT, BK=config.BK,
-                BV=config.BV, RAW_GATES=raw_gates, L2NORM=bool(use_qk_l2norm_in_kernel),
+                BV=config.BV, RAW_GATES=raw_gates, L2NORM=l2norm,
                 PREC=precision, **switches,
                 num_warps=config.num_warps, num_stages=config.num_stages,
                 **({"maxnreg": config.maxnreg} if config.maxnreg and not switches["INTERPRET"]
                    else {}))
-        except PTXASError as exc:
-            if not config.maxnreg:
+        except (PTXASError, OutOfResources) as exc:
+            if isinstance(exc, PTXASError) and not config.maxnreg:
                 raise
-            # e.g. Triton 3.6 at BT = 256: one wgmma's accumulator alone needs ~154 registers
-            said = next((ln.strip() for ln in str(exc).splitlines() if "ptxas fatal" in ln),
-                        "no reason given")
-            raise ValueError(
-                f"ptxas could not compile the verification kernel for {config} at "
-                f"block_nodes={BT} under maxnreg={config.maxnreg}; raise maxnreg or leave it "
-                f"None (ptxas: {said[:240]})") from exc
-        except OutOfResources as exc:
-            # raised before the launch: the outputs are new and the pool is only read
-            raise ValueError(
-                f"the verification kernel for {config} does not fit this GPU at "
-                f"block_nodes={BT} ({exc}); use fewer num_stages, a smaller BV or BK, "
-                f"split_gram=True for trees over 128 nodes, or config=None for pick_config's "
-                f"choice") from exc
+            raise _compile_error(exc, config, BT) from exc
     return o, TreeFactors(log_decay=log_decay, k=k_raw, u=u, k_inv_norm=k_inv_norm)

@@ -1,22 +1,5 @@
-"""Tree attention of a fixed-shape batch over a pooled KV cache, and the pool's writes.
-
-A batch is R requests x Tq query nodes (``N = R * Tq``; request r owns rows ``r*Tq .. r*Tq+Tq-1``,
-some of them padding). Each full-attention layer keeps a pool ``k_pool, v_pool [S, M, Hkv, D]``:
-request r lives in slot ``slots[r]`` with ``ctx_lens[r]`` committed positions, visible to all its
-nodes, followed by a scratch region of ``Tk`` positions holding the new nodes' keys (scratch key j
-at ``ctx_lens[r] + j``). Node n sees scratch key j of its own request iff ``tree_mask[n, j]``.
-
-``slots``, ``ctx_lens`` and ``tree_mask`` are device tensors that are never read on the host, so
-that :func:`write_kv` and :func:`tree_attention` can be captured in a CUDA graph and replayed with
-new values. Callers guarantee ``0 <= slots[r] < S`` and ``0 <= ctx_lens[r] <= M - Tk`` (the engine
-reserves the scratch positions); :func:`tree_attention` clamps lengths into that range so that no
-read leaves the slot, and :func:`write_kv` relies on torch's index bounds check.
-
-Scores are fp32 (``scale * q.k``), GQA query head h reads kv head ``h // (Hq // Hkv)``, and a row
-that sees no key at all yields zeros. The optional ``gate [N, Hq * D]`` (or ``[N, Hq, D]``, any
-row and head strides: a view into the q projection) is the model's sigmoid output gate:
-``(o.to(q.dtype).reshape(N, -1) * sigmoid(gate)).view(N, Hq, D)``.
-"""
+"""Tree attention in Triton (split-context, a merge of the splits' partials), its launch, and
+prefill attention."""
 
 from __future__ import annotations
 
@@ -26,7 +9,12 @@ import triton
 import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
+from bole.ops.attention.checks import _check_gate, _check_pools, _check_query, _check_tree
+from bole.ops.attention.reference import _apply_gate, _tree_attention_torch
 from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index
+
+__all__ = ["LOG2E", "TARGET_PROGRAMS", "MIN_SPLIT_KEYS", "default_num_splits", "tree_attention",
+           "prefill_attention"]
 
 fix_interpreter_scalar_index()          # the kernel loops up to the loaded context length
 
@@ -35,193 +23,7 @@ LOG2E = 1.4426950408889634
 TARGET_PROGRAMS = 128
 #: Fewest committed positions a context split covers, so that a split runs several key blocks.
 MIN_SPLIT_KEYS = 256
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_INDEX = (torch.int32, torch.int64)
 
-
-# ----------------------------------------------------------------------------------------------
-# Input checks (shapes and dtypes only: values live on the device and are never read here)
-
-def _need_tensor(x, name: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-
-
-def _check_pools(k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
-    _need_tensor(k_pool, "k_pool")
-    _need_tensor(v_pool, "v_pool")
-    if k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
-        raise ValueError(f"k_pool and v_pool must both be [S, M, Hkv, D], got shapes "
-                         f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
-    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in _FLOATS:
-        raise TypeError(f"k_pool ({k_pool.dtype}) and v_pool ({v_pool.dtype}) must share one "
-                        f"floating dtype")
-    if k_pool.device != v_pool.device:
-        raise ValueError(f"k_pool is on {k_pool.device} but v_pool on {v_pool.device}")
-
-
-def _check_requests(slots: torch.Tensor, ctx_lens: torch.Tensor, N: int, device) -> int:
-    """Check ``slots, ctx_lens [R]`` against N rows; return R."""
-    for name, x in (("slots", slots), ("ctx_lens", ctx_lens)):
-        _need_tensor(x, name)
-        if x.dim() != 1 or x.numel() == 0:
-            raise ValueError(f"{name} must be a non-empty 1-D tensor [R], got shape {tuple(x.shape)}")
-        if x.dtype not in _INDEX:
-            raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but the pool on {device}")
-    R = slots.shape[0]
-    if ctx_lens.shape[0] != R:
-        raise ValueError(f"slots has {R} requests but ctx_lens {ctx_lens.shape[0]}")
-    if N % R:
-        raise ValueError(f"{N} rows are not a multiple of the {R} requests (N must be R * Tq)")
-    return R
-
-
-def _check_gate(gate: torch.Tensor | None, q: torch.Tensor) -> None:
-    if gate is None:
-        return
-    _need_tensor(gate, "gate")
-    N, Hq, D = q.shape
-    if tuple(gate.shape) not in ((N, Hq * D), (N, Hq, D)):
-        raise ValueError(f"gate must be [N, Hq * D] = {(N, Hq * D)} or [N, Hq, D], got "
-                         f"{tuple(gate.shape)}")
-    if gate.dtype != q.dtype or gate.device != q.device:
-        raise TypeError(f"gate ({gate.dtype}, {gate.device}) must match q ({q.dtype}, {q.device})")
-
-
-def _check_query(q: torch.Tensor, k_pool: torch.Tensor) -> None:
-    _need_tensor(q, "q")
-    if q.dim() != 3:
-        raise ValueError(f"q must be [N, Hq, D], got shape {tuple(q.shape)}")
-    Hkv, D = k_pool.shape[2], k_pool.shape[3]
-    if q.shape[2] != D:
-        raise ValueError(f"q has head dim {q.shape[2]} but the pool {D}")
-    if q.shape[1] % Hkv:
-        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the pool's {Hkv} kv heads")
-    if q.dtype != k_pool.dtype:
-        raise TypeError(f"q ({q.dtype}) and the pool ({k_pool.dtype}) must share one dtype")
-    if q.device != k_pool.device:
-        raise ValueError(f"q is on {q.device} but the pool on {k_pool.device}")
-
-
-def _check_tree(q, k_pool, v_pool, slots, ctx_lens, tree_mask, gate) -> tuple[int, int, int]:
-    """Validate a tree-attention call; return ``(R, Tq, Tk)``."""
-    _check_pools(k_pool, v_pool)
-    _check_query(q, k_pool)
-    R = _check_requests(slots, ctx_lens, q.shape[0], k_pool.device)
-    _need_tensor(tree_mask, "tree_mask")
-    if tree_mask.dtype not in (torch.bool, torch.uint8):
-        raise TypeError(f"tree_mask must be bool or uint8, got {tree_mask.dtype}")
-    if tree_mask.dim() != 2 or tree_mask.shape[0] != q.shape[0]:
-        raise ValueError(f"tree_mask must be [N, Tk] with N = {q.shape[0]}, got {tuple(tree_mask.shape)}")
-    Tk = tree_mask.shape[1]
-    if not 1 <= Tk <= k_pool.shape[1]:
-        raise ValueError(f"tree_mask has {Tk} scratch keys; need 1 <= Tk <= M = {k_pool.shape[1]}")
-    if tree_mask.device != q.device:
-        raise ValueError(f"tree_mask is on {tree_mask.device} but q on {q.device}")
-    _check_gate(gate, q)
-    return R, q.shape[0] // R, Tk
-
-
-def _apply_gate(o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-    """``o [N, Hq, D]`` (already in q's dtype) times ``sigmoid(gate [N, Hq * D])``."""
-    if gate is None:
-        return o
-    gate = gate.reshape(o.shape[0], -1)
-    return (o.reshape(o.shape[0], -1) * torch.sigmoid(gate)).view(o.shape)
-
-
-# ----------------------------------------------------------------------------------------------
-# Pool writes
-
-def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slots: torch.Tensor, ctx_lens: torch.Tensor) -> None:
-    """Write the new nodes' keys and values into their requests' scratch regions, in place.
-
-    ``k, v [N, Hkv, D]`` with ``N = R * Tk``: row ``r * Tk + j`` goes to pool position
-    ``(slots[r], ctx_lens[r] + j)`` of ``k_pool, v_pool [S, M, Hkv, D]``; ``slots, ctx_lens [R]``.
-    One ``index_put_`` per pool (graph-safe). The caller reserves the scratch positions,
-    ``ctx_lens[r] + Tk <= M``; a position past M is never written out of bounds: torch's bounds
-    check raises (IndexError on the CPU, a device-side assert on CUDA).
-    """
-    _check_pools(k_pool, v_pool)
-    for name, x in (("k", k), ("v", v)):
-        _need_tensor(x, name)
-        if x.dim() != 3 or tuple(x.shape[1:]) != tuple(k_pool.shape[2:]):
-            raise ValueError(f"{name} must be [N, Hkv, D] = [N, {k_pool.shape[2]}, {k_pool.shape[3]}], "
-                             f"got {tuple(x.shape)}")
-        if x.dtype != k_pool.dtype or x.device != k_pool.device:
-            raise TypeError(f"{name} ({x.dtype}, {x.device}) must match the pool "
-                            f"({k_pool.dtype}, {k_pool.device})")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
-    R = _check_requests(slots, ctx_lens, k.shape[0], k_pool.device)
-    Tk = k.shape[0] // R
-    pos = ctx_lens.long()[:, None] + torch.arange(Tk, device=k.device)       # [R, Tk]
-    index = (slots.long()[:, None].expand(R, Tk).reshape(-1), pos.reshape(-1))
-    k_pool.index_put_(index, k)
-    v_pool.index_put_(index, v)
-
-
-# ----------------------------------------------------------------------------------------------
-# Torch paths: the vectorised one and the oracle
-
-def _visible(ctx_lens: torch.Tensor, tree_mask: torch.Tensor, R: int, Tq: int, M: int) -> torch.Tensor:
-    """``[R, Tq, M]`` bool: node t of request r sees pool position p of its slot."""
-    Tk = tree_mask.shape[1]
-    ctx = ctx_lens.long().clamp(0, M - Tk)[:, None]                           # [R, 1]
-    pos = torch.arange(M, device=tree_mask.device)[None]                      # [1, M]
-    j = pos - ctx                                                              # scratch index
-    in_scratch = (j >= 0) & (j < Tk)
-    scratch = tree_mask.bool().view(R, Tq, Tk).gather(
-        2, j.clamp(0, Tk - 1)[:, None, :].expand(R, Tq, M))                   # [R, Tq, M]
-    return (pos < ctx)[:, None, :] | (scratch & in_scratch[:, None, :])
-
-
-def _tree_attention_torch(q, k_pool, v_pool, slots, ctx_lens, tree_mask, scale, R, Tq):
-    """One batched fp32 softmax over the R slots' first M positions. Returns ``[N, Hq, D]`` fp32."""
-    N, Hq, D = q.shape
-    M, Hkv = k_pool.shape[1], k_pool.shape[2]
-    G = Hq // Hkv
-    visible = _visible(ctx_lens, tree_mask, R, Tq, M)
-    # index_select of the head-major view copies straight into [R, Hkv, M, D], ready for bmm
-    keys = k_pool.transpose(1, 2).index_select(0, slots.long()).float()       # [R, Hkv, M, D]
-    vals = v_pool.transpose(1, 2).index_select(0, slots.long()).float()
-    qf = q.float().view(R, Tq, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(R, Hkv, Tq * G, D)
-    scores = (qf @ keys.transpose(2, 3)).mul_(scale).view(R, Hkv, Tq, G, M)
-    scores.masked_fill_(~visible[:, None, :, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)   # a row seeing nothing: NaN -> 0
-    o = probs.view(R, Hkv, Tq * G, M) @ vals                                  # [R, Hkv, Tq*G, D]
-    return o.view(R, Hkv, Tq, G, D).permute(0, 2, 1, 3, 4).reshape(N, Hq, D)
-
-
-def tree_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                             slots: torch.Tensor, ctx_lens: torch.Tensor, tree_mask: torch.Tensor,
-                             *, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Slow fp64 oracle of :func:`tree_attention`: a loop over requests and nodes, each node's
-    visible keys gathered explicitly. Shapes as there; returns ``[N, Hq, D]`` in q's dtype."""
-    R, Tq, Tk = _check_tree(q, k_pool, v_pool, slots, ctx_lens, tree_mask, gate)
-    N, Hq, D = q.shape
-    kv_head = torch.arange(Hq) // (Hq // k_pool.shape[2])
-    out = torch.zeros(N, Hq, D, dtype=torch.float64)
-    mask = tree_mask.bool().cpu()
-    for r in range(R):
-        slot, ctx = int(slots[r]), int(ctx_lens[r])
-        for t in range(Tq):
-            n = r * Tq + t
-            pos = list(range(ctx)) + [ctx + j for j in range(Tk) if bool(mask[n, j])]
-            if not pos:
-                continue                                    # nothing visible: zeros
-            keys = k_pool[slot, pos].double().cpu()[:, kv_head]                # [L, Hq, D]
-            vals = v_pool[slot, pos].double().cpu()[:, kv_head]
-            scores = torch.einsum("lhd,hd->hl", keys, q[n].double().cpu()) * scale
-            out[n] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), vals)
-    return _apply_gate(out.to(q.dtype).to(q.device), gate)
-
-
-# ----------------------------------------------------------------------------------------------
-# Triton kernels
 
 @triton.jit
 def _attend_block(acc, m_i, l_i, q, k_base, v_base, pos, key_ok, visible, s_km, s_vm, d, d_ok,
@@ -357,9 +159,6 @@ def _merge_kernel(po_ptr, pml_ptr, gate_ptr, o_ptr, NH, s_gn, s_gh, NUM_SPLITS: 
             HAS_GATE)
 
 
-# ----------------------------------------------------------------------------------------------
-# Launch
-
 def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
@@ -464,9 +263,6 @@ def tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return _tree_attention_triton(q, k_pool, v_pool, slots, ctx_lens, tree_mask, scale, gate,
                                   num_splits, R, Tq, Tk)
 
-
-# ----------------------------------------------------------------------------------------------
-# Prefill
 
 def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slot: int,
                       ctx_len: int, *, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:

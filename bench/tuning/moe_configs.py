@@ -60,7 +60,6 @@ def gemv_grid():
 
 def tune_gemv(c, tokens, dev, bw) -> list[dict]:
     """Best tiles of each matrix-vector kernel per T, and the layer through each path."""
-    import triton
     E, k, H, F = c.num_experts + 1, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
     gen = torch.Generator(device=dev).manual_seed(0)
     w13 = torch.randn(E, 2 * F, H, device=dev, dtype=torch.bfloat16, generator=gen) * H ** -0.5
@@ -85,12 +84,9 @@ def tune_gemv(c, tokens, dev, bw) -> list[dict]:
             if err > 2e-2:
                 print(f"T={T} {cfg}: relative error {err:.2e}, skipped", file=sys.stderr)
                 continue
-            up = graph_ms(lambda: gemv._gate_up_kernel[(T * (k + 1), triton.cdiv(F, bn))](
-                x, w13, flat_ids, h, F, H, x.stride(0), w13.stride(0), w13.stride(1),
-                h.stride(0), TOP_K=k + 1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3))
-            down = graph_ms(lambda: gemv._down_sum_kernel[(T, triton.cdiv(H, bn))](
-                h, w2, flat_ids, flat_w, y, H, F, h.stride(0), w2.stride(0), w2.stride(1),
-                y.stride(0), TOP_K=k + 1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3))
+            up = graph_ms(lambda: gemv.launch_gate_up(x, w13, flat_ids, h, k + 1, bn, bk, w, 3))
+            down = graph_ms(lambda: gemv.launch_down_sum(h, w2, flat_ids, flat_w, y, k + 1, bn,
+                                                         bk, w, 3))
             for name, ms in (("gate_up", up), ("down", down)):
                 if name not in best or ms < best[name][0]:
                     best[name] = (ms, dict(block_n=bn, block_k=bk, num_warps=w))

@@ -23,7 +23,7 @@ import triton.language as tl
 from bole.ops.fp8 import Fp8Weight
 from bole.ops.triton_utils import fix_interpreter_scalar_index
 
-__all__ = ["GemvConfig", "moe_gemv"]
+__all__ = ["GemvConfig", "moe_gemv", "launch_gate_up", "launch_down_sum"]
 
 fix_interpreter_scalar_index()
 
@@ -117,6 +117,31 @@ def _parts(w) -> tuple[torch.Tensor, torch.Tensor, bool, int, int, int, int]:
     return w, w, False, 1, 1, 0, 0
 
 
+def launch_gate_up(x: torch.Tensor, w13, ids: torch.Tensor, h: torch.Tensor, top_k: int,
+                   block_n: int, block_k: int, num_warps: int, num_stages: int) -> None:
+    """The gate/up kernel into ``h [T k, F]`` for flat ``ids [T k]`` (tiles given)."""
+    q13, s13, fp8, qbn, qbk, sse, ssn = _parts(w13)
+    F_, H = q13.shape[1] // 2, x.shape[1]
+    _gate_up_kernel[(h.shape[0], triton.cdiv(F_, block_n))](
+        x, q13, s13, ids, h, F_, H, x.stride(0), q13.stride(0), q13.stride(1), sse, ssn,
+        h.stride(0), TOP_K=top_k, FP8=fp8, QBN=qbn, QBK=qbk, BLOCK_N=block_n,
+        BLOCK_K=min(block_k, qbk) if fp8 else block_k, num_warps=num_warps,
+        num_stages=num_stages)
+
+
+def launch_down_sum(h: torch.Tensor, w2, ids: torch.Tensor, weights: torch.Tensor,
+                    y: torch.Tensor, top_k: int, block_n: int, block_k: int, num_warps: int,
+                    num_stages: int) -> None:
+    """The down-and-sum kernel into ``y [T, H]`` (tiles given)."""
+    q2, s2, fp8, qbn, qbk, sse, ssn = _parts(w2)
+    H, F_ = q2.shape[1], q2.shape[2]
+    _down_sum_kernel[(y.shape[0], triton.cdiv(H, block_n))](
+        h, q2, s2, ids, weights, y, H, F_, h.stride(0), q2.stride(0), q2.stride(1), sse, ssn,
+        y.stride(0), TOP_K=top_k, FP8=fp8, QBN=qbn, QBK=qbk, BLOCK_N=block_n,
+        BLOCK_K=min(block_k, qbk) if fp8 else block_k, num_warps=num_warps,
+        num_stages=num_stages)
+
+
 def moe_gemv(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
              config: GemvConfig | None = None) -> torch.Tensor:
     """The experts' weighted sum per token (module docstring), checked inputs as
@@ -133,16 +158,7 @@ def moe_gemv(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: tor
     y = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
-    q13, s13, fp8, qbn, qbk, sse13, ssn13 = _parts(w13)
-    q2, s2, _, _, _, sse2, ssn2 = _parts(w2)
-    up_k = min(cfg.block_k, qbk) if fp8 else cfg.block_k
-    down_k = min(cfg.down_block_k, qbk) if fp8 else cfg.down_block_k
-    _gate_up_kernel[(T * k, triton.cdiv(F_, cfg.block_n))](
-        x, q13, s13, ids, h, F_, H, x.stride(0), q13.stride(0), q13.stride(1), sse13, ssn13,
-        h.stride(0), TOP_K=k, FP8=fp8, QBN=qbn, QBK=qbk, BLOCK_N=cfg.block_n, BLOCK_K=up_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _down_sum_kernel[(T, triton.cdiv(H, cfg.down_block_n))](
-        h, q2, s2, ids, wts, y, H, F_, h.stride(0), q2.stride(0), q2.stride(1), sse2, ssn2,
-        y.stride(0), TOP_K=k, FP8=fp8, QBN=qbn, QBK=qbk, BLOCK_N=cfg.down_block_n,
-        BLOCK_K=down_k, num_warps=cfg.down_num_warps, num_stages=cfg.num_stages)
+    launch_gate_up(x, w13, ids, h, k, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
+    launch_down_sum(h, w2, ids, wts, y, k, cfg.down_block_n, cfg.down_block_k,
+                    cfg.down_num_warps, cfg.num_stages)
     return y

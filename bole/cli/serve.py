@@ -172,9 +172,25 @@ def _replica_plan(args, folder: Path):
                              access_log=args.access_log)
     if cuda:
         args.device = "cuda"             # a replica sees only its own GPUs, from cuda:0
+    if args.ray_address is not None:
+        _check_reachable(args.ray_address)
     cluster = RayCluster(args.ray_address, num_cpus=max(cores, cpus * args.replicas)
                          if args.ray_address is None else None)
     return options, cluster
+
+
+def _check_reachable(address: str) -> None:
+    """A ``host:port`` --ray-address answers a TCP connection within 5 s (else ray.init retries
+    for minutes, deaf to Ctrl-C)."""
+    import socket
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return                                # "auto", or a ray:// client address
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        raise UsageError(f"--ray-address {address}: no Ray cluster answers there ({exc}); "
+                         "start one with 'ray start --head'") from None
 
 
 def _replica_server(args, folder: Path):
@@ -231,7 +247,10 @@ def serve_replicas(args) -> int:
             "serving on %s without an API key: anyone who can reach this address can use the "
             "model (pass --api-key or set BOLE_API_KEY)", args.host)
     signal.signal(signal.SIGTERM, _interrupt)           # until Ray starts: then its own
-    run_replicas(options, _replica_server, (args, folder), cluster, args.host, args.port)
+    try:
+        run_replicas(options, _replica_server, (args, folder), cluster, args.host, args.port)
+    except ConnectionError as exc:                      # no Ray cluster at --ray-address
+        raise UsageError(f"--ray-address {args.ray_address}: {exc}") from None
     return 0
 
 

@@ -107,6 +107,17 @@ def test_bad_replica_flags_are_usage_errors(flags, says, capsys):
     assert says in err and "Traceback" not in err
 
 
+@ray_only
+def test_a_ray_address_where_nothing_answers_is_a_usage_error(capsys):
+    from bole.cli import main
+    from bole.distributed import free_port
+    address = f"127.0.0.1:{free_port()}"
+    assert main(["serve", "--device", "cpu", "--replicas", "1", "--ray-address", address]) == 2
+    err = capsys.readouterr().err
+    assert f"--ray-address {address}: no Ray cluster answers there" in err
+    assert "Traceback" not in err
+
+
 # ---- with Ray: bole serve --replicas 2 as a process ----
 
 def _prompts(tok) -> list[list[int]]:

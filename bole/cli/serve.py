@@ -238,7 +238,7 @@ def serve_replicas(args) -> int:
     import logging
     import signal
 
-    from bole.server.replicas import serve_replicas as run_replicas
+    from bole.server.replicas import DeployFailed, serve_replicas as run_replicas
     folder = _serve_checks(args)
     options, cluster = _replica_plan(args, folder)
     logging.basicConfig(level=logging.INFO, format="[bole] %(message)s")
@@ -251,6 +251,8 @@ def serve_replicas(args) -> int:
         run_replicas(options, _replica_server, (args, folder), cluster, args.host, args.port)
     except ConnectionError as exc:                      # no Ray cluster at --ray-address
         raise UsageError(f"--ray-address {args.ray_address}: {exc}") from None
+    except DeployFailed as exc:
+        raise UsageError(str(exc)) from None
     return 0
 
 

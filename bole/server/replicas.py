@@ -7,24 +7,25 @@ replica for each: the default power-of-two-choices router, which probes two repl
 the request to the one with fewer requests in flight (the least loaded by queue length). A
 replica takes at most ``max_ongoing_requests`` requests at once (the engine's batch): the rest
 wait at the proxy (up to ``max_queued_requests``, then 503), so that a request reaches a replica
-only when it can start, and a replica that dies holds no request that had not started.
+only when it can join the batch, and a replica that dies takes with it only the requests it was
+running (those waiting at the proxy go to the other replicas).
 
 ``GET /metrics`` answers for every replica (:mod:`bole.server.replica_metrics`: summed, or with
 ``?by=replica`` labelled per replica), gathered by a broadcast to the replicas. Ray Serve checks
-each replica's engine thread (``check_health``) and replaces a replica that failed or died.
+each replica's engine thread and tensor-parallel ranks (``check_health``) and replaces a replica
+that failed or died. :class:`RayCluster` starts a Ray instance of its own or joins a cluster.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 log = logging.getLogger("bole.server")
 
-__all__ = ["RAY_EXTRA", "RayMissing", "ReplicaOptions", "ReplicaServer", "BoleReplica",
+__all__ = ["RAY_EXTRA", "DeployFailed", "RayMissing", "ReplicaOptions", "ReplicaServer", "BoleReplica",
            "RayCluster", "replica_app", "require_ray", "serve_replicas"]
 
 #: how to install what ``--replicas`` needs
@@ -35,6 +36,10 @@ METRICS_TIMEOUT_S = 5.0
 
 class RayMissing(RuntimeError):
     """Ray Serve is not installed."""
+
+
+class DeployFailed(RuntimeError):
+    """The replicas did not start (their errors are in the log, from Ray)."""
 
 
 def require_ray() -> None:
@@ -233,41 +238,62 @@ def _end(processes: list, grace: float = 5.0) -> None:
 def serve_replicas(options: ReplicaOptions, build: Callable[..., Any], build_args: tuple,
                    cluster: RayCluster, host: str, port: int) -> None:
     """Deploy the replicas on ``cluster`` behind Serve's proxy on ``host:port`` and block until
-    SIGINT or SIGTERM; then stop them."""
+    SIGINT or SIGTERM; then stop them. DeployFailed: the replicas did not start."""
     import time
 
     from ray import serve
     app = replica_app(options, build, build_args)
-    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1")
+    handlers = _Signals()
     try:
         cluster.start(host, port)
-        _interrupt_on_sigterm()                 # after ray.init, which installs its own handler
-        serve.run(app, name=options.name, route_prefix="/")
+        handlers.interrupt_on_sigterm()         # after ray.init, which installs its own handler
+        try:
+            serve.run(app, name=options.name, route_prefix="/")
+        except RuntimeError as exc:             # every replica's constructor retry failed
+            raise DeployFailed(f"the replicas did not start: {exc} (the replicas' errors are "
+                               "in the log above)") from None
         log.info("serving %d replicas on http://%s:%d", options.replicas, host, port)
         while True:
             time.sleep(1.0)
     except KeyboardInterrupt:
         pass
     finally:
-        _ignore_signals()                   # a second Ctrl-C must not cut the shutdown short
+        handlers.ignore()                       # a second Ctrl-C must not cut the shutdown short
         log.info("stopping the replicas")
-        cluster.stop(options.name)
+        try:
+            cluster.stop(options.name)
+        finally:
+            handlers.restore()
 
 
-def _interrupt_on_sigterm() -> None:
-    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does (the replicas then stop in order)."""
-    import signal
-    import threading
+class _Signals:
+    """SIGINT's and SIGTERM's handlers while the replicas run (main thread only; elsewhere
+    nothing changes), and those there were before."""
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, interrupt)
+    def __init__(self):
+        import signal
+        import threading
+        self.main = threading.current_thread() is threading.main_thread()
+        self.before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
+    def _set(self, handlers: dict) -> None:
+        import signal
+        if self.main:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
 
-def _ignore_signals() -> None:
-    import signal
-    import threading
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    def interrupt_on_sigterm(self) -> None:
+        """SIGTERM raises KeyboardInterrupt, as Ctrl-C does (the replicas then stop in order)."""
+        import signal
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+        self._set({signal.SIGTERM: interrupt})
+
+    def ignore(self) -> None:
+        import signal
+        self._set({s: signal.SIG_IGN for s in self.before})
+
+    def restore(self) -> None:
+        """The handlers there were (None: one set outside Python, which cannot be put back)."""
+        self._set({s: h for s, h in self.before.items() if h is not None})

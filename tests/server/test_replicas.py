@@ -290,3 +290,23 @@ def test_the_python_deployment_for_a_ray_cluster(expected):
         assert r["status"] == 200 and r["done"] and r["ids"] == want_ids[1], r
     finally:
         cluster.stop("bole")
+
+
+def _broken_build():
+    raise ValueError("no such checkpoint")
+
+
+@ray_only
+def test_replicas_that_cannot_start_are_a_clean_error(capsys):
+    """A replica whose engine cannot be built: Ray Serve retries, then serve_replicas raises
+    DeployFailed (bole serve prints it as one line), and Ray is shut down."""
+    import ray
+
+    from bole.distributed import free_port
+    from bole.server.replicas import (DeployFailed, RayCluster, ReplicaOptions,
+                                      serve_replicas)
+    with pytest.raises(DeployFailed, match="the replicas did not start"):
+        serve_replicas(ReplicaOptions(1), _broken_build, (), RayCluster(num_cpus=2),
+                       "127.0.0.1", free_port())
+    assert not ray.is_initialized()
+    assert "no such checkpoint" in capsys.readouterr().err

@@ -585,19 +585,20 @@ TARGET_REPLICAS_X = 1.7
 
 def replicas_table(data: dict) -> str:
     """The replica counts' records as a markdown table, and the target's verdict."""
-    lines = ["| replicas | output tok/s | x first | p50 TPOT ms | p50 TTFT ms | requests |",
-             "|---|" + "---:|" * 5]
+    lines = ["| replicas | output tok/s | x first | p50 TPOT ms | p50 TTFT ms | requests | "
+             "load avg after |", "|---|" + "---:|" * 6]
     for r in data["records"]:
         name = r["replicas"] or "plain"
         if r.get("output_tokens_per_s") is None:
             lines.append(f"| {name} | failed: {(r['error'] or '').splitlines()[0][:90]} |"
-                         + " |" * 4)
+                         + " |" * 5)
             continue
         s = r["loadgen"]["summary"]
         lines.append(f"| {name} | {r['output_tokens_per_s']:.1f} | {_f(r['x_first'], '.2f')} | "
                      f"{_f((r['tpot_ms'] or {}).get('p50'), '.2f')} | "
                      f"{_f((r['ttft_ms'] or {}).get('p50'), '.1f')} | "
-                     f"{s['completed']}/{s['requests']} |")
+                     f"{s['completed']}/{s['requests']} | "
+                     f"{_f((r.get('loadavg_after') or [None])[0], '.1f')} |")
     t = data["targets"]
     lines += ["", f"target: 2 replicas >= {TARGET_REPLICAS_X}x one replica's output tok/s "
               f"({_f(t['x'], '.2f')}x: {_yes(t['ok'])}) on {data['meta']['device']}"]
@@ -624,6 +625,7 @@ def run_replicas(args: argparse.Namespace) -> int:
     logs = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="bole-serve-"))
     for n in args.replicas:
         records.append(measure(mode, args, prompts, logs / f"serve-replicas-{n}.log", n))
+        records[-1]["loadavg_after"] = os.getloadavg()     # others' work on a shared machine
         first = records[0].get("output_tokens_per_s")
         for r in records:
             tps = r.get("output_tokens_per_s")

@@ -144,3 +144,20 @@ def test_gauges_read_the_scheduler_when_scraped():
     assert _get(empty, "bole_cache_usage_ratio") == 1.0
     text = m.render().decode()
     assert 'vllm:num_requests_waiting{model_name="tiny"} 5.0' in text
+
+
+def test_counters_the_server_feeds_under_both_names():
+    """What the HTTP side and the admission count (responses by route and code, prompt
+    tokens, prefix-cache lookups and hits) reads back under Bole's names and vLLM's."""
+    m = ServerMetrics(SimpleNamespace(num_running=0, num_waiting=0), MODEL)
+    m.http.labels("/v1/completions", "400").inc()
+    m.http.labels("/v1/completions", "200").inc(2)
+    m.prompt_tokens.inc(7)
+    m.prefix_queries.inc(64)
+    m.prefix_hits.inc(48)
+    assert _get(m, "bole_http_responses_total", route="/v1/completions", code="400") == 1
+    assert _get(m, "bole_http_responses_total", route="/v1/completions", code="200") == 2
+    for name, want in (("prompt_tokens", 7), ("prefix_cache_queries", 64),
+                       ("prefix_cache_hits", 48)):
+        assert _get(m, f"bole_{name}_total") == want, name
+        assert _get(m, f"vllm:{name}_total", model_name=MODEL) == want, name

@@ -69,6 +69,14 @@ def test_every_result_file_is_cited():
     assert not uncited, "bench/results files no document cites:\n" + "\n".join(uncited)
 
 
+def test_results_and_docs_stay_within_their_limits():
+    """bench/results holds at most 40 files (runs the README and model cards cite; probes are
+    lines in bench/NOTES.md), the README at most 300 lines, NOTES at most 600."""
+    assert len(list(RESULTS.iterdir())) <= 40, sorted(p.name for p in RESULTS.iterdir())
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+    assert len((ROOT / "bench" / "NOTES.md").read_text().splitlines()) <= 600
+
+
 def test_cited_h200_parts_exist():
     """Every `... h200_runs.sh PART ...` a document quotes is a part the script has."""
     script = (ROOT / "bench" / "h200_runs.sh").read_text()

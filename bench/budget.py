@@ -71,10 +71,11 @@ from bench.harness import save_png, source_commit, versions  # noqa: E402
 
 from bole.engine import SpecConfig  # noqa: E402
 from bole.engine.calibrate import load_or_calibrate  # noqa: E402
+from bole.speculative.budget.acceptance import (  # noqa: E402
+    forget_acceptance, restore_acceptance, saved_acceptance)
+from bole.speculative.budget.profile import verification_budget  # noqa: E402
 from bole.speculative.budget.widths import width_buckets  # noqa: E402
-from bole.speculative.budget.acceptance import (forget_acceptance, restore_acceptance,
-                                                saved_acceptance)
-from bole.speculative.budget.profile import verification_budget
+from bole.speculative.drafters.registry import drafter_info  # noqa: E402
 
 #: the selection prompts' seed past the evaluation prompts' (random prompts)
 SELECTION_SEED = 7919
@@ -166,9 +167,10 @@ def main(argv=None) -> int:
     paths = []
     for name in args.models:
         model, given, drafter, _ = load(name, args.device, dtype)
-        acceptance = args.profile if drafter == "replay" else None
+        replays = drafter_info(drafter).replays_continuation
+        acceptance = args.profile if replays else None
         base = SpecConfig("bole", drafter, args.depth, args.topk, args.budget, acceptance,
-                          draft_vocab=args.draft_vocab, forced_acceptance=drafter == "replay")
+                          draft_vocab=args.draft_vocab, forced_acceptance=replays)
         profile = load_or_calibrate(model, base, max(args.batches))
         records = []
         for batch in args.batches:
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
             def baseline(prompts, what):
                 ar = fitted(run(model, SpecConfig("ar"), prompts, args.max_tokens, None,
                                 args.device, slots=batch), f"ar at batch {batch} ({what})")
-                return ar, (ar.pop("outputs") if drafter == "replay" else None)
+                return ar, (ar.pop("outputs") if replays else None)
             ar, cont = baseline(evaluation, "evaluation prompts")
             sets = {"evaluation": (evaluation, ar, cont)}
             if {"oracle", "goodput-warm"} & set(args.policies) and selection is not evaluation:

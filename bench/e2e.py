@@ -62,6 +62,8 @@ from bole.engine.calibrate import load_or_calibrate  # noqa: E402
 from bole.models.config import HybridConfig  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
+from bole.speculative.budget.registry import policy_info  # noqa: E402
+from bole.speculative.drafters.registry import drafter_info  # noqa: E402
 from bench.harness import save_png, source_commit, versions  # noqa: E402
 
 
@@ -403,8 +405,9 @@ def study(args, tp=None) -> Path | None:
     records, confirmations, profiles = [], [], {}
     for name in args.models:
         model, given, drafter, _ = load(name, device, dtype, tp)
-        profile = args.profile if drafter == "replay" else None
-        forced = drafter == "replay" and not args.unforced
+        replays = drafter_info(drafter).replays_continuation
+        profile = args.profile if replays else None
+        forced = replays and not args.unforced
         best: dict = {}
         for batch in args.batches:
             requests = requests_per_run(args, batch)
@@ -463,11 +466,11 @@ def study(args, tp=None) -> Path | None:
                 spec = SpecConfig("bole", drafter, *tree, profile, draft_vocab=args.draft_vocab,
                                   forced_acceptance=forced, budget_policy=policy,
                                   shared_budget=(batch * (tree[2] - 1) // 2
-                                                 if policy == "global" else 0))
+                                                 if policy_info(policy).shared_budget else 0))
                 if args.policy_tree == "best" and not bole_fits:
                     best[f"bole-{policy}"] = (spec, does_not_fit(unfit, None))
                     continue
-                if policy != "global":
+                if not policy_info(policy).shared_budget:
                     profiles[name] = profile_meta(load_or_calibrate(model, spec,
                                                                     max(args.batches)))
                 best[f"bole-{policy}"] = (spec, go(spec, cont))
@@ -630,8 +633,8 @@ def plot(path: Path) -> Path:
             line, = axes[0, j].plot(*(zip(*pts) if pts else ([], [])), marker="o", label=label)
             axes[1, j].plot([b for b, _ in pts], [t / ar[b] for b, t in pts], marker="o",
                             color=line.get_color(), label=label)
-        source = ("its MTP head" if recs[0]["drafter"] == "mtp"
-                  else f"replay of {recs[0]['profile']}")
+        source = (f"replay of {recs[0]['profile']}"
+                  if drafter_info(recs[0]["drafter"]).replays_continuation else "its MTP head")
         axes[0, j].set_title(f"{name} ({source}): decode tokens/s", fontsize=9)
         axes[1, j].set_title(f"{name}: speed-up over ar", fontsize=9)
         for ax in axes[:, j]:
@@ -640,7 +643,7 @@ def plot(path: Path) -> Path:
         axes[0, j].legend(fontsize=7)
     m = data["meta"]
     title = f"{m['device']}, torch {m['torch']}, {m['date']}"
-    if any(r["drafter"] == "replay" for r in data["records"]):
+    if any(drafter_info(r["drafter"]).replays_continuation for r in data["records"]):
         title += "; " + m["acceptance_note"]
     fig.suptitle(textwrap.fill(title, 70 * len(models)), fontsize=8)
     fig.tight_layout(rect=(0, 0, 1, 0.93))

@@ -31,6 +31,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path
 from bench.e2e import load, prompts_for  # noqa: E402
 
 from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.speculative.drafters.registry import drafter_info  # noqa: E402
 
 PHASES = ("draft", "verify", "accept")
 
@@ -108,13 +109,14 @@ def main(argv=None) -> int:
     prompts = prompts_for(model, given, args.batch, args.context, seed=args.batch)
     max_len = args.context + args.max_tokens + budget + depth + 2
     result = {}
+    replays = drafter_info(drafter).replays_continuation
     for spec in (SpecConfig("ar"),
                  SpecConfig("bole", drafter, depth, topk, budget,
-                            "qwen3-next-mtp" if drafter == "replay" else None,
-                            draft_vocab=args.draft_vocab, forced_acceptance=drafter == "replay")):
+                            "qwen3-next-mtp" if replays else None,
+                            draft_vocab=args.draft_vocab, forced_acceptance=replays)):
         engine = Engine(model, spec, max_slots=args.batch, max_len=max_len)
         cont = None
-        if drafter == "replay" and spec.mode != "ar":
+        if replays and spec.mode != "ar":
             cont = result["continuations"]
         live = LiveProfiler(engine.rounds.graphs, args.batch, args.skip)
         res = engine.generate(prompts, GenerationParams(max_tokens=args.max_tokens), seed=0,

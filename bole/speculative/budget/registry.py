@@ -27,6 +27,7 @@ class PolicyInfo:
     takes_eps:       the profile's tolerance ``budget_eps`` applies to it.
     host_timed:      it decides each round from this host's own timings, which tensor-parallel
                      ranks must not do apart.
+    shared_budget:   it verifies ``SpecConfig.shared_budget`` draft nodes a round.
     """
 
     cls: type[PolicyBase]
@@ -34,6 +35,7 @@ class PolicyInfo:
     needs_profile: bool = False
     takes_eps: bool = False
     host_timed: bool = False
+    shared_budget: bool = False
 
     @property
     def name(self) -> str:
@@ -43,7 +45,7 @@ class PolicyInfo:
 #: every policy, in the order the command line lists them
 POLICY_INFO: dict[str, PolicyInfo] = {info.name: info for info in (
     PolicyInfo(FixedPolicy, "every request its tree"),
-    PolicyInfo(GlobalPolicy, "the batch's best --shared-budget draft nodes"),
+    PolicyInfo(GlobalPolicy, "the batch's best --shared-budget draft nodes", shared_budget=True),
     PolicyInfo(CalibratedPolicy, "the budget of this GPU's calibration profile (bole calibrate)",
                needs_profile=True, takes_eps=True),
     PolicyInfo(GoodputPolicy, "the budget with the most expected tokens per ms, plain decoding "

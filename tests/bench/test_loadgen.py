@@ -32,7 +32,6 @@ from bole.bench.loadgen import (LoadgenError, Prompt, load_prompts, poisson_arri
 from bole.cli.parser import add_bench_serve  # noqa: E402
 
 TTFT, ITL = 0.12, 0.04        # the fake server's delays: first delta, then per token
-TOL = 0.02                    # timing tolerance, s (loopback, client and server in one process)
 MODEL = "fake/tiny-model"
 
 
@@ -148,25 +147,35 @@ def _cli(argv: list[str]) -> int:
 
 
 def test_latencies_match_the_servers_delays(fake):
+    """Latencies against the fake server's delays. The server sleeps TTFT before the first
+    delta and ITL before each next one, so every latency has a floor whatever the load; the
+    summary's figures are checked against the per-request values they summarize (no upper
+    bound on a wall-clock time: a loaded machine delays the client arbitrarily)."""
     state, url = fake
     report = run_load(url, ["a", "b"], num_requests=4, concurrency=2, max_tokens=6)
     s = report.summary
     assert (s["requests"], s["completed"], s["errors"], s["output_tokens"]) == (4, 4, 0, 24)
     assert report.meta["model"] == MODEL and report.meta["mode"] == "bole"
+    eps = 1e-3                                          # clocks of one process, rounding
     for r in report.results:
         assert r.ok and r.output_tokens == 6 and r.finish_reason == "length"
-        assert TTFT <= r.ttft_s < TTFT + 3 * TOL
-        assert r.tpot_s == pytest.approx(ITL, abs=TOL)
-        assert len(r.itl_s) == 5 and np.median(r.itl_s) == pytest.approx(ITL, abs=TOL)
-        assert r.e2e_s == pytest.approx(TTFT + 5 * ITL, abs=3 * TOL)
-    assert s["ttft_ms"]["p50"] == pytest.approx(1e3 * TTFT, abs=1e3 * TOL)
-    assert s["tpot_ms"]["p50"] == pytest.approx(1e3 * ITL, abs=1e3 * TOL)
-    assert s["itl_ms"]["p50"] == pytest.approx(1e3 * ITL, abs=1e3 * TOL)
+        assert r.ttft_s >= TTFT - eps
+        assert r.e2e_s >= TTFT + 5 * ITL - eps
+        assert len(r.itl_s) == 5 and sum(r.itl_s) == pytest.approx(r.e2e_s - r.ttft_s, abs=eps)
+        assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / 5, abs=eps)
+    ttft = [1e3 * r.ttft_s for r in report.results]
+    tpot = [1e3 * r.tpot_s for r in report.results]
+    itl = [1e3 * g for r in report.results for g in r.itl_s]
+    assert s["ttft_ms"]["p50"] == pytest.approx(float(np.percentile(ttft, 50)), rel=1e-6)
+    assert s["tpot_ms"]["p50"] == pytest.approx(float(np.percentile(tpot, 50)), rel=1e-6)
+    assert s["itl_ms"]["p50"] == pytest.approx(float(np.percentile(itl, 50)), rel=1e-6)
     assert s["itl_ms"]["n"] == 20 and s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"]
-    assert s["goodput_requests"] == 4                  # TPOT 40 ms <= the default 100 ms SLO
-    assert loadgen.summarize(report.results, s["elapsed_s"], 10.0)["goodput_requests"] == 0
-    strict_ttft = loadgen.summarize(report.results, s["elapsed_s"], 100.0, 1e3 * TTFT / 2)
-    assert strict_ttft["goodput_requests"] == 0
+    for slo_ms in (10.0, 100.0, max(tpot)):             # goodput counts TPOT within the SLO
+        want = sum(t <= slo_ms for t in tpot)
+        assert loadgen.summarize(report.results, s["elapsed_s"], slo_ms)["goodput_requests"] \
+            == want
+    strict_ttft = loadgen.summarize(report.results, s["elapsed_s"], 1e9, 1e3 * TTFT / 2)
+    assert strict_ttft["goodput_requests"] == 0         # every TTFT is at least the server's
     assert s["requests_per_s"] == pytest.approx(4 / s["elapsed_s"])
 
 
@@ -177,20 +186,30 @@ def test_tokens_per_delta_from_chunks_tokenizer_or_deltas(fake):
     state.per_delta, state.token_ids = 2, True
     r = run_load(url, ["a"], num_requests=2, concurrency=2, max_tokens=8).results[0]
     assert (r.count_source, r.output_tokens, len(r.itl_s)) == ("chunk", 8, 6)
-    assert np.median(r.itl_s) == pytest.approx(ITL, abs=TOL)
-    assert r.tpot_s == pytest.approx(6 * ITL / 7, abs=TOL)
+    _split_evenly(r, per_delta=2, tokens=8)
 
     state.token_ids, state.usage = False, False
     r = run_load(url, ["a"], num_requests=1, max_tokens=8).results[0]
     assert (r.count_source, r.output_tokens, len(r.itl_s)) == ("deltas", 4, 3)
-    assert np.median(r.itl_s) == pytest.approx(2 * ITL, abs=TOL)
+    _split_evenly(r, per_delta=1, tokens=4)
 
     class Words:                                        # a tokenizer: one token per word
         def encode(self, text: str, add_special_tokens: bool = True) -> list[str]:
             return text.split()
     r = run_load(url, ["a"], num_requests=1, max_tokens=8, tokenizer=Words()).results[0]
     assert (r.count_source, r.output_tokens, len(r.itl_s)) == ("tokenizer", 8, 6)
-    assert np.median(r.itl_s) == pytest.approx(ITL, abs=TOL)
+    _split_evenly(r, per_delta=2, tokens=8)
+
+
+def _split_evenly(r, per_delta: int, tokens: int) -> None:
+    """After the first delta, a delta of k tokens gives k equal ITL samples (its gap / k); the
+    samples add up to the time from the first delta to the last, within the stream's time
+    after its first delta, and TPOT is that time over tokens - 1 (relations between the
+    measured times, not wall-clock figures)."""
+    groups = [r.itl_s[i:i + per_delta] for i in range(0, len(r.itl_s), per_delta)]
+    assert all(g == pytest.approx([g[0]] * per_delta, abs=1e-9) for g in groups)
+    assert 0 < sum(r.itl_s) <= r.e2e_s - r.ttft_s + 1e-6
+    assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / (tokens - 1), abs=1e-6)
 
 
 def test_poisson_arrivals_are_seeded_and_followed(fake):
@@ -201,8 +220,9 @@ def test_poisson_arrivals_are_seeded_and_followed(fake):
     report = run_load(url, ["a", "b", "c"], num_requests=8, rate=20.0, seed=3, max_tokens=3)
     assert state.posts == 8 and report.summary["completed"] == 8
     assert report.meta["arrival"] == "poisson"
-    starts = [r.start_s for r in report.results]
-    assert starts == pytest.approx(poisson_arrivals(8, 20.0, seed=3), abs=0.05)
+    starts = sorted(r.start_s for r in report.results)
+    # a request is never sent before its arrival (a loaded machine may send it later)
+    assert all(s >= a - 1e-3 for s, a in zip(starts, poisson_arrivals(8, 20.0, seed=3)))
 
 
 def test_fixed_concurrency_issues_every_request_and_caps_in_flight(fake):

@@ -104,7 +104,10 @@ def test_the_queue_bound_and_a_bad_request_are_refused_here(client: EngineClient
 
 
 def test_an_engine_process_that_dies_ends_its_requests():
-    c = EngineClient(tiny_engine, (1,), startup_timeout=300)
+    """(With the smallest queue there is: one waiting request.)"""
+    with pytest.raises(ValueError, match="max_queue"):
+        EngineClient(tiny_engine, (1,), max_queue=0)
+    c = EngineClient(tiny_engine, (1,), max_queue=1, startup_timeout=300)
     try:
         events = Events()
         h = c.submit(prompts()[0], GenerationParams(max_tokens=60), on_event=events)

@@ -229,7 +229,7 @@ def replica_app(argv: list[str]):
         raise UsageError("replica_app needs --replicas N")
     folder = _serve_checks(args)
     options, _ = _replica_plan(args, folder)
-    return build_app(options, _replica_server, (args, folder))
+    return build_app(options, _replica_server, (args, folder), args.api_key)
 
 
 def serve_replicas(args) -> int:
@@ -248,7 +248,8 @@ def serve_replicas(args) -> int:
             "model (pass --api-key or set BOLE_API_KEY)", args.host)
     signal.signal(signal.SIGTERM, _interrupt)           # until Ray starts: then its own
     try:
-        run_replicas(options, _replica_server, (args, folder), cluster, args.host, args.port)
+        run_replicas(options, _replica_server, (args, folder), cluster, args.host, args.port,
+                     api_key=args.api_key)
     except ConnectionError as exc:                      # no Ray cluster at --ray-address
         raise UsageError(f"--ray-address {args.ray_address}: {exc}") from None
     except DeployFailed as exc:

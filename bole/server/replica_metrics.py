@@ -7,7 +7,8 @@ replicas, the cache-usage shares (``vllm:gpu_cache_usage_perc``, ``bole_cache_us
 averaged (every replica has the same slots, so the mean is the share of all slots in use), and a
 ``*_created`` timestamp is the earliest. The per-replica view (``GET /metrics?by=replica``) keeps
 every replica's samples apart under a ``replica`` label. Both add ``bole_replicas``, the number
-of replicas that answered.
+of replicas that answered. The ingress's page (the HTTP responses it answered, the requests it
+re-sent) is merged in as one more page, not counted as a replica.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ def _combine(family: str, sample: str, values: list[float]) -> float:
     return sum(values)
 
 
-def merge_metrics(pages: Mapping[str, str | bytes], by_replica: bool = False) -> bytes:
+def merge_metrics(pages: Mapping[str, str | bytes], by_replica: bool = False,
+                  extra: Mapping[str, str | bytes] | None = None) -> bytes:
     """The aggregate of ``pages`` (replica id -> its /metrics text), or with ``by_replica`` every
-    replica's samples labelled with its id; in Prometheus' text format."""
+    replica's samples labelled with its id; in Prometheus' text format. ``extra``: pages merged
+    the same way that are not replicas' (the ingress's HTTP counters)."""
     families: dict[str, Metric] = {}
     samples: dict[str, dict[tuple, list[float]]] = {}       # family -> (name, labels) -> values
-    for replica, page in sorted(pages.items()):
+    for replica, page in sorted({**pages, **(extra or {})}.items()):
         text = page.decode() if isinstance(page, bytes) else page
         for fam in text_string_to_metric_families(text):
             families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))

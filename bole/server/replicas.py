@@ -1,14 +1,17 @@
 """Bole engines as Ray Serve replicas (``bole serve --replicas N``; ``pip install "bole[ray]"``).
 
-Each replica is one Ray actor running one engine and the unchanged FastAPI app of
-:func:`bole.server.api.create_app` (every OpenAI route, SSE streaming included), wrapped with
-``@serve.ingress``; Ray Serve's HTTP proxy takes the requests and its request router picks a
-replica for each: the default power-of-two-choices router, which probes two replicas and sends
-the request to the one with fewer requests in flight (the least loaded by queue length). A
-replica takes at most ``max_ongoing_requests`` requests at once (the engine's batch): the rest
-wait at the proxy (up to ``max_queued_requests``, then 503), so that a request reaches a replica
-only when it can join the batch, and a replica that dies takes with it only the requests it was
-running (those waiting at the proxy go to the other replicas).
+Two deployments. The engine deployment (:class:`BoleReplica`): N replicas, each one Ray actor
+running one engine, answering a request as the single ``bole serve`` does (its status and
+headers, then its body or SSE chunks). The ingress deployment
+(:class:`~bole.server.replica_ingress.BoleIngress`) behind Ray Serve's HTTP proxy: the FastAPI app
+with every OpenAI route, the API key and the request validation, forwarding each generation to
+the engines through a ``DeploymentHandle``. The handle's router picks an engine replica for each:
+the default power-of-two-choices router, which probes two replicas and sends the request to the
+one with fewer requests in flight. An engine replica takes at most ``max_ongoing_requests``
+requests at once (the engine's batch): the rest wait at the ingress's handle (up to
+``max_queued_requests``, then 503), so that a request reaches a replica only when it can join
+the batch. A request whose replica dies before its first byte reached the client is sent again
+(:mod:`bole.server.replica_ingress`); a stream that had begun ends with an error event.
 
 ``GET /metrics`` answers for every replica (:mod:`bole.server.replica_metrics`: summed, or with
 ``?by=replica`` labelled per replica), gathered by a broadcast to the replicas. Ray Serve checks
@@ -18,10 +21,11 @@ that failed or died. :class:`RayCluster` starts a Ray instance of its own or joi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 log = logging.getLogger("bole.server")
 
@@ -30,8 +34,10 @@ __all__ = ["RAY_EXTRA", "DeployFailed", "RayMissing", "ReplicaOptions", "Replica
 
 #: how to install what ``--replicas`` needs
 RAY_EXTRA = 'pip install "bole[ray]"'
-#: seconds a /metrics page waits for the replicas' pages
-METRICS_TIMEOUT_S = 5.0
+#: the deployments' names (a replica's process title: ``ray::ServeReplica:APP:DEPLOYMENT``)
+ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT = "engine", "ingress"
+#: requests the ingress takes beyond those the engines can hold or queue (/health, /metrics)
+INGRESS_SPARE = 64
 
 
 class RayMissing(RuntimeError):
@@ -84,12 +90,22 @@ class ReplicaOptions:
 
     def deployment_options(self) -> dict[str, Any]:
         """The keyword arguments of ``serve.deployment``."""
-        return dict(name=self.name, num_replicas=self.replicas,
+        return dict(name=ENGINE_DEPLOYMENT, num_replicas=self.replicas,
                     ray_actor_options={"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
                     max_ongoing_requests=self.max_ongoing_requests,
                     max_queued_requests=self.max_queued_requests,
                     graceful_shutdown_timeout_s=self.shutdown_timeout,
                     health_check_period_s=self.health_check_period_s,
+                    logging_config={"enable_access_log": self.access_log})
+
+    def ingress_options(self) -> dict[str, Any]:
+        """The ingress deployment's: one replica reserving no core (it relays), taking every
+        request (they wait at its handle for an engine replica, up to
+        ``max_queued_requests``)."""
+        return dict(name=INGRESS_DEPLOYMENT, num_replicas=1, ray_actor_options={"num_cpus": 0},
+                    max_ongoing_requests=self.max_queued_requests
+                    + self.replicas * self.max_ongoing_requests + INGRESS_SPARE,
+                    graceful_shutdown_timeout_s=self.shutdown_timeout,
                     logging_config={"enable_access_log": self.access_log})
 
 
@@ -103,9 +119,9 @@ class ReplicaServer:
 
 
 class BoleReplica:
-    """One replica: ``build(*build_args)`` makes its :class:`~bole.server.api.BoleServer`
-    (engine included; or a :class:`ReplicaServer`) in the replica's process; Ray Serve then
-    serves the server's app."""
+    """One engine replica: ``build(*build_args)`` makes its :class:`~bole.server.api.BoleServer`
+    (engine included; or a :class:`ReplicaServer`) in the replica's process; the ingress sends it
+    requests (:meth:`generate`)."""
 
     def __init__(self, build: Callable[..., Any], build_args: tuple = (),
                  num_threads: int | None = None):
@@ -120,21 +136,54 @@ class BoleReplica:
         if not isinstance(built, ReplicaServer):
             built = ReplicaServer(built)
         self.server, self.others_alive = built.server, built.alive
+        self.server.loop.start()
 
-    def __serve_build_asgi_app__(self):
-        """The server's app, its /metrics answering for every replica."""
-        from fastapi.responses import Response
+    async def generate(self, body: bytes, chat: bool) -> AsyncIterator:
+        """One completion or chat request (its JSON ``body``), answered as ``bole serve``
+        answers it: first ``(status, headers)``, then the body (one chunk, or SSE chunks)."""
+        from contextlib import aclosing
 
-        from bole.server.api import create_app
-        app = create_app(self.server)
-        app.router.routes[:] = [r for r in app.router.routes
-                                if getattr(r, "path", None) != "/metrics"]
+        from fastapi.responses import JSONResponse, StreamingResponse
 
-        @app.get("/metrics")
-        async def metrics(by: str = ""):
-            return Response(await self.all_metrics(by == "replica"),
-                            media_type="text/plain; version=0.0.4")
-        return app
+        from bole.server.protocol import ChatCompletionRequest, CompletionRequest
+        from bole.server.responses import respond
+        if self.server.event_loop is None:
+            self.server.event_loop = asyncio.get_running_loop()
+        req = (ChatCompletionRequest if chat else CompletionRequest).model_validate_json(body)
+        res = await respond(self.server, req, _Connected(), chat)
+        if isinstance(res, dict):                   # a whole response's body
+            res = JSONResponse(res)
+        yield res.status_code, [(k.decode("latin-1"), v.decode("latin-1"))
+                                for k, v in res.raw_headers]
+        if isinstance(res, StreamingResponse):
+            async with aclosing(res.body_iterator) as chunks:     # cancelled: slots freed
+                async for chunk in chunks:
+                    yield chunk
+        else:
+            yield res.body
+
+    def health(self) -> tuple[int, dict]:
+        """``GET /health`` of this replica: its status code and body."""
+        from bole.server.protocol import error_body
+        if not self.server.loop.healthy():
+            return 503, error_body("the engine stopped; restart the server", "server_error")
+        return 200, {"status": "ok", "running": self.server.scheduler.num_running,
+                     "waiting": self.server.scheduler.num_waiting}
+
+    def model_card(self) -> dict:
+        """The served model's ``/v1/models`` entry."""
+        spec, server = self.server.info.spec, self.server
+        return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "bole",
+                "max_model_len": server.info.max_len,
+                "bole": {"mode": spec.mode, "drafter": spec.drafter, "depth": spec.depth,
+                         "topk": spec.topk, "budget": spec.budget}}
+
+    def __del__(self):
+        """Ray Serve stops this replica: the engine thread stops."""
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.loop.stop()
+            server.text_pool.shutdown(wait=False, cancel_futures=True)
 
     def check_health(self) -> None:
         """Ray Serve's health check: an engine thread that stopped on an error, or a
@@ -149,32 +198,28 @@ class BoleReplica:
         from ray import serve
         return serve.get_replica_context().replica_id.unique_id, self.server.metrics.render()
 
-    async def all_metrics(self, by_replica: bool) -> bytes:
-        """Every replica's metrics merged (those that answer within METRICS_TIMEOUT_S)."""
-        from ray import serve
 
-        from bole.server.replica_metrics import merge_metrics
-        ctx = serve.get_replica_context()
-        handle = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
-        try:
-            results = await handle.broadcast("replica_metrics").results_async(
-                timeout_s=METRICS_TIMEOUT_S, return_exceptions=True)
-        except TimeoutError:
-            results = []
-        pages = dict(r for r in results if isinstance(r, tuple))
-        if not pages:                                   # at least this replica's own
-            pages = dict([self.replica_metrics()])
-        return merge_metrics(pages, by_replica)
+class _Connected:
+    """The HTTP request :func:`~bole.server.responses.respond` polls for a client gone away:
+    under Ray Serve a client that goes away cancels the call instead."""
+
+    async def is_disconnected(self) -> bool:
+        return False
 
 
-def replica_app(options: ReplicaOptions, build: Callable[..., Any], build_args: tuple = ()):
-    """The Ray Serve application of ``options.replicas`` replicas, each serving
+def replica_app(options: ReplicaOptions, build: Callable[..., Any], build_args: tuple = (),
+                api_key: str | None = None):
+    """The Ray Serve application: the ingress (:class:`~bole.server.replica_ingress.BoleIngress`,
+    checking ``api_key``) in front of ``options.replicas`` engine replicas, each serving
     ``build(*build_args)`` (a :class:`~bole.server.api.BoleServer`); ``serve.run`` it."""
     require_ray()
     from ray import serve
+
+    from bole.server.replica_ingress import BoleIngress
     threads = None if options.num_gpus else max(1, int(options.num_cpus))
-    deployment = serve.deployment(**options.deployment_options())(serve.ingress()(BoleReplica))
-    return deployment.bind(build, build_args, threads)
+    engine = serve.deployment(**options.deployment_options())(BoleReplica)
+    ingress = serve.deployment(**options.ingress_options())(serve.ingress()(BoleIngress))
+    return ingress.bind(engine.bind(build, build_args, threads), api_key)
 
 
 @dataclass
@@ -236,13 +281,13 @@ def _end(processes: list, grace: float = 5.0) -> None:
 
 
 def serve_replicas(options: ReplicaOptions, build: Callable[..., Any], build_args: tuple,
-                   cluster: RayCluster, host: str, port: int) -> None:
+                   cluster: RayCluster, host: str, port: int, api_key: str | None = None) -> None:
     """Deploy the replicas on ``cluster`` behind Serve's proxy on ``host:port`` and block until
     SIGINT or SIGTERM; then stop them. DeployFailed: the replicas did not start."""
     import time
 
     from ray import serve
-    app = replica_app(options, build, build_args)
+    app = replica_app(options, build, build_args, api_key)
     handlers = _Signals()
     try:
         cluster.start(host, port)

@@ -3,8 +3,9 @@
 With Ray (``pip install "bole[ray]"``; skipped without it): two replicas of the bundled model
 answer 64 concurrent greedy requests, half streamed, with the output of one engine, and both
 served some; /metrics sums the replicas (``?by=replica``: each apart); a replica killed mid-run
-costs at most the requests it was running (--max-batch), every request that waited at the proxy
-finishes, Ray starts a new replica; SIGTERM stops every process; replicas of two tensor-parallel
+fails only streams that had begun (every other request is sent again or waits, and finishes with
+one engine's output), Ray starts a new replica; the ingress's re-sending against a stand-in
+handle; SIGTERM stops every process; replicas of two tensor-parallel
 ranks (gloo) answer as one engine; the Python deployment serves. Without Ray: the metrics merge
 and the one-line errors (Ray missing, --replicas 0, --replica-cpus 0)."""
 
@@ -136,10 +137,11 @@ def expected():
 
 def _complete(url: str, prompt: list[int], stream: bool) -> dict:
     """One greedy completion: its status, token ids (streamed) or text, whether it ended with
-    [DONE], and when its response began (monotonic; None: never)."""
+    [DONE], and when its response and its first chunk came (monotonic; None: never)."""
     body = dict(model="bundled", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                 stream=stream)
-    out: dict = dict(started=None, status=None, ids=[], text="", done=False, error=None)
+    out: dict = dict(started=None, first_chunk=None, status=None, ids=[], text="", done=False,
+                     error=None)
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as res:
             out["started"], out["status"] = time.monotonic(), res.status_code
@@ -150,6 +152,8 @@ def _complete(url: str, prompt: list[int], stream: bool) -> dict:
                     out["done"] = True
                 return out
             for line in res.iter_lines():
+                if line.startswith("data: ") and out["first_chunk"] is None:
+                    out["first_chunk"] = time.monotonic()
                 if line == "data: [DONE]":
                     out["done"] = True
                 elif line.startswith("data: {"):
@@ -169,14 +173,14 @@ def _scrape(url: str, by_replica: bool = False) -> dict[tuple, float]:
 
 
 def _replica_pids(server_pid: int) -> set[int]:
-    """The Ray Serve replica processes among the server's descendants."""
+    """The engine replicas' processes among the server's descendants (not the ingress's)."""
     pids = set()
     for pid in children(server_pid):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if "ServeReplica" in cmd and alive(pid):
+        if "ServeReplica" in cmd and ":engine" in cmd and alive(pid):
             pids.add(pid)
     return pids
 
@@ -207,18 +211,20 @@ def test_two_replicas_answer_64_requests_like_one_engine(tmp_path, expected):
 
 
 @ray_only
-def test_a_killed_replica_loses_only_the_requests_it_was_running(tmp_path, expected):
-    """SIGSTOP then SIGKILL one replica mid-run: it held at most --max-batch requests (Ray
-    Serve's max_ongoing_requests), so at most that many fail; every other request, those that
-    waited at the proxy included, finishes with one engine's output; Ray starts a new
-    replica."""
-    prompts, want_ids, _ = expected
+def test_a_killed_replica_loses_only_streams_that_had_begun(tmp_path, expected):
+    """64 greedy requests, one in four streamed, on two replicas; one replica stopped then
+    killed mid-run (SIGSTOP, SIGKILL). Every non-streamed request, and every streamed one that
+    had received no chunk when the replica was killed, finishes with one engine's output: those
+    the dead replica was running are sent again by the ingress. Only streams that had begun may
+    fail, with an error event and no [DONE]. Ray starts a new replica."""
+    prompts, want_ids, want_texts = expected
+    jobs = [(i % len(prompts), i % 4 == 0) for i in range(REQUESTS)]
     with Served(tmp_path, "--replicas", "2", timeout=240) as served:
         victims = sorted(_replica_pids(served.proc.pid))
         assert len(victims) == 2
         with concurrent.futures.ThreadPoolExecutor(REQUESTS) as pool:
-            futures = [pool.submit(_complete, served.url, prompts[i % len(prompts)], True)
-                       for i in range(REQUESTS)]
+            futures = [pool.submit(_complete, served.url, prompts[p], stream)
+                       for p, stream in jobs]
             deadline = time.time() + 120
             while sum(f.done() for f in futures) < 8:         # mid-run: some done, most not
                 assert time.time() < deadline, "no request finished"
@@ -226,14 +232,25 @@ def test_a_killed_replica_loses_only_the_requests_it_was_running(tmp_path, expec
             os.kill(victims[0], signal.SIGSTOP)
             waiting = sum(not f.done() for f in futures)
             time.sleep(1.0)
+            killed = time.monotonic()
             os.kill(victims[0], signal.SIGKILL)
             results = [f.result(timeout=300) for f in futures]
         assert waiting >= 16, "the kill came too late to leave requests waiting"
         failed = {i for i, r in enumerate(results) if not (r["status"] == 200 and r["done"])}
-        assert len(failed) <= BATCH, [results[i] for i in failed]
-        for i, r in enumerate(results):
+        begun = {i for i, ((_, stream), r) in enumerate(zip(jobs, results))
+                 if stream and r["first_chunk"] is not None and r["first_chunk"] < killed}
+        assert failed <= begun, [(jobs[i], results[i]) for i in failed - begun]
+        for i in failed:                        # the stream ended with an error event
+            assert results[i]["error"] is not None and results[i]["ids"], results[i]
+        for i, ((p, stream), r) in enumerate(zip(jobs, results)):
             if i not in failed:
-                assert r["error"] is None and r["ids"] == want_ids[i % len(prompts)], r
+                assert r["error"] is None, r
+                assert (r["ids"] if stream else r["text"]) == \
+                    (want_ids[p] if stream else want_texts[p]), r
+        resent = _scrape(served.url).get(("bole_resent_requests_total", ()), 0)
+        # the killed replica was running requests: each was sent again, or was a stream that
+        # had begun and failed
+        assert resent + len(failed) >= 1, "the killed replica was running no request"
         deadline = time.time() + 180                          # Ray replaces the dead replica
         while True:
             pids = _replica_pids(served.proc.pid)
@@ -243,8 +260,98 @@ def test_a_killed_replica_loses_only_the_requests_it_was_running(tmp_path, expec
             assert time.time() < deadline, f"no new replica: {pids}"
             time.sleep(1.0)
         assert _complete(served.url, prompts[0], True)["ids"] == want_ids[0]
+    print(f"replica killed: {resent:.0f} requests sent again, {len(failed)} begun streams "
+          f"failed, {len(begun)} streams had begun")
     assert served.returncode == 0, served.output
     assert not served.left, f"processes left behind after SIGTERM: {served.left}"
+
+
+class _FakeStream:
+    """A DeploymentResponseGenerator of these items; an exception among them is raised."""
+
+    def __init__(self, items: list):
+        self.items, self.cancelled = list(items), False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _FakeEngine:
+    """The engine deployment's handle: each ``generate`` call answers the next script."""
+
+    def __init__(self, scripts: list[list]):
+        self.scripts, self.calls = scripts, 0
+        self.generate = self
+
+    def options(self, stream: bool = False):
+        return self
+
+    def remote(self, body, chat):
+        self.calls += 1
+        return _FakeStream(self.scripts.pop(0))
+
+
+HEAD = (200, [("content-type", "text/event-stream; charset=utf-8")])
+
+
+@ray_only
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_ingress_resends_a_request_whose_replica_died_before_its_first_byte(monkeypatch,
+                                                                                stream):
+    """A replica that dies before the first body chunk (after its headers, or at once): the
+    request goes again, and the response is the next replica's; after RESENDS deaths, a 503."""
+    import asyncio
+
+    from ray.exceptions import ActorDiedError
+
+    from bole.server import replica_ingress
+    from bole.server.replica_ingress import RESENDS, BoleIngress
+    monkeypatch.setattr(replica_ingress, "RESEND_BACKOFF_S", 0.0)
+
+    async def body_of(res) -> bytes:
+        if not stream:
+            return res.body
+        return b"".join([c.encode() if isinstance(c, str) else c
+                         async for c in res.body_iterator])
+
+    engine = _FakeEngine([[HEAD, ActorDiedError()], [ActorDiedError()], [HEAD, "data: 1\n\n"]])
+    ingress = BoleIngress(engine)
+    res = asyncio.run(ingress.generate(b"{}", stream, chat=False))
+    assert engine.calls == 3 and res.status_code == 200
+    assert asyncio.run(body_of(res)) == b"data: 1\n\n"
+    assert ingress.resent._value.get() == 2
+
+    engine = _FakeEngine([[ActorDiedError()] for _ in range(RESENDS + 1)])
+    res = asyncio.run(BoleIngress(engine).generate(b"{}", stream, chat=False))
+    assert engine.calls == RESENDS + 1 and res.status_code == 503
+
+
+@ray_only
+def test_a_stream_whose_replica_dies_after_its_first_chunk_ends_with_an_error_event():
+    import asyncio
+
+    from ray.exceptions import ActorDiedError
+
+    from bole.server.replica_ingress import BoleIngress
+    engine = _FakeEngine([[HEAD, "data: 1\n\n", ActorDiedError(), "data: [DONE]\n\n"]])
+
+    async def run() -> list[str]:
+        res = await BoleIngress(engine).generate(b"{}", True, chat=False)
+        return [c async for c in res.body_iterator]
+    chunks = asyncio.run(run())
+    assert engine.calls == 1 and chunks[0] == "data: 1\n\n" and len(chunks) == 2
+    assert json.loads(chunks[1][6:])["error"]["type"] == "server_error"
 
 
 @ray_only

@@ -83,6 +83,25 @@ def time_calls(fn_for, copies: int, reps: int) -> float:
     return captured_ms(calls, torch.device("cuda"), reps) / copies
 
 
+def time_grid(run, ref: torch.Tensor, grid, copies: int, reps: int,
+              key: str) -> tuple[list[dict], dict | None]:
+    """Each launch ``cfg`` of ``grid``: ``run(cfg, i)`` on the i-th weight copy, its error
+    relative to ``ref`` (copy 0) and its ms per call; a launch the compiler refuses is kept with
+    its error. Returns the records (the launch under ``key``) and the fastest accurate one."""
+    records = []
+    for cfg in grid:
+        try:
+            y = run(cfg, 0)
+            err = ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            ms = time_calls(lambda i: run(cfg, i), copies, reps)
+        except Exception as e:                       # a launch the compiler refuses
+            records.append({key: vars(cfg), "error": str(e)[:200]})
+            continue
+        records.append({key: vars(cfg), "ms": ms, "rel_err": err})
+    ok = [c for c in records if "ms" in c and c["rel_err"] < 2e-2]
+    return records, min(ok, key=lambda c: c["ms"], default=None)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3.5-9b")
@@ -119,19 +138,10 @@ def main(argv=None) -> int:
             rec = dict(shape=shape["name"], N=N, K=K, count=shape["count"], rows=M,
                        weight_mb=nbytes / 1e6, cublas_ms=cublas,
                        cublas_tb_s=nbytes / cublas / 1e9, floor_ms=nbytes / bw * 1e3,
-                       picked=None, picked_ms=None, configs=[])
-            for cfg in sweep_grid(args.quick):
-                try:
-                    y = linear_triton(x, weights[0], config=cfg)
-                    err = ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-                    ms = time_calls(lambda i: linear_triton(x, weights[i], config=cfg), copies,
-                                    args.reps)
-                except Exception as e:               # a launch the compiler refuses
-                    rec["configs"].append(dict(config=vars(cfg), error=str(e)[:200]))
-                    continue
-                rec["configs"].append(dict(config=vars(cfg), ms=ms, rel_err=err))
-            ok = [c for c in rec["configs"] if "ms" in c and c["rel_err"] < 2e-2]
-            best = min(ok, key=lambda c: c["ms"], default=None)
+                       picked=None, picked_ms=None)
+            rec["configs"], best = time_grid(
+                lambda cfg, i: linear_triton(x, weights[i], config=cfg), ref,
+                sweep_grid(args.quick), copies, args.reps, "config")
             if best:
                 rec.update(best=best["config"], best_ms=best["ms"],
                            best_tb_s=nbytes / best["ms"] / 1e9, vs_cublas=cublas / best["ms"])
@@ -193,21 +203,12 @@ def fp8_sweep(args, dev, bw: float) -> int:
             cublas = time_calls(lambda i: F.linear(x, dense[i % len(dense)]), len(dense),
                                 args.reps)
             rec = dict(shape=shape["name"], N=N, K=K, count=shape["count"], rows=M,
-                       fp8_mb=nbytes / 1e6, cublas_bf16_ms=cublas, floor_ms=nbytes / bw * 1e3,
-                       configs=[])
-            for tiles in fp8_grid(args.quick):
-                try:
-                    y = fp8_linear(x, weights[0], kernel=True, tiles=tiles)
-                    err = ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-                    ms = time_calls(lambda i: fp8_linear(x, weights[i], kernel=True, tiles=tiles),
-                                    copies, args.reps)
-                except Exception as e:               # a launch the compiler refuses
-                    rec["configs"].append(dict(tiles=vars(tiles), error=str(e)[:200]))
-                    continue
-                rec["configs"].append(dict(tiles=vars(tiles), ms=ms, rel_err=err))
-            ok = [c for c in rec["configs"] if "ms" in c and c["rel_err"] < 2e-2]
-            best = min(ok, key=lambda c: c["ms"], default=None)
-            default = next((c for c in ok if c["tiles"] == vars(Fp8Tiles())), None)
+                       fp8_mb=nbytes / 1e6, cublas_bf16_ms=cublas, floor_ms=nbytes / bw * 1e3)
+            rec["configs"], best = time_grid(
+                lambda tiles, i: fp8_linear(x, weights[i], kernel=True, tiles=tiles), ref,
+                fp8_grid(args.quick), copies, args.reps, "tiles")
+            default = next((c for c in rec["configs"] if "ms" in c and c["rel_err"] < 2e-2
+                            and c["tiles"] == vars(Fp8Tiles())), None)
             if best:
                 rec.update(best=best["tiles"], best_ms=best["ms"],
                            best_over_floor=best["ms"] / rec["floor_ms"],

@@ -26,7 +26,6 @@ import torch
 
 from bole.engine.prefix_cache import CachePools, MTPPools, PrefixCache
 from bole.engine.runner import PREFILL_BATCH_MAX, PREFILL_CHUNK_FLA, PREFILL_CHUNK_TREE
-from bole.forest import DenseForest
 from bole.speculative.drafters.mtp import MTPDrafter
 
 __all__ = ["PrefixCacheConfig", "PrefixAdmission", "default_capacity_bytes"]
@@ -106,22 +105,10 @@ class PrefixAdmission:
             r.cached_tokens = 0
             self._insert(list(r.prompt), r.slot,
                          {len(r.prompt) - 1: self._safely(lambda: self.store.states(r.slot))})
-        dev = e.runner.device
-        tokens = torch.tensor([r.prompt[-1] for r in requests], device=dev)
-        slot_t = torch.tensor(slots, dtype=torch.int32, device=dev)
-        batch = e.runner.make_batch(tokens, DenseForest.chain(len(requests), 1, dev), slot_t)
-        out = e.runner.forward(batch)
-        R = len(requests)
-        e.runner.commit(batch, out, torch.zeros(R, 1, dtype=torch.int64, device=dev),
-                        torch.ones(R, dtype=torch.int64, device=dev), kv_in_place=True)
-        e.cache.advance(slots, [1] * R)
-        if self.mtp is not None:
-            start = torch.tensor([len(r.prompt) - 1 for r in requests], device=dev)
-            self.mtp.observe(slot_t, tokens[:, None], out.hidden[:, None], start,
-                             torch.ones(R, dtype=torch.int64, device=dev))
-        if rounds.drafter is not None:          # the host drafters' whole prompts
-            for r in requests:
-                rounds.drafter.start(r.slot, torch.tensor(list(r.prompt)), r.continuation)
+        tokens = torch.tensor([r.prompt[-1] for r in requests])
+        out = e.runner.decode_output(slots, tokens)
+        self._continue_drafters(requests, tokens[:, None], out.hidden[:, None],
+                                [len(r.prompt) - 1 for r in requests])
         return out.logits
 
     def _admit_one(self, r, hit) -> torch.Tensor:
@@ -149,20 +136,29 @@ class PrefixAdmission:
         return last
 
     def _drafters_observe(self, r, h: int, suffix: torch.Tensor, hidden: torch.Tensor) -> None:
-        """The drafters' upkeep of a prefill: the MTP head's rows of the suffix (after a
-        restored prefix, from its restored hidden state), the host drafters' whole prompt."""
-        rounds, slot = self.engine.rounds, r.slot
-        prompt = torch.tensor(list(r.prompt))
+        """The drafters' upkeep of a prefill: as a fresh prompt's, or after a restored prefix
+        as a continuation (:meth:`_continue_drafters`)."""
         if h == 0 or self.mtp is None:
-            rounds.on_prefill([slot], [prompt], [hidden], [r.continuation])
-            return
-        dev = hidden.device
-        self.mtp.observe(torch.tensor([slot], dtype=torch.int32, device=dev),
-                         suffix.to(dev)[None], hidden[None],
-                         torch.tensor([h], dtype=torch.int64, device=dev),
-                         torch.tensor([suffix.numel()], dtype=torch.int64, device=dev))
-        if rounds.drafter is not None:
-            rounds.drafter.start(slot, prompt, r.continuation)
+            self.engine.rounds.on_prefill([r.slot], [torch.tensor(list(r.prompt))], [hidden],
+                                          [r.continuation])
+        else:
+            self._continue_drafters([r], suffix[None], hidden[None], [h])
+
+    def _continue_drafters(self, requests: list, tokens: torch.Tensor, hidden: torch.Tensor,
+                           starts: list[int]) -> None:
+        """Requests whose slots held ``starts[i]`` tokens committed ``tokens [R, P]`` (final-norm
+        ``hidden [R, P, H]``): the MTP head observes them from its restored or earlier hidden
+        state, and the drafters start again from each whole prompt."""
+        dev, R = hidden.device, len(requests)
+        if self.mtp is not None:
+            self.mtp.observe(torch.tensor([r.slot for r in requests], dtype=torch.int32,
+                                          device=dev),
+                             tokens.to(dev), hidden, torch.tensor(starts, device=dev),
+                             torch.full((R,), tokens.shape[1], dtype=torch.int64, device=dev))
+        drafter = self.engine.rounds.drafter
+        if drafter is not None:
+            for r in requests:
+                drafter.start(r.slot, torch.tensor(list(r.prompt)), r.continuation)
 
     def finish(self, r) -> None:
         """A request ends: a checkpoint at its committed length (its prompt and the answer so

@@ -287,6 +287,10 @@ class ModelRunner:
 
     def decode(self, slots: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """One token per slot, committed; returns the logits ``[R, V]``."""
+        return self.decode_output(slots, tokens).logits
+
+    def decode_output(self, slots: list[int], tokens: torch.Tensor) -> ForwardOutput:
+        """:meth:`decode`, returning the whole forward output (logits and hidden states)."""
         slots = self.cache.check_slots(slots)
         self._check_tokens(tokens)
         forest = DenseForest.chain(len(slots), 1, self.device)
@@ -297,4 +301,4 @@ class ModelRunner:
         self.commit(batch, out, torch.zeros(len(slots), 1, dtype=torch.int64,
                                             device=self.device), ones, kv_in_place=True)
         self.cache.advance(slots, [1] * len(slots))
-        return out.logits
+        return out

@@ -58,6 +58,14 @@ def _stack(parts: list) -> torch.Tensor | Fp8Weight:
     return torch.stack(parts)
 
 
+def _append(stacked: torch.Tensor | Fp8Weight, one) -> torch.Tensor | Fp8Weight:
+    """[E + 1, ...]: the E experts of ``stacked`` and then ``one``."""
+    if isinstance(stacked, Fp8Weight):
+        return Fp8Weight(torch.cat([stacked.q, one.q[None]]),
+                         torch.cat([stacked.scale, one.scale[None]]), stacked.block)
+    return torch.cat([stacked, one[None]])
+
+
 def _head(w: torch.Tensor | Fp8Weight, n: int) -> torch.Tensor | Fp8Weight:
     """The first ``n`` experts as a view."""
     return Fp8Weight(w.q[:n], w.scale[:n], w.block) if isinstance(w, Fp8Weight) else w[:n]
@@ -106,18 +114,11 @@ def merge_shared_experts(w: dict) -> None:
             continue                                   # gate / up rows would split a block
         for s in _SHARED:
             del w[p + s]
-        all13 = _stack([*_unstack(w13), _cat_rows(shared[:2])])
-        all2 = _stack([*_unstack(w2), shared[2]])
+        all13, all2 = _append(w13, _cat_rows(shared[:2])), _append(w2, shared[2])
         w[p + ALL_GATE_UP], w[p + ALL_DOWN] = all13, all2
         w[p + FUSED_GATE_UP], w[p + FUSED_DOWN] = _head(all13, E), _head(all2, E)
         router = torch.cat([w[p + "gate.weight"], w.pop(p + "shared_expert_gate.weight")])
         w[p + ROUTER], w[p + "gate.weight"] = router, router[:E]
-
-
-def _unstack(w: torch.Tensor | Fp8Weight) -> list:
-    if isinstance(w, Fp8Weight):
-        return [Fp8Weight(q, s, w.block) for q, s in zip(w.q, w.scale)]
-    return list(w)
 
 
 def expert_weights(w: dict[str, torch.Tensor], p: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.models.weights import SCALE_SUFFIX, fp8_quantized  # noqa: E402
 from bole.ops.fp8 import Fp8Weight, StackedWeight, quantize_blockwise  # noqa: E402
 from tests.models.test_config_and_loader import build  # noqa: E402
-from tests.models.test_moe_models import _add_mtp_head  # noqa: E402
+from tests.models.test_moe_models import _add_mtp_head, verify_logits_by_backend  # noqa: E402
 
 BLOCK = [16, 16]
 QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -172,26 +172,9 @@ def test_fp8_experts_through_the_kernels_equal_the_expert_loop(fp8_checkpoint, m
     """A verify forward of the FP8 MoE checkpoints with the fused kernels (interpreted on the
     CPU; both paths: grouped GEMMs, and the matrix-vector kernels) against the torch loop over
     dequantized experts."""
-    from bole.engine.runner import ModelRunner
-    from bole.ops.moe import GemvConfig, grouped_gemm
-    from bole.tree import DraftTree, PackedForest
     kind, fp8, _ = fp8_checkpoint
     if kind == "qwen3_5_text":
         pytest.skip("dense: no experts")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    logits = {}
-    for backend in ("torch", "triton", "gemv"):
-        if backend == "gemv":
-            tiles = GemvConfig(block_n=8, block_k=16, num_warps=1, num_stages=1,
-                               down_block_n=16, down_block_k=16, down_num_warps=1)
-            monkeypatch.setattr(grouped_gemm, "pick_moe_config", lambda *a: tiles)
-        model = HybridModel.from_pretrained(fp8, dtype=torch.float32, device=device,
-                                            moe_backend="torch" if backend == "torch" else "triton")
-        runner = ModelRunner(model, model.new_cache(1, 64), "torch")
-        slot = runner.cache.allocate(32)
-        runner.prefill(slot, torch.tensor(PROMPTS[0]))
-        forest = PackedForest.pack([DraftTree.full_kary(2, 2)])
-        _, out = runner.verify([slot], forest, torch.arange(forest.num_nodes) % 60)
-        logits[backend] = out.logits.cpu()
+    logits = verify_logits_by_backend(fp8, monkeypatch)
     assert torch.allclose(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
     assert torch.allclose(logits["gemv"], logits["torch"], atol=1e-4, rtol=1e-4)

@@ -152,22 +152,22 @@ def test_greedy_output_equals_transformers_in_all_four_modes(checkpoint, layout,
         assert got == want, (mode, kind, layout, moe_backend)
 
 
-def test_fused_kernels_equal_the_expert_loop_in_a_verify_forward(checkpoint, monkeypatch):
-    """One tree-verify forward through the kernels (interpreted on CPU, compiled on a GPU),
-    the grouped GEMMs and the matrix-vector kernels, against the torch loop."""
+def verify_logits_by_backend(folder, monkeypatch, on_model=None) -> dict:
+    """One tree-verify forward of checkpoint ``folder`` (both PROMPTS prefilled) through the
+    torch loop, the kernels' grouped GEMMs and their matrix-vector path (interpreted on CPU,
+    compiled on a GPU): the logits by backend. ``on_model(model)`` sees each model loaded."""
     from bole.ops.moe import GemvConfig, grouped_gemm
     from bole.tree import DraftTree, PackedForest
-    kind, _, _, fused = checkpoint
     logits = {}
     for backend in ("torch", "triton", "gemv"):
         if backend == "gemv":
             tiles = GemvConfig(block_n=8, block_k=16, num_warps=1, num_stages=1,
                                down_block_n=16, down_block_k=8, down_num_warps=1)
             monkeypatch.setattr(grouped_gemm, "pick_moe_config", lambda *a: tiles)
-        model = HybridModel.from_pretrained(fused, dtype=torch.float32, device=KERNEL_DEVICE,
+        model = HybridModel.from_pretrained(folder, dtype=torch.float32, device=KERNEL_DEVICE,
                                             moe_backend="torch" if backend == "torch" else "triton")
-        merged = any(n.endswith("experts.all_gate_up_proj") for n in model.w)
-        assert merged == (kind != "qwen3_next_wide_shared")
+        if on_model is not None:
+            on_model(model)
         runner = ModelRunner(model, model.new_cache(2, 64), "torch")
         slots = [runner.cache.allocate(32) for _ in PROMPTS]
         for s, p in zip(slots, PROMPTS):
@@ -176,6 +176,18 @@ def test_fused_kernels_equal_the_expert_loop_in_a_verify_forward(checkpoint, mon
         tokens = torch.arange(forest.num_nodes) % 60
         _, out = runner.verify(slots, forest, tokens)
         logits[backend] = out.logits.cpu()
+    return logits
+
+
+def test_fused_kernels_equal_the_expert_loop_in_a_verify_forward(checkpoint, monkeypatch):
+    """The grouped GEMMs and the matrix-vector kernels against the torch loop in a verify
+    forward; the shared expert merged where it is as wide as the experts."""
+    kind, _, _, fused = checkpoint
+
+    def merged(model):
+        is_merged = any(n.endswith("experts.all_gate_up_proj") for n in model.w)
+        assert is_merged == (kind != "qwen3_next_wide_shared")
+    logits = verify_logits_by_backend(fused, monkeypatch, merged)
     assert torch.allclose(logits["triton"], logits["torch"], atol=1e-5, rtol=1e-5)
     assert torch.allclose(logits["gemv"], logits["torch"], atol=1e-5, rtol=1e-5)
 

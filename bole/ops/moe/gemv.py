@@ -15,6 +15,7 @@ no TF32).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -110,22 +111,41 @@ def _down_sum_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, wt_ptr, y_ptr, H, F, stride_h
     tl.store(y_ptr + t * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _parts(w) -> tuple[torch.Tensor, torch.Tensor, bool, int, int, int, int]:
-    """(values, scales, FP8?, QBN, QBK, scale strides) of an expert tensor or FP8 weight."""
+class ExpertOperands(NamedTuple):
+    """What an expert kernel reads of stacked experts: values (the FP8 ones, or the tensor
+    itself), scales (the tensor again where there are none, never read), whether FP8, the
+    scale block (QBN, QBK) and the scales' expert and row strides."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    fp8: bool
+    qbn: int
+    qbk: int
+    stride_se: int
+    stride_sn: int
+
+    def step(self, block_k: int) -> int:
+        """A kernel's K step: FP8 steps stay inside one scale block."""
+        return min(block_k, self.qbk) if self.fp8 else block_k
+
+
+def expert_operands(w: torch.Tensor | Fp8Weight) -> ExpertOperands:
+    """:class:`ExpertOperands` of an expert tensor or FP8 weight."""
     if isinstance(w, Fp8Weight):
-        return w.q, w.scale, True, *w.block, w.scale.stride(0), w.scale.stride(1)
-    return w, w, False, 1, 1, 0, 0
+        return ExpertOperands(w.q, w.scale, True, *w.block, w.scale.stride(0),
+                              w.scale.stride(1))
+    return ExpertOperands(w, w, False, 1, 1, 0, 0)
 
 
 def launch_gate_up(x: torch.Tensor, w13, ids: torch.Tensor, h: torch.Tensor, top_k: int,
                    block_n: int, block_k: int, num_warps: int, num_stages: int) -> None:
     """The gate/up kernel into ``h [T k, F]`` for flat ``ids [T k]`` (tiles given)."""
-    q13, s13, fp8, qbn, qbk, sse, ssn = _parts(w13)
-    F_, H = q13.shape[1] // 2, x.shape[1]
+    w = expert_operands(w13)
+    F_, H = w.values.shape[1] // 2, x.shape[1]
     _gate_up_kernel[(h.shape[0], triton.cdiv(F_, block_n))](
-        x, q13, s13, ids, h, F_, H, x.stride(0), q13.stride(0), q13.stride(1), sse, ssn,
-        h.stride(0), TOP_K=top_k, FP8=fp8, QBN=qbn, QBK=qbk, BLOCK_N=block_n,
-        BLOCK_K=min(block_k, qbk) if fp8 else block_k, num_warps=num_warps,
+        x, w.values, w.scales, ids, h, F_, H, x.stride(0), w.values.stride(0),
+        w.values.stride(1), w.stride_se, w.stride_sn, h.stride(0), TOP_K=top_k, FP8=w.fp8,
+        QBN=w.qbn, QBK=w.qbk, BLOCK_N=block_n, BLOCK_K=w.step(block_k), num_warps=num_warps,
         num_stages=num_stages)
 
 
@@ -133,12 +153,12 @@ def launch_down_sum(h: torch.Tensor, w2, ids: torch.Tensor, weights: torch.Tenso
                     y: torch.Tensor, top_k: int, block_n: int, block_k: int, num_warps: int,
                     num_stages: int) -> None:
     """The down-and-sum kernel into ``y [T, H]`` (tiles given)."""
-    q2, s2, fp8, qbn, qbk, sse, ssn = _parts(w2)
-    H, F_ = q2.shape[1], q2.shape[2]
+    w = expert_operands(w2)
+    H, F_ = w.values.shape[1], w.values.shape[2]
     _down_sum_kernel[(y.shape[0], triton.cdiv(H, block_n))](
-        h, q2, s2, ids, weights, y, H, F_, h.stride(0), q2.stride(0), q2.stride(1), sse, ssn,
-        y.stride(0), TOP_K=top_k, FP8=fp8, QBN=qbn, QBK=qbk, BLOCK_N=block_n,
-        BLOCK_K=min(block_k, qbk) if fp8 else block_k, num_warps=num_warps,
+        h, w.values, w.scales, ids, weights, y, H, F_, h.stride(0), w.values.stride(0),
+        w.values.stride(1), w.stride_se, w.stride_sn, y.stride(0), TOP_K=top_k, FP8=w.fp8,
+        QBN=w.qbn, QBK=w.qbk, BLOCK_N=block_n, BLOCK_K=w.step(block_k), num_warps=num_warps,
         num_stages=num_stages)
 
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from bole.ops.fp8 import Fp8Weight
-from bole.ops.moe.gemv import GemvConfig, moe_gemv
+from bole.ops.moe.gemv import GemvConfig, expert_operands, moe_gemv
 from bole.ops.moe.reference import moe_reference
 from bole.ops.moe.routing import align_blocks
 from bole.ops.triton_utils import check_kernel_device, fix_interpreter_scalar_index, interpreting
@@ -151,19 +151,17 @@ def _launch(a, b, c, weights, align, n: int, k: int, *, gather: bool, silu_mul: 
             weighted: bool, top_k: int, cfg: MoEConfig) -> None:
     grid = (align.num_blocks, triton.cdiv(n, cfg.block_n))
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
-    fp8 = isinstance(b, Fp8Weight)
-    q, s = (b.q, b.scale) if fp8 else (b, b)
-    qbn, qbk = b.block if fp8 else (1, 1)
-    block_k = min(cfg.block_k, qbk) if fp8 else cfg.block_k
+    w = expert_operands(b)
+    q = w.values
     _grouped_gemm_kernel[grid](
-        a, q, s, c, weights, align.sorted_pairs, align.block_expert,
+        a, q, w.scales, c, weights, align.sorted_pairs, align.block_expert,
         align.num_pairs, align.num_experts, n, k,
         a.stride(0), a.stride(1), q.stride(0), q.stride(1), q.stride(2),
-        s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, c.stride(0), c.stride(1),
+        w.stride_se, w.stride_sn, c.stride(0), c.stride(1),
         TOP_K=top_k, GATHER_TOKENS=gather, SILU_MUL=silu_mul, WEIGHTED=weighted,
-        FP8=fp8, QBN=qbn, QBK=qbk,
-        PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        FP8=w.fp8, QBN=w.qbn, QBK=w.qbk,
+        PRECISION=precision, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=w.step(cfg.block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _check(x, w13, w2, topk_weights, topk_ids) -> None:

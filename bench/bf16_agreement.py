@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     model = HybridModel.from_pretrained(args.model, dtype=torch.bfloat16, device=args.device)
     model32 = HybridModel.from_pretrained(args.model, dtype=torch.float32, device=args.device,
                                           gdn_backend="torch")
-    model32.prefill_gdn = None                  # the exact tree path, no tf32 chunk kernel
+    for layer_type in model32.linear.values():  # the exact tree path, no tf32 chunk kernel
+        layer_type.prefill_kernel = None
     ar = generate(model, prompts, "ar", args.max_tokens)
     runs = {"ar (serial GDN kernel)": generate(model, prompts, "ar", args.max_tokens,
                                                "triton-serial" if gpu else "torch-serial")}

@@ -328,7 +328,7 @@ def main(argv=None) -> int:
                 "bf16 activations",
                 date=_dt.date.today().isoformat(),
                 context=args.context, prefill_s=prefill_s,
-                prefill_kernel="fla" if model.prefill_gdn is not None else "bole tree path",
+                prefill_kernel="fla" if model.chunked_prefill else "bole tree path",
                 copy_bandwidth_tb_s=bw / 1e12, weight_gb=wbytes / 1e9,
                 matmul_tflops_assumed=MATMUL_TFLOPS)
     out = Path(args.out)

@@ -1,10 +1,14 @@
-"""Per-request caches addressed by slots: KV for full-attention layers, GDN and conv state pools.
+"""Per-request caches addressed by slots: KV for full-attention layers, and the state pools of
+the linear-attention layers.
 
 Layouts (one slot per running request, plus one dummy slot that padding rows of a fixed-shape
 batch read and write, so that they never touch a request's state):
     k, v        [L_full, S + 1, max_len, H_kv, head_dim]   model dtype
-    gdn_state   [L_gdn, S + 1, H_v, d_k, d_v]             fp32 (the pool the commit kernels update)
-    conv_state  [L_gdn, S + 1, conv_dim, K - 1]           model dtype, oldest input first
+    <pool>      [L, S + 1, *shape]                         per :class:`StatePool`: each
+                                                           linear-attention layer type names
+                                                           its own (Gated DeltaNet: gdn_state
+                                                           [L, S + 1, H_v, d_k, d_v] fp32 and
+                                                           conv_state [L, S + 1, conv_dim, K - 1])
     lengths     [S + 1] int64 on the device                committed tokens per slot
 A request's KV rows past its committed length are scratch: a forward writes its nodes' keys and
 values there and the commit moves the accepted ones into place. ``host_lengths`` mirrors
@@ -24,26 +28,28 @@ class CacheFull(RuntimeError):
 
 
 @dataclass(frozen=True)
+class StatePool:
+    """A per-slot state pool ``[layers, S + 1, *shape]``, the cache's attribute ``name``;
+    ``dtype`` None: the cache's dtype."""
+
+    name: str
+    layers: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
 class CacheShape:
+    """Full-attention KV layers and heads, and the linear-attention layers' state pools."""
+
     num_full_layers: int
-    num_gdn_layers: int
     num_kv_heads: int
     head_dim: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_dim: int
-    conv_kernel: int
-
-    @classmethod
-    def from_config(cls, c) -> "CacheShape":
-        return cls(len(c.full_attention_layers), len(c.gdn_layers), c.num_key_value_heads,
-                   c.head_dim, c.linear_num_value_heads, c.linear_key_head_dim,
-                   c.linear_value_head_dim, c.conv_dim, c.linear_conv_kernel_dim)
+    pools: tuple[StatePool, ...] = ()
 
 
 class HybridCache:
-    """Slot-addressed KV, GDN-state and conv-state pools for ``max_slots`` requests."""
+    """Slot-addressed KV and state pools for ``max_slots`` requests."""
 
     def __init__(self, shape: CacheShape, max_slots: int, max_len: int, *,
                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
@@ -55,10 +61,15 @@ class HybridCache:
         self.k = torch.zeros(s.num_full_layers, n, max_len, s.num_kv_heads, s.head_dim,
                              dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.gdn_state = torch.zeros(s.num_gdn_layers, n, s.num_v_heads, s.head_k_dim,
-                                     s.head_v_dim, dtype=torch.float32, device=device)
-        self.conv_state = torch.zeros(s.num_gdn_layers, n, s.conv_dim, s.conv_kernel - 1,
-                                      dtype=dtype, device=device)
+        #: the state pools by name, each also the cache's attribute of that name
+        self.pools: dict[str, torch.Tensor] = {}
+        for pool in shape.pools:
+            if pool.name in self.pools or hasattr(self, pool.name):
+                raise ValueError(f"state pool {pool.name!r} is taken: each pool needs a name "
+                                 "of its own")
+            self.pools[pool.name] = torch.zeros(pool.layers, n, *pool.shape,
+                                                dtype=pool.dtype or dtype, device=device)
+            setattr(self, pool.name, self.pools[pool.name])
         self.lengths = torch.zeros(n, dtype=torch.int64, device=device)
         self.host_lengths = [0] * n
         # the dummy slot holds one (meaningless) token, so that drafters' "committed length - 1"
@@ -95,8 +106,8 @@ class HybridCache:
         self._used.add(slot)
         self.k[:, slot].zero_()
         self.v[:, slot].zero_()
-        self.gdn_state[:, slot].zero_()
-        self.conv_state[:, slot].zero_()
+        for pool in self.pools.values():
+            pool[:, slot].zero_()
         self.lengths[slot] = 0
         self.host_lengths[slot] = 0
         return slot
@@ -117,9 +128,9 @@ class HybridCache:
         return slots
 
     def copy_slot(self, src: int, dst: int) -> None:
-        """Give slot ``dst`` slot ``src``'s committed state (KV, GDN and conv state, lengths):
+        """Give slot ``dst`` slot ``src``'s committed state (KV, state pools, lengths):
         benchmarks run a batch whose every request holds the same context."""
-        for pool in (self.k, self.v, self.gdn_state, self.conv_state):
+        for pool in (self.k, self.v, *self.pools.values()):
             pool[:, dst] = pool[:, src]
         self.lengths[dst] = self.lengths[src]
         self.host_lengths[dst] = self.host_lengths[src]

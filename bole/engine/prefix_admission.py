@@ -75,7 +75,7 @@ class PrefixAdmission:
             pools.append(MTPPools(head))
         capacity = default_capacity_bytes(engine.model.device) if config.capacity_gib is None \
             else int(config.capacity_gib * GIB)
-        self.block = config.block or (PREFILL_CHUNK_FLA if engine.model.prefill_gdn is not None
+        self.block = config.block or (PREFILL_CHUNK_FLA if engine.model.chunked_prefill
                                       else PREFILL_CHUNK_TREE)
         self.store = PrefixCache(pools, capacity, self.block)
 

@@ -56,7 +56,8 @@ class SlotPools(Protocol):
 
 
 class CachePools:
-    """The target model's KV rows, GDN and conv states (:class:`~bole.cache.HybridCache`)."""
+    """The target model's KV rows and state pools (GDN and conv states,
+    :class:`~bole.cache.HybridCache`)."""
 
     def __init__(self, cache: HybridCache):
         self.cache = cache
@@ -70,11 +71,11 @@ class CachePools:
         self.cache.v[:, slot, lo:lo + v.shape[1]] = v
 
     def state(self, slot):
-        return [self.cache.gdn_state[:, slot].clone(), self.cache.conv_state[:, slot].clone()]
+        return [pool[:, slot].clone() for pool in self.cache.pools.values()]
 
     def put_state(self, slot, state, length):
-        self.cache.gdn_state[:, slot] = state[0]
-        self.cache.conv_state[:, slot] = state[1]
+        for pool, saved in zip(self.cache.pools.values(), state):
+            pool[:, slot] = saved
         self.cache.lengths[slot] = length
         self.cache.host_lengths[slot] = length
 

@@ -2,9 +2,9 @@
 
 The model (:class:`bole.models.qwen3_hybrid.HybridModel`) is layers only; the runner owns what
 surrounds a forward: building its :class:`ForwardBatch` from device tensors (forest structure,
-positions, conv windows, the kernels' forest view), committing the accepted paths into the cache
-(KV rows moved into place, GDN states by the factored or the copy commit, conv windows, lengths),
-and chunked prefill. Everything on the round's path is tensor code without host synchronisation,
+positions, the kernels' forest view, each linear-attention layer type's inputs), committing the
+accepted paths into the cache (KV rows moved into place, each linear-attention type's state by
+its own commit, lengths), and chunked prefill. Everything on the round's path is tensor code without host synchronisation,
 so that :mod:`bole.engine.graphs` can capture it.
 """
 
@@ -16,15 +16,12 @@ import torch
 
 from bole.cache import HybridCache
 from bole.forest import DenseForest
-from bole.models.batch import GDN_BACKENDS, ForwardBatch, ForwardOutput
+from bole.models.batch import BACKENDS, ForwardBatch, ForwardOutput
 from bole.models.qwen3_hybrid import HybridModel
-from bole.ops.commit_rows import commit_conv_state, move_kv_rows
-from bole.ops.fused import conv_windows_from_parents
-from bole.ops.gdn.closed_form import TreeFactors
-from bole.ops.gdn.dense import commit_factored_paths, commit_snapshots
+from bole.ops.commit_rows import move_kv_rows
 
-#: prefill chunk: long chunks where fla's chunk kernel runs GDN (the GPU), short ones where the
-#: tree path does (its cost grows with the chunk squared)
+#: prefill chunk: long chunks where chunked kernels run the linear-attention layers (fla's, on
+#: the GPU), short ones where the tree path does (its cost grows with the chunk squared)
 PREFILL_CHUNK_FLA = 1024
 PREFILL_CHUNK_TREE = 64
 #: prompts up to this many tokens are prefilled together, one row each, by the tree path
@@ -41,32 +38,27 @@ def prefill_bucket(n: int) -> int:
 
 
 class ModelRunner:
-    """Forward batches and commits of one model over one cache, with one GDN backend."""
+    """Forward batches and commits of one model over one cache, with one backend (``gdn``) for
+    its linear-attention layers."""
 
     def __init__(self, model: HybridModel, cache: HybridCache, gdn: str):
-        if gdn not in GDN_BACKENDS:
-            raise ValueError(f"gdn must be one of {GDN_BACKENDS}, got {gdn!r}")
+        if gdn not in BACKENDS:
+            raise ValueError(f"gdn must be one of {BACKENDS}, got {gdn!r}")
         if gdn.startswith("triton") and model.device.type != "cuda":
             from bole.ops.triton_utils import check_kernel_device
             check_kernel_device(model.device, f"gdn={gdn!r}")
         self.model, self.cache, self.gdn = model, cache, gdn
         self.device = model.device
-        self.K = model.config.linear_conv_kernel_dim
-        self.snapshot_store: list[torch.Tensor] | None = None
-        self.snapshot_nodes = 0
+        #: per linear-attention type, what :meth:`reserve_snapshots` reserved for it
+        self.reserved: dict[str, object] = {}
 
     def reserve_snapshots(self, max_nodes: int) -> None:
-        """One snapshot store of ``max_nodes`` nodes per GDN layer for the ``triton-serial``
-        backend (tree-serial and chain), shared by every forward and so by every captured
-        batch bucket: without it each bucket's graph keeps its own snapshots alive, and a
-        batch that fits alone runs out of memory beside its smaller buckets."""
-        if self.gdn != "triton-serial":
-            return
-        c = self.model.config
-        per_node = self.model.gdn_hv * c.linear_key_head_dim * c.linear_value_head_dim  # rank's
-        self.snapshot_store = [torch.empty(max_nodes * per_node, dtype=torch.float32,
-                                           device=self.device) for _ in c.gdn_layers]
-        self.snapshot_nodes = max_nodes
+        """Buffers of ``max_nodes`` nodes that each linear-attention type shares among every
+        forward of this runner, and so among every captured batch bucket (the ``triton-serial``
+        backend's per-node state snapshots): without them each bucket's graph keeps its own
+        alive, and a batch that fits alone runs out of memory beside its smaller buckets."""
+        self.reserved = {kind: t.reserve(self.gdn, max_nodes)
+                         for kind, t in self.model.linear.items()}
 
     # ---- batches ----
     def make_batch(self, tokens: torch.Tensor, forest: DenseForest, slots: torch.Tensor,
@@ -76,14 +68,12 @@ class ModelRunner:
         gdn = gdn or self.gdn
         slots = slots.to(torch.int32)
         ctx = self.cache.lengths[slots.long()]
-        windows = conv_windows_from_parents(forest.parents, forest.depth, self.K)
+        linear = {kind: t.batch_inputs(forest, gdn, self.reserved.get(kind))
+                  for kind, t in self.model.linear.items()}
         meta = forest.kernel_meta() if gdn.startswith("triton") else None
-        store = self.snapshot_store if gdn == "triton-serial" else None
-        if store is not None and forest.num_nodes > self.snapshot_nodes:
-            store = None                         # larger than reserved: its own, per forward
         return ForwardBatch(tokens=tokens, positions=forest.positions(ctx), slots=slots,
-                            ctx_lens=ctx, forest=forest, conv_windows=windows, gdn=gdn,
-                            meta=meta, prefill=prefill, snapshot_store=store)
+                            ctx_lens=ctx, forest=forest, backend=gdn, linear=linear,
+                            meta=meta, prefill=prefill)
 
     def forward(self, batch: ForwardBatch, *, logits: bool = True) -> ForwardOutput:
         return self.model.forward(self.cache, batch, logits=logits)
@@ -104,41 +94,8 @@ class ModelRunner:
             move_kv_rows(cache.k, cache.v, slots, batch.ctx_lens, path, path_len)
         path_global = forest.global_index(path)
         last = torch.gather(path_global, 1, (path_len - 1).clamp(min=0)[:, None])[:, 0]
-        if out.final_states:                                      # fla's chunked prefill
-            for gi, final in enumerate(out.final_states):
-                cache.gdn_state[gi, slots] = final
-        elif out.factors:
-            store = out.factor_store
-            if store is not None and len(out.factors) == store.u.shape[0]:
-                # written in place by every layer's verify: only the keys are gathered
-                stacked = TreeFactors(store.log_decay, torch.stack([f.k for f in out.factors]),
-                                      store.u, store.k_inv_norm)
-            else:
-                stacked = TreeFactors.stack(out.factors)
-            if batch.gdn == "triton":
-                from bole.ops.gdn.triton_commit import commit_factored_triton
-                commit_factored_triton(stacked, cache.gdn_state, batch.slots, path_global,
-                                       path_len)
-            else:
-                commit_factored_paths(stacked, cache.gdn_state, slots, path_global, path_len)
-        elif out.snapshots:
-            keep = path_len > 0                                   # padding rows: dummy slot
-            target = torch.where(keep, slots, cache.dummy_slot)
-            if batch.gdn == "triton-serial":
-                from bole.ops.gdn.triton_serial import commit_from_snapshots_triton
-                for gi, snaps in enumerate(out.snapshots):
-                    commit_from_snapshots_triton(snaps, cache.gdn_state[gi],
-                                                 target.to(torch.int32), last)
-            else:
-                commit_snapshots(out.snapshots, cache.gdn_state, target, last)
-        if out.conv_inputs:        # the accepted node's window, less the node itself
-            store = out.projection_store
-            if store is not None and len(out.conv_inputs) == store.shape[0]:
-                inputs = store[..., :out.conv_inputs[0].shape[-1]]    # every layer, no copy
-            else:
-                inputs = torch.stack(out.conv_inputs)
-            commit_conv_state(cache.conv_state, inputs,
-                              batch.conv_windows[last][:, 1:], slots, path_len)
+        for kind, t in self.model.linear.items():
+            t.commit(cache, batch, out.linear[kind], slots, path_global, path_len, last)
         cache.lengths.index_add_(0, slots, path_len)
         return path_global
 
@@ -150,8 +107,9 @@ class ModelRunner:
         returns the last token's logits ``[V]`` and every token's final-norm hidden state
         ``[P, H]``.
 
-        GDN runs fla's chunk kernel where installed (GPU), else the closed form over each chunk
-        (whatever the runner's backend: a prefill's state is the same in every mode).
+        Linear attention runs its chunked kernel where it has one (fla's on a GPU where
+        installed), else the closed form over each chunk (whatever the runner's backend: a
+        prefill's state is the same in every mode).
         ``on_chunk(done, total)`` reports progress. ``checkpoints``: committed lengths at which
         a chunk also ends, ``on_checkpoint(length)`` called there with the slot's state at
         exactly that length (the prefix cache's snapshots)."""
@@ -162,8 +120,8 @@ class ModelRunner:
         if end > self.cache.max_len:
             raise ValueError(f"the prompt would reach position {end - 1}, past the cache's "
                              f"{self.cache.max_len} tokens per slot")
-        fla = self.model.prefill_gdn is not None
-        chunk = chunk or (PREFILL_CHUNK_FLA if fla else PREFILL_CHUNK_TREE)
+        long_chunks = self.model.chunked_prefill
+        chunk = chunk or (PREFILL_CHUNK_FLA if long_chunks else PREFILL_CHUNK_TREE)
         gdn = "triton" if self.device.type == "cuda" else "torch"
         tokens = prompt.to(self.device)
         hidden, logits = [], None
@@ -196,7 +154,7 @@ class ModelRunner:
                       prompts: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Commit several short prompts (at most :data:`PREFILL_BATCH_MAX` tokens each) into
         fresh ``slots`` in one forward: one chain per row, padded to :func:`prefill_bucket` of the
-        longest, GDN by the
+        longest, linear attention by the
         closed form (the verify path). Returns each prompt's last logits ``[R, V]`` and its
         final-norm hidden states (``[P_r, H]`` each). Equal to :meth:`prefill` of each alone."""
         slots = self.cache.check_slots(slots)

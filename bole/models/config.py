@@ -1,8 +1,10 @@
 """Model configuration read from a checkpoint folder's config.json (Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
 
 One dataclass, :class:`HybridConfig`, describes the text model of every supported checkpoint:
-full-attention and Gated DeltaNet layers, dense or mixture-of-experts MLPs, and the optional MTP head.
-Field names follow transformers' configs so that a reader can map them one to one.
+full-attention and linear-attention layers, dense or mixture-of-experts MLPs, and the optional MTP
+head. Field names follow transformers' configs so that a reader can map them one to one. Each
+linear-attention layer type parses its own fields (:mod:`bole.models.layers`); they read as the
+config's own (``config.linear_num_key_heads``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from bole.config import GDNShape
+from bole.models.layers.registry import (FULL_ATTENTION, INTERVAL_LINEAR_TYPE, LAYER_TYPES,
+                                         linear_attention_type)
 
 #: config.json model_type -> (canonical family, where the text config lives)
 SUPPORTED_MODEL_TYPES: dict[str, tuple[str, str | None]] = {
@@ -21,8 +25,6 @@ SUPPORTED_MODEL_TYPES: dict[str, tuple[str, str | None]] = {
     "qwen3_5_moe": ("qwen3_5_moe", "text_config"),
     "qwen3_next": ("qwen3_next", None),
 }
-
-LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 def fp8_block(quant: dict | None) -> tuple[int, int] | None:
@@ -78,6 +80,8 @@ class HybridConfig:
     separate projections) or ``qwen3_next`` (MoE MLP, grouped ``in_proj_qkvz`` / ``in_proj_ba``).
     ``weight_prefix`` is where the text model's tensors sit in the checkpoint (``model.`` for a
     text-only checkpoint, ``model.language_model.`` for Qwen3.5's vision-language ones).
+    ``linear_attention``: ``(layer type name, its config)`` for each linear-attention type the
+    layers use, in order of first use; a type's config fields read as this config's own.
     """
 
     model_type: str
@@ -95,12 +99,6 @@ class HybridConfig:
     max_position_embeddings: int
     attention_bias: bool
     rms_norm_eps: float
-    # Gated DeltaNet
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
     # MLP: dense when num_experts == 0
     intermediate_size: int
     num_experts: int = 0
@@ -118,18 +116,30 @@ class HybridConfig:
     #: FP8 weights with one scale per (rows, columns) block (``quantization_config`` with
     #: ``quant_method: fp8``, ``weight_block_size``); None: unquantized
     fp8_block: tuple[int, int] | None = None
+    #: the linear-attention layer types' configs (:mod:`bole.models.layers`)
+    linear_attention: tuple[tuple[str, Any], ...] = ()
+
+    def __getattr__(self, name: str):
+        """A linear-attention type's config field (``linear_num_key_heads``, ``conv_dim``, ...)
+        as the config's own: the first type that has it."""
+        if not name.startswith("__"):
+            for _, cfg in self.__dict__.get("linear_attention", ()):
+                if hasattr(cfg, name):
+                    return getattr(cfg, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ---- derived ----
     def is_full_attention(self, layer: int) -> bool:
-        return self.layer_types[layer] == "full_attention"
+        return self.layer_types[layer] == FULL_ATTENTION
 
     @property
     def full_attention_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
 
     @property
-    def gdn_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+    def linear_layers(self) -> tuple[int, ...]:
+        """The layers of every linear-attention type."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t != FULL_ATTENTION)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` has a mixture-of-experts MLP (transformers' rule)."""
@@ -139,16 +149,6 @@ class HybridConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def conv_dim(self) -> int:
-        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
-                + self.linear_num_value_heads * self.linear_value_head_dim)
-
-    def gdn_shape(self) -> GDNShape:
-        return GDNShape(self.model_type, len(self.gdn_layers), self.linear_num_key_heads,
-                        self.linear_num_value_heads, self.linear_key_head_dim,
-                        self.linear_value_head_dim, self.linear_conv_kernel_dim)
 
     # ---- construction ----
     @classmethod
@@ -187,12 +187,15 @@ class HybridConfig:
         layer_types = t.get("layer_types")
         if layer_types is None:
             interval = int(t.get("full_attention_interval", 4))
-            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else INTERVAL_LINEAR_TYPE
                            for i in range(n)]
         layer_types = tuple(layer_types)
         if len(layer_types) != n or any(lt not in LAYER_TYPES for lt in layer_types):
             raise ValueError(
                 f"layer_types must list {n} entries from {LAYER_TYPES}, got {list(layer_types)}")
+        linear = tuple((kind, linear_attention_type(kind).parse_config(
+                           t, tuple(i for i, k in enumerate(layer_types) if k == kind)))
+                       for kind in dict.fromkeys(layer_types) if kind != FULL_ATTENTION)
         rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
         rope_theta = float(rope.get("rope_theta", t.get("rope_theta", 10000.0)))
         partial = float(rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25)))
@@ -212,11 +215,6 @@ class HybridConfig:
             max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
             attention_bias=bool(t.get("attention_bias", False)),
             rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-            linear_num_key_heads=int(t["linear_num_key_heads"]),
-            linear_num_value_heads=int(t["linear_num_value_heads"]),
-            linear_key_head_dim=int(t["linear_key_head_dim"]),
-            linear_value_head_dim=int(t["linear_value_head_dim"]),
-            linear_conv_kernel_dim=int(t.get("linear_conv_kernel_dim", 4)),
             intermediate_size=int(t.get("intermediate_size") or 0),
             num_experts=int(t["num_experts"]) if moe else 0,
             num_experts_per_tok=int(t["num_experts_per_tok"]) if moe else 0,
@@ -232,7 +230,8 @@ class HybridConfig:
                                                t.get("tie_word_embeddings", False))),
             mtp_num_hidden_layers=int(t.get("mtp_num_hidden_layers", 0)),
             weight_prefix=prefix, eos_token_id=eos,
-            fp8_block=fp8_block(outer.get("quantization_config", t.get("quantization_config"))))
+            fp8_block=fp8_block(outer.get("quantization_config", t.get("quantization_config"))),
+            linear_attention=linear)
         cfg.validate()
         return cfg
 
@@ -254,10 +253,8 @@ class HybridConfig:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}")
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(
-                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
-                f"linear_num_key_heads={self.linear_num_key_heads}")
+        for _, cfg in self.linear_attention:
+            cfg.validate()
         if self.rotary_dim % 2:
             raise ValueError(f"rotary dim head_dim * partial_rotary_factor = {self.rotary_dim} "
                              "must be even")

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import torch
 
+from bole.models.layers.registry import LINEAR_ATTENTION_TYPES
 from bole.models.moe_layer import MOE_IN_PROJ
 from bole.ops.fp8 import Fp8Weight, StackedWeight
 
 __all__ = ["FUSED_GROUPS", "fuse_projections"]
 
-#: (fused name, parts) per layer prefix: projections that read the same input.
+#: (fused name, parts) per layer prefix: projections that read the same input (the
+#: linear-attention types' own first, :attr:`~bole.models.layers.base.LinearAttention.fused_groups`).
 FUSED_GROUPS = {
-    "linear_attn.in_proj_all.weight": ("linear_attn.in_proj_qkv.weight",
-                                       "linear_attn.in_proj_z.weight",
-                                       "linear_attn.in_proj_b.weight",
-                                       "linear_attn.in_proj_a.weight"),
-    "linear_attn.in_proj_qkvzba.weight": ("linear_attn.in_proj_qkvz.weight",
-                                          "linear_attn.in_proj_ba.weight"),
+    **{name: parts for t in LINEAR_ATTENTION_TYPES.values()
+       for name, parts in t.fused_groups.items()},
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                   "self_attn.v_proj.weight"),
     "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias",

@@ -4,27 +4,27 @@ Every forward is a tree forward over R requests x T node slots (:class:`ForwardB
     decode      = T = 1, a lone root per request
     prefill     = one request, a chain per chunk of the prompt
     verify      = the drafted trees
-so the same exact operations (tree attention over the KV pool, tree conv, closed-form GDN) serve
-all three. The forward only reads the committed state; it writes its nodes' keys and values into
-the KV pool's scratch rows past each request's committed length, and leaves the per-layer pieces
-of a commit in a :class:`ForwardOutput`. The commit itself (and input buffers, CUDA graphs) is the
-runner's (:mod:`bole.engine.runner`).
+so the same exact operations (tree attention over the KV pool; for linear attention, the tree
+conv and the closed form) serve all three. The forward only reads the committed state; it writes
+its nodes' keys and values into the KV pool's scratch rows past each request's committed length,
+and leaves the per-layer pieces of a commit in a :class:`ForwardOutput`. The commit itself (and
+input buffers, CUDA graphs) is the runner's (:mod:`bole.engine.runner`).
 
-Conventions of transformers' Qwen3.5 / Qwen3-Next code are matched (tests/models compare logits):
-zero-centred RMSNorm (1 + w), sigmoid-gated attention output, q/k RMSNorm per head, partial rotary
-on the first ``head_dim * partial_rotary_factor`` dims, GDN conv + SiLU over [q | k | v], gates
-``g = -exp(A_log) softplus(a + dt_bias)``, ``beta = sigmoid(b)``, q/k l2-normalised, gated RMSNorm of
-the GDN output with silu(z). Projections that read the same input run as one matrix product
-(their checkpoint tensors become views of the fused weight); norms, gates and the conv are single
-kernels on the GPU (:mod:`bole.ops.fused`). MoE experts are stacked at load time in the
-layout the fused kernels read, with the gated shared expert as one more expert
+The full-attention layers, the MLPs and the embedding are here; each linear-attention layer type
+(Gated DeltaNet, ...) is its own module under :mod:`bole.models.layers`, built once per model
+from the registry and called through its interface. Conventions of transformers' Qwen3.5 /
+Qwen3-Next code are matched (tests/models compare logits): zero-centred RMSNorm (1 + w),
+sigmoid-gated attention output, q/k RMSNorm per head, partial rotary on the first
+``head_dim * partial_rotary_factor`` dims. Projections that read the same input run as one
+matrix product (their checkpoint tensors become views of the fused weight); norms, gates and the
+conv are single kernels on the GPU (:mod:`bole.ops.fused`). MoE experts are stacked at load time
+in the layout the fused kernels read, with the gated shared expert as one more expert
 (:mod:`bole.models.moe_layer`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections import defaultdict
 
@@ -35,32 +35,31 @@ import torch.nn.functional as F
 
 from bole.cache import CacheShape, HybridCache
 from bole.distributed import TensorParallel, TPShard
-from bole.models.batch import GDN_BACKENDS, ForwardBatch, ForwardOutput
+from bole.models.batch import BACKENDS, ForwardBatch, ForwardOutput
 from bole.models import moe_layer
 from bole.models.config import HybridConfig
 from bole.models.fusion import fuse_projections
+from bole.models.layers.base import LinearAttention
+from bole.models.layers.registry import linear_attention_type
 from bole.models.loader import load_checkpoint
 from bole.models.sharding import check_divisible, shard_tensors
 from bole.models.weights import (FP32_SUFFIXES, FUSED_GATE_UP, fp8_quantized, mtp_specs,
                                  text_model_specs)
 from bole.ops import fused, rope
 from bole.ops.attention import prefill_attention, tree_attention
-from bole.ops.gdn.closed_form import TreeFactors
-from bole.ops.gdn.common import gates_from_raw
-from bole.ops.gdn.decode import gdn_decode_inplace
-from bole.ops.gdn.dense import tree_gdn_closed_form_dense, tree_gdn_serial_dense
 from bole.ops.fp8 import quantize_blockwise
 from bole.ops.linear import linear
 from bole.ops.triton_utils import check_kernel_device
 
-__all__ = ["HybridModel", "SectionTimer", "GDN_BACKENDS", "MOE_BACKENDS"]
+__all__ = ["HybridModel", "SectionTimer", "BACKENDS", "MOE_BACKENDS"]
 
 #: "triton": the fused grouped-GEMM kernels (CUDA graph safe); "torch": the loop over experts
 MOE_BACKENDS = ("triton", "torch")
 
 
 class SectionTimer:
-    """Accumulates wall time per section (attention, gdn, mlp, rest) of forwards, device-synced.
+    """Accumulates wall time per section (attention, each linear-attention type's section
+    (gdn), mlp, rest) of forwards, device-synced.
 
     For benchmarks only: each section synchronises the device, which a serving forward must not.
     """
@@ -85,27 +84,6 @@ class SectionTimer:
         self.totals.clear()
 
 
-FLA_REQUIREMENT = "fla-core==0.6.0"
-_fla_missing_said = False
-
-
-def _fla_chunk():
-    """fla's chunked GDN kernel, or None when fla is missing or fails to import (prefill then runs
-    the closed form over each chunk, many times slower on long prompts: said once a process)."""
-    global _fla_missing_said
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except Exception as e:           # fla absent, or failing to import on this machine
-        if not _fla_missing_said:
-            _fla_missing_said = True
-            logging.getLogger("bole").warning(
-                "fla is not importable (%s: %s): prefill on this GPU runs Bole's closed form over "
-                "chunks, about 10x slower on long prompts. Install it with: pip install '%s'",
-                type(e).__name__, e, FLA_REQUIREMENT)
-        return None
-    return chunk_gated_delta_rule
-
-
 class HybridModel:
     """A hybrid text model held as tensors by checkpoint name (plus fused projections)."""
 
@@ -123,7 +101,6 @@ class HybridModel:
         embed = self.w[f"{config.weight_prefix}embed_tokens.weight"]
         self.dtype, self.device = embed.dtype, embed.device
         self.full_index = {layer: i for i, layer in enumerate(config.full_attention_layers)}
-        self.gdn_index = {layer: i for i, layer in enumerate(config.gdn_layers)}
         c = config
         self.tp = tp or TensorParallel(TPShard(0, 1))
         world = self.tp.world
@@ -133,21 +110,18 @@ class HybridModel:
                              "FP8 model on one GPU (tp 1)")
         #: this rank's heads and channels (all of them without tensor parallelism)
         self.n_heads, self.n_kv = c.num_attention_heads // world, c.num_key_value_heads // world
-        self.gdn_hk = c.linear_num_key_heads // world
-        self.gdn_hv = c.linear_num_value_heads // world
-        self.conv_dim = (2 * self.gdn_hk * c.linear_key_head_dim
-                         + self.gdn_hv * c.linear_value_head_dim)
         self.vocab_part = c.vocab_size // world
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.rotary_dim, 2, dtype=torch.float32)
                                       / c.rotary_dim))
         self.inv_freq = inv.to(self.device)
         if gdn_backend == "auto":
             gdn_backend = "triton" if self.device.type == "cuda" else "torch"
-        if gdn_backend not in GDN_BACKENDS:
-            raise ValueError(f"gdn_backend must be one of {GDN_BACKENDS} or 'auto', got {gdn_backend!r}")
+        if gdn_backend not in BACKENDS:
+            raise ValueError(f"gdn_backend must be one of {BACKENDS} or 'auto', got {gdn_backend!r}")
         if gdn_backend.startswith("triton"):
             check_kernel_device(self.device, f"gdn_backend={gdn_backend!r}")
-        #: the default backend of Bole's closed form on this device ("triton" on a GPU); an engine
+        #: the default backend of Bole's closed form (every linear-attention layer's) on this
+        #: device ("triton" on a GPU); an engine
         #: passes its own backend with every forward, so engines sharing a model never interfere
         self.gdn_backend = gdn_backend
         if moe_backend == "auto":
@@ -159,8 +133,15 @@ class HybridModel:
             check_kernel_device(self.device, "moe_backend='triton'")
         self.moe_backend = moe_backend
         self.timer: SectionTimer | None = None
-        #: chunked chain kernel for prefill: fla's chunk_gated_delta_rule on the GPU when installed
-        self.prefill_gdn = _fla_chunk() if self.device.type == "cuda" else None
+        #: each linear-attention layer type of the model, by its ``layer_types`` name
+        self.linear: dict[str, LinearAttention] = {
+            kind: linear_attention_type(kind)(config, cfg, self.w, self.tp, self.device)
+            for kind, cfg in config.linear_attention}
+        #: per decoder layer: its prefix, its KV pool index (full attention) or its
+        #: linear-attention type (else None)
+        self.layer_plan = tuple(
+            (self._p(i), self.full_index.get(i), self.linear.get(c.layer_types[i]))
+            for i in range(c.num_hidden_layers))
         moe_layer.stack_experts(self.w, config.num_experts)
         moe_layer.merge_shared_experts(self.w)
         fuse_projections(self.w)
@@ -195,16 +176,13 @@ class HybridModel:
         specs = dict(text_model_specs(config, fused_experts=True))
         if mtp:
             specs.update(mtp_specs(config, num_layers=1, fused_experts=True))
+        kinds = [linear_attention_type(kind) for kind, _ in config.linear_attention]
         for name, shape in specs.items():
-            if name.endswith("A_log"):
-                t = torch.empty(shape, device=device).uniform_(1, 16, generator=gen).log()
-            elif name.endswith("dt_bias"):
-                t = torch.ones(shape, device=device)
-            elif len(shape) == 1:
-                t = torch.zeros(shape, device=device) if "linear_attn.norm" not in name else \
-                    torch.ones(shape, device=device)
-            else:
-                t = torch.randn(shape, device=device, generator=gen) * 0.02
+            t = next((t for t in (k.init_tensor(name, shape, device, gen) for k in kinds)
+                      if t is not None), None)
+            if t is None:
+                t = torch.zeros(shape, device=device) if len(shape) == 1 else \
+                    torch.randn(shape, device=device, generator=gen) * 0.02
             if config.fp8_block is not None and fp8_quantized(name):
                 tensors[name] = quantize_blockwise(t, config.fp8_block)
             else:
@@ -219,12 +197,17 @@ class HybridModel:
         """Whether the checkpoint carried an MTP head (its ``mtp.*`` tensors were loaded)."""
         return "mtp.fc.weight" in self.w
 
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether prefill chunks run chunked chain kernels (fla's on a GPU where installed) in
+        every linear-attention layer: long chunks then pay off."""
+        return bool(self.linear) and all(t.chunked_prefill for t in self.linear.values())
+
     def new_cache(self, max_slots: int, max_len: int) -> HybridCache:
-        """Pools for this rank's heads and channels."""
+        """Pools for this rank's heads and channels: KV, and each linear-attention type's state."""
         c = self.config
-        shape = CacheShape(len(c.full_attention_layers), len(c.gdn_layers), self.n_kv, c.head_dim,
-                           self.gdn_hv, c.linear_key_head_dim, c.linear_value_head_dim,
-                           self.conv_dim, c.linear_conv_kernel_dim)
+        shape = CacheShape(len(c.full_attention_layers), self.n_kv, c.head_dim,
+                           tuple(p for t in self.linear.values() for p in t.state_pools()))
         return HybridCache(shape, max_slots, max_len, dtype=self.dtype, device=self.device)
 
     def _section(self, name: str):
@@ -269,105 +252,6 @@ class HybridModel:
         return self.tp.all_reduce(linear(o.reshape(x.shape[0], -1), w[prefix + "o_proj.weight"],
                                          w.get(prefix + "o_proj.bias")))
 
-    def _gdn_projections(self, layer: int, x: torch.Tensor, out: ForwardOutput | None = None):
-        """``(mixed_qkv [N, conv_dim], z [N, H_v, d_v], b [N, H_v], a [N, H_v])``, one product
-        (written into ``out.projection_store``, allocated by the first GDN layer, when ``out``
-        is given and the layout is qwen3.5's)."""
-        c, p, w = self.config, self._p(layer) + "linear_attn.", self.w
-        N, Hk, Hv = x.shape[0], self.gdn_hk, self.gdn_hv
-        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-        if c.family == "qwen3_next":   # grouped per key head: [q | k | v | z] and [b | a]
-            r = Hv // Hk
-            proj = linear(x, w[p + "in_proj_qkvzba.weight"])
-            qkvz, ba = torch.split(proj, [Hk * (2 * dk + 2 * r * dv), Hk * 2 * r], dim=-1)
-            q, k, v, z = torch.split(qkvz.view(N, Hk, -1), [dk, dk, r * dv, r * dv], dim=-1)
-            b, a = torch.split(ba.reshape(N, Hk, 2 * r), [r, r], dim=-1)
-            mixed = torch.cat([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], dim=-1)
-            return mixed, z.reshape(N, Hv, dv), b.reshape(N, Hv), a.reshape(N, Hv)
-        weight = w[p + "in_proj_all.weight"]
-        into = None
-        if out is not None:
-            if out.projection_store is None:
-                out.projection_store = torch.empty(len(c.gdn_layers), N, weight.shape[0],
-                                                   dtype=x.dtype, device=x.device)
-            into = out.projection_store[self.gdn_index[layer]]
-        proj = linear(x, weight, out=into)
-        mixed, z, b, a = torch.split(proj, [self.conv_dim, Hv * dv, Hv, Hv], dim=-1)
-        return mixed, z.view(N, Hv, dv), b, a
-
-    def _factor_store(self, N: int, device) -> TreeFactors:
-        """Buffers for every GDN layer's u, log_decay and k_inv_norm over ``N`` nodes (``k``: an
-        empty placeholder; the keys stay views of each layer's convolution output)."""
-        c, L = self.config, len(self.config.gdn_layers)
-        Hk, Hv = self.gdn_hk, self.gdn_hv
-        return TreeFactors(
-            log_decay=torch.empty(L, N, Hv, dtype=torch.float64, device=device),
-            k=torch.empty(L, 0, device=device),
-            u=torch.empty(L, N, Hv, c.linear_value_head_dim, dtype=torch.float32, device=device),
-            k_inv_norm=torch.empty(L, N, Hk, dtype=torch.float32, device=device))
-
-    def gdn(self, layer: int, x: torch.Tensor, cache: HybridCache, batch: ForwardBatch,
-            out: ForwardOutput) -> torch.Tensor:
-        c, p, w = self.config, self._p(layer) + "linear_attn.", self.w
-        N, Hk, Hv = x.shape[0], self.gdn_hk, self.gdn_hv
-        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-        gi = self.gdn_index[layer]
-        mixed, z, b, a = self._gdn_projections(layer, x, out)
-        out.conv_inputs.append(mixed)
-        conv = fused.tree_conv1d_pool(mixed, w[p + "conv1d.weight"].reshape(self.conv_dim, -1),
-                                      cache.conv_state[gi], batch.slots, batch.conv_windows)
-        q, k, v = torch.split(conv, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
-        q, k, v = q.reshape(N, Hk, dk), k.reshape(N, Hk, dk), v.reshape(N, Hv, dv)
-        raw = dict(a=a, b=b, A_log=w[p + "A_log"], dt_bias=w[p + "dt_bias"])
-        pool, slots = cache.gdn_state[gi], batch.slots
-        if batch.prefill is not None and self.prefill_gdn is not None:
-            g, beta = gates_from_raw(a[None], b[None], raw["A_log"], raw["dt_bias"])
-            o, final = self.prefill_gdn(
-                q[None], k[None], v[None], g=g, beta=beta,
-                initial_state=pool[slots.long()].contiguous(), output_final_state=True,
-                use_qk_l2norm_in_kernel=True)
-            out.final_states.append(final.float())
-            o = o[0].to(v.dtype).contiguous()
-        elif batch.gdn in ("triton-decode", "torch-decode"):
-            if batch.nodes_per_request != 1:
-                raise ValueError(f"the {batch.gdn} backend decodes one token per request, got "
-                                 f"{batch.nodes_per_request} node slots")
-            o = gdn_decode_inplace(q, k, v, a, b, raw["A_log"], raw["dt_bias"], pool, slots,
-                                   impl=batch.gdn.split("-")[0])
-        elif batch.gdn in ("triton", "triton-serial"):
-            # Bole's closed-form kernel (factors) or the tree-serial kernel (a snapshot per node)
-            if batch.gdn == "triton":
-                from bole.ops.gdn.verify.kernel import tree_gdn_verify_triton as kernel
-            else:
-                from bole.ops.gdn.triton_serial import tree_gdn_serial_triton as kernel
-            extra = {}
-            if batch.gdn == "triton":
-                if out.factor_store is None:
-                    out.factor_store = self._factor_store(N, x.device)
-                st = out.factor_store
-                extra["factors_out"] = TreeFactors(st.log_decay[gi], st.k[gi], st.u[gi],
-                                                   st.k_inv_norm[gi])
-            if batch.gdn == "triton-serial" and batch.snapshot_store is not None:
-                extra["snapshots"] = batch.snapshot_store[gi][:N * Hv * dk * dv].view(
-                    N, Hv, dk, dv)
-            o, kept = kernel(q[None], k[None], v[None], batch.meta, a=a[None], b=b[None],
-                             A_log=raw["A_log"], dt_bias=raw["dt_bias"], initial_state=pool,
-                             state_indices=slots, use_qk_l2norm_in_kernel=True, **extra)
-            o = o[0]
-            (out.factors if batch.gdn == "triton" else out.snapshots).append(kept)
-        elif batch.gdn == "torch":
-            o, f = tree_gdn_closed_form_dense(q, k, v, **raw, state_pool=pool, slots=slots,
-                                              ancestors=batch.forest.ancestors)
-            out.factors.append(f)
-        else:
-            f = batch.forest
-            o, snaps = tree_gdn_serial_dense(q, k, v, **raw, state_pool=pool, slots=slots,
-                                             parents=f.parents, depth=f.depth,
-                                             max_depth=f.max_depth)
-            out.snapshots.append(snaps)
-        o = fused.gated_rms_norm(o.reshape(N, Hv, dv), z, w[p + "norm.weight"], c.rms_norm_eps)
-        return self.tp.all_reduce(linear(o.reshape(N, Hv * dv), w[p + "out_proj.weight"]))
-
     def dense_mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
         """SwiGLU MLP under prefix ``p`` (gate and up as one product)."""
         w = self.w
@@ -408,24 +292,21 @@ class HybridModel:
 
         The committed state is only read; the nodes' keys and values land in the KV pool's
         scratch rows. Returns the logits (fp32, unless ``logits=False``), the final-norm hidden
-        states and per GDN layer what a commit needs."""
+        states and per linear-attention layer type what a commit needs."""
         c = self.config
-        out = ForwardOutput()
+        out = ForwardOutput(linear={kind: t.new_output() for kind, t in self.linear.items()})
         with self._section("rest"):
             hidden = self.embed(batch.tokens)
         residual = None
         eps = c.rms_norm_eps
-        for layer in range(c.num_hidden_layers):
-            p = self._p(layer)
-            full = c.is_full_attention(layer)
-            with self._section("attention" if full else "gdn"):
+        for layer, (p, li, mixer) in enumerate(self.layer_plan):
+            with self._section("attention" if mixer is None else mixer.section):
                 x, residual = fused.add_rms_norm(hidden, self.w[p + "input_layernorm.weight"], eps,
                                                  residual)
-                if full:
-                    li = self.full_index[layer]
+                if mixer is None:
                     hidden = self.attention(p + "self_attn.", x, cache.k[li], cache.v[li], batch)
                 else:
-                    hidden = self.gdn(layer, x, cache, batch, out)
+                    hidden = mixer.forward(layer, x, cache, batch, out.linear[mixer.name])
             with self._section("mlp"):
                 x, residual = fused.add_rms_norm(hidden, self.w[p + "post_attention_layernorm.weight"],
                                                  eps, residual)

@@ -1,13 +1,11 @@
 """Tensor parallelism: which slice of each checkpoint tensor a rank holds (Megatron-style).
 
-Heads are independent in attention and in Gated DeltaNet, so ranks split them:
+Heads are independent in attention and in linear attention, so ranks split them:
 
     attention     q_proj (query + gate) and k/v_proj rows by head; o_proj columns (row-parallel,
                   its output summed over ranks); q/k norms replicated
-    Gated DeltaNet the [q | k | v] rows of in_proj_qkv (and the conv channels) by key / value
-                  head, z / b / a rows, A_log and dt_bias by value head, out_proj columns; value
-                  heads stay with their key head (GVA groups stay whole); Qwen3-Next's grouped
-                  in_proj_qkvz / in_proj_ba by key head
+    linear        each linear-attention type's own plan (:meth:`LinearAttention.shard_plan
+                  <bole.models.layers.base.LinearAttention.shard_plan>`), by head as well
     MLP           gate / up rows, down columns (every expert alike; the router replicated; fused
                   experts: both halves of gate_up_proj [E, 2F, H] along dim 1, down_proj
                   [E, H, F] along dim 2)
@@ -25,18 +23,21 @@ import torch
 
 from bole.distributed import TPShard
 from bole.models.config import HybridConfig
-
-#: a slice of a tensor: the dim it cuts and the [start, stop) ranges concatenated along it
-Plan = tuple[int, tuple[tuple[int, int], ...]]
+from bole.models.layers.base import Plan
+from bole.models.layers.registry import linear_attention_type
 
 
 def check_divisible(c: HybridConfig, world: int) -> None:
     """Raise a ValueError naming every count that ``world`` ranks cannot split evenly."""
     if world < 1:
         raise ValueError(f"tp must be >= 1, got {world}")
-    counts = {"attention heads": c.num_attention_heads, "key-value heads": c.num_key_value_heads,
-              "GDN key heads": c.linear_num_key_heads, "GDN value heads": c.linear_num_value_heads,
-              "vocabulary": c.vocab_size}
+    counts = {"attention heads": c.num_attention_heads, "key-value heads": c.num_key_value_heads}
+    heads = [f"{c.num_key_value_heads} key-value heads"]
+    for kind, cfg in c.linear_attention:
+        own = linear_attention_type(kind).divisible_counts(cfg)
+        counts.update(own)
+        heads += [f"{n} {name}" for name, n in list(own.items())[:1]]
+    counts["vocabulary"] = c.vocab_size
     if c.num_experts:
         counts["expert MLP width"] = c.moe_intermediate_size
         if c.shared_expert_intermediate_size:
@@ -46,17 +47,14 @@ def check_divisible(c: HybridConfig, world: int) -> None:
     bad = [f"{name} ({n})" for name, n in counts.items() if n % world]
     if bad:
         raise ValueError(f"tp={world} does not divide the model's {', '.join(bad)}; use a tp "
-                         f"that divides them (the model has {c.num_key_value_heads} key-value "
-                         f"heads and {c.linear_num_key_heads} GDN key heads)")
+                         f"that divides them (the model has {' and '.join(heads)})")
 
 
 def shard_plan(c: HybridConfig, name: str, shard: TPShard) -> Plan | None:
     """The slice of tensor ``name`` that ``shard`` holds, or None when it is replicated."""
     if shard.world == 1:
         return None
-    hd, dk, dv = c.head_dim, c.linear_key_head_dim, c.linear_value_head_dim
-    Hq, Hkv, Hk, Hv = (c.num_attention_heads, c.num_key_value_heads, c.linear_num_key_heads,
-                       c.linear_num_value_heads)
+    hd, Hq, Hkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
     rows = lambda *ranges: (0, tuple(ranges))          # noqa: E731
     cols = lambda *ranges: (1, tuple(ranges))          # noqa: E731
     if name.endswith(("embed_tokens.weight",)) or name == "lm_head.weight":
@@ -68,20 +66,10 @@ def shard_plan(c: HybridConfig, name: str, shard: TPShard) -> Plan | None:
         return rows(shard.part(Hkv, hd))
     if name.endswith("self_attn.o_proj.weight"):
         return cols(shard.part(Hq, hd))
-    if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")):
-        q, k, v = shard.part(Hk, dk), shard.part(Hk, dk), shard.part(Hv, dv)
-        return rows(q, (Hk * dk + k[0], Hk * dk + k[1]), (2 * Hk * dk + v[0], 2 * Hk * dk + v[1]))
-    if name.endswith("linear_attn.in_proj_z.weight"):
-        return rows(shard.part(Hv, dv))
-    if name.endswith(("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight",
-                      "linear_attn.A_log", "linear_attn.dt_bias")):
-        return rows(shard.part(Hv))
-    if name.endswith("linear_attn.in_proj_qkvz.weight"):
-        return rows(shard.part(Hk, 2 * dk + 2 * (Hv // Hk) * dv))
-    if name.endswith("linear_attn.in_proj_ba.weight"):
-        return rows(shard.part(Hk, 2 * (Hv // Hk)))
-    if name.endswith("linear_attn.out_proj.weight"):
-        return cols(shard.part(Hv, dv))
+    for kind, cfg in c.linear_attention:
+        plan = linear_attention_type(kind).shard_plan(c, cfg, name, shard)
+        if plan is not None:
+            return plan
     if name.endswith("mlp.experts.gate_up_proj"):
         F = c.moe_intermediate_size
         a, b = shard.part(F)

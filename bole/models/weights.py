@@ -1,7 +1,8 @@
 """The tensors a checkpoint must hold for a :class:`HybridConfig`, by the checkpoint's own names.
 
 Names and shapes are those of the safetensors files that transformers writes and Qwen publishes:
-``{prefix}layers.{i}.linear_attn.in_proj_qkv.weight`` and so on, the MTP head under ``mtp.``. MoE
+``{prefix}layers.{i}.linear_attn.in_proj_qkv.weight`` and so on (a linear-attention layer's own
+from its type, :mod:`bole.models.layers`), the MTP head under ``mtp.``. MoE
 experts come in one of two layouts: one tensor per expert (``mlp.experts.{e}.gate_proj.weight``,
 what transformers writes for Qwen3.5-MoE / Qwen3-Next) or fused (``mlp.experts.gate_up_proj``
 [E, 2F, H], gate rows then up rows, and ``mlp.experts.down_proj`` [E, H, F], the layout of Qwen's
@@ -12,11 +13,12 @@ modules from these specs; the loader checks a checkpoint against them.
 from __future__ import annotations
 
 from bole.models.config import HybridConfig
+from bole.models.layers.base import Shape
+from bole.models.layers.registry import LINEAR_ATTENTION_TYPES, linear_attention_type
 
-Shape = tuple[int, ...]
-
-#: Kept in fp32 whatever the load dtype (the gates are computed in fp32, as transformers does).
-FP32_SUFFIXES = ("linear_attn.A_log", "linear_attn.dt_bias")
+#: Kept in fp32 whatever the load dtype: each linear-attention type names its own (GDN's gates
+#: are computed in fp32, as transformers does).
+FP32_SUFFIXES = tuple(s for t in LINEAR_ATTENTION_TYPES.values() for s in t.fp32_suffixes)
 
 #: the fused expert tensors of a MoE layer, under ``{layer prefix}mlp.``
 FUSED_GATE_UP = "experts.gate_up_proj"
@@ -26,12 +28,13 @@ FUSED_DOWN = "experts.down_proj"
 IGNORED_PREFIXES = ("model.visual.", "visual.")
 
 #: the projections Qwen's FP8 releases store in FP8 (the rest stays bf16: embeddings, the LM
-#: head, norms, the GDN's b / a projections, conv and gates, the MoE router and the shared
-#: expert's gate, the MTP head's fc): the random ``-fp8`` presets quantize these
+#: head, norms, the MoE router and the shared expert's gate, the MTP head's fc; each
+#: linear-attention type names its own, GDN's keep b / a, conv and gates in bf16): the random
+#: ``-fp8`` presets quantize these
 FP8_PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-                   "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_qkvz.weight",
-                   "out_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight",
-                   FUSED_GATE_UP, FUSED_DOWN)
+                   "gate_proj.weight", "up_proj.weight", "down_proj.weight",
+                   FUSED_GATE_UP, FUSED_DOWN,
+                   *(s for t in LINEAR_ATTENTION_TYPES.values() for s in t.fp8_projections))
 #: the checkpoint's scale tensor of FP8 weight ``name`` is ``name + SCALE_SUFFIX``
 SCALE_SUFFIX = "_scale_inv"
 
@@ -58,28 +61,12 @@ def _attention(c: HybridConfig, p: str) -> dict[str, Shape]:
     return specs
 
 
-def _gdn(c: HybridConfig, p: str) -> dict[str, Shape]:
-    H = c.hidden_size
-    key = c.linear_num_key_heads * c.linear_key_head_dim
-    value = c.linear_num_value_heads * c.linear_value_head_dim
-    Hv = c.linear_num_value_heads
-    a = f"{p}linear_attn."
-    specs = {
-        f"{a}conv1d.weight": (c.conv_dim, 1, c.linear_conv_kernel_dim),
-        f"{a}dt_bias": (Hv,),
-        f"{a}A_log": (Hv,),
-        f"{a}norm.weight": (c.linear_value_head_dim,),
-        f"{a}out_proj.weight": (H, value),
-    }
-    if c.family == "qwen3_next":
-        specs[f"{a}in_proj_qkvz.weight"] = (2 * key + 2 * value, H)
-        specs[f"{a}in_proj_ba.weight"] = (2 * Hv, H)
-    else:
-        specs[f"{a}in_proj_qkv.weight"] = (2 * key + value, H)
-        specs[f"{a}in_proj_z.weight"] = (value, H)
-        specs[f"{a}in_proj_b.weight"] = (Hv, H)
-        specs[f"{a}in_proj_a.weight"] = (Hv, H)
-    return specs
+def _mixer(c: HybridConfig, p: str, kind: str | None) -> dict[str, Shape]:
+    """The token mixer of a layer: full attention (``kind`` None) or a linear-attention type's
+    tensors."""
+    if kind is None:
+        return _attention(c, p)
+    return linear_attention_type(kind).weight_specs(c, dict(c.linear_attention)[kind], p)
 
 
 def _dense_mlp(H: int, inter: int, p: str) -> dict[str, Shape]:
@@ -104,11 +91,13 @@ def _mlp(c: HybridConfig, p: str, layer: int, fused_experts: bool) -> dict[str, 
     return specs
 
 
-def _decoder_layer(c: HybridConfig, p: str, layer: int, full_attention: bool,
+def _decoder_layer(c: HybridConfig, p: str, layer: int, kind: str | None,
                    fused_experts: bool = False) -> dict[str, Shape]:
+    """Decoder layer ``layer``'s tensors under ``p``; ``kind`` its linear-attention type, None
+    for full attention."""
     H = c.hidden_size
     specs = {f"{p}input_layernorm.weight": (H,), f"{p}post_attention_layernorm.weight": (H,)}
-    specs.update(_attention(c, p) if full_attention else _gdn(c, p))
+    specs.update(_mixer(c, p, kind))
     specs.update(_mlp(c, p, layer, fused_experts))
     return specs
 
@@ -120,8 +109,8 @@ def text_model_specs(c: HybridConfig, fused_experts: bool = False) -> dict[str, 
     specs = {f"{pre}embed_tokens.weight": (c.vocab_size, c.hidden_size),
              f"{pre}norm.weight": (c.hidden_size,)}
     for i in range(c.num_hidden_layers):
-        specs.update(_decoder_layer(c, f"{pre}layers.{i}.", i, c.is_full_attention(i),
-                                    fused_experts))
+        kind = None if c.is_full_attention(i) else c.layer_types[i]
+        specs.update(_decoder_layer(c, f"{pre}layers.{i}.", i, kind, fused_experts))
     if not c.tie_word_embeddings:
         specs["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     return specs
@@ -136,7 +125,7 @@ def mtp_specs(c: HybridConfig, num_layers: int | None = None,
              "mtp.pre_fc_norm_hidden.weight": (H,), "mtp.norm.weight": (H,)}
     for j in range(n):
         # the MTP layer's MLP follows the model's: MoE for MoE models (layer index 0 is sparse)
-        specs.update(_decoder_layer(c, f"mtp.layers.{j}.", 0 if c.num_experts else j, True,
+        specs.update(_decoder_layer(c, f"mtp.layers.{j}.", 0 if c.num_experts else j, None,
                                     fused_experts))
     return specs
 

@@ -5,11 +5,12 @@ fresh slot exactly the source slot's rows below the hit and the state recorded t
 import pytest
 import torch
 
-from bole.cache import CacheShape, HybridCache
+from bole.cache import CacheShape, HybridCache, StatePool
 from bole.engine.prefix_cache import CachePools, PrefixCache
 
-SHAPE = CacheShape(num_full_layers=2, num_gdn_layers=3, num_kv_heads=2, head_dim=4,
-                   num_v_heads=2, head_k_dim=4, head_v_dim=4, conv_dim=8, conv_kernel=4)
+SHAPE = CacheShape(num_full_layers=2, num_kv_heads=2, head_dim=4,
+                   pools=(StatePool("gdn_state", 3, (2, 4, 4), torch.float32),
+                          StatePool("conv_state", 3, (8, 3))))
 B = 8
 
 

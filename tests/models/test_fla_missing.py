@@ -3,15 +3,15 @@
 import logging
 import sys
 
-from bole.models import qwen3_hybrid
+from bole.models.layers import gdn
 
 
 def test_missing_fla_is_said_once_with_the_install_command(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "fla", None)          # `import fla` fails from here on
-    monkeypatch.setattr(qwen3_hybrid, "_fla_missing_said", False)
+    monkeypatch.setattr(gdn, "_fla_missing_said", False)
     with caplog.at_level(logging.WARNING, logger="bole"):
-        assert qwen3_hybrid._fla_chunk() is None
-        assert qwen3_hybrid._fla_chunk() is None
+        assert gdn._fla_chunk() is None
+        assert gdn._fla_chunk() is None
     said = [r.getMessage() for r in caplog.records if "fla is not importable" in r.getMessage()]
     assert len(said) == 1
-    assert f"pip install '{qwen3_hybrid.FLA_REQUIREMENT}'" in said[0]
+    assert f"pip install '{gdn.FLA_REQUIREMENT}'" in said[0]

@@ -57,14 +57,15 @@ def test_model_prefill_with_fla_matches_tree_path():
     from bole.models.qwen3_hybrid import HybridModel
     model = HybridModel.random(preset_config("tiny"), dtype=torch.float32, device="cuda",
                                gdn_backend="triton")
-    assert model.prefill_gdn is not None
+    gdn = model.linear["linear_attention"]
+    assert gdn.prefill_kernel is not None and model.chunked_prefill
     prompt = torch.randint(0, model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(1))
     from bole.engine.runner import ModelRunner
     runner = ModelRunner(model, model.new_cache(max_slots=2, max_len=256), "triton")
     cache = runner.cache
     results = []
-    for kernel in (model.prefill_gdn, None):
-        model.prefill_gdn = kernel
+    for kernel in (gdn.prefill_kernel, None):
+        gdn.prefill_kernel = kernel
         slot = cache.allocate(201)
         logits = model.lm_head(runner.prefill(slot, prompt, chunk=64)[1])
         results.append((logits.float().cpu(), cache.gdn_state[:, slot].float().cpu().clone()))

@@ -94,7 +94,10 @@ def test_tree_verify_and_commit(pair):
     batch, out = runner.verify(slots, forest, tokens)
     T = batch.nodes_per_request
     if backend == "triton-serial":
-        assert out.snapshots[0].data_ptr() == runner.snapshot_store[0].data_ptr()
+        gdn = model.linear["linear_attention"]
+        store = runner.reserved["linear_attention"][0]
+        assert batch.linear[gdn.name].snapshot_store is store
+        assert out.linear[gdn.name].snapshots[0].data_ptr() == store[0].data_ptr()
     for r, tree in enumerate(trees):
         lo = int(forest.cu_nodes[r])
         for node in range(tree.num_nodes):
@@ -146,15 +149,16 @@ def test_chain_prefill_plumbing(pair):
 
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 64, (13,), generator=gen)
-    saved = model.prefill_gdn
-    model.prefill_gdn = fake_fla
+    gdn = model.linear["linear_attention"]
+    saved = gdn.prefill_kernel
+    gdn.prefill_kernel = fake_fla
     try:
         runner = runner_for(model, backend, 1, 64)
         slot = runner.cache.allocate(32)
         _, hidden = runner.prefill(slot, prompt, chunk=5)
         step = runner.decode([slot], torch.tensor([3]))
     finally:
-        model.prefill_gdn = saved
+        gdn.prefill_kernel = saved
     assert rel(model.lm_head(hidden), hf_logits(hf, prompt.tolist())) <= TOL
     assert rel(step[0], hf_logits(hf, prompt.tolist() + [3])[-1]) <= TOL
 

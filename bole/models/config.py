@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bole.models.layers.registry import (FULL_ATTENTION, INTERVAL_LINEAR_TYPE, LAYER_TYPES,
-                                         linear_attention_type)
+from bole.models.layers.registry import (FULL_ATTENTION, INTERVAL_LINEAR_TYPE,
+                                         LINEAR_ATTENTION_TYPES, linear_attention_type)
 
 #: config.json model_type -> (canonical family, where the text config lives)
 SUPPORTED_MODEL_TYPES: dict[str, tuple[str, str | None]] = {
@@ -190,9 +190,10 @@ class HybridConfig:
             layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else INTERVAL_LINEAR_TYPE
                            for i in range(n)]
         layer_types = tuple(layer_types)
-        if len(layer_types) != n or any(lt not in LAYER_TYPES for lt in layer_types):
+        known = (FULL_ATTENTION, *LINEAR_ATTENTION_TYPES)
+        if len(layer_types) != n or any(lt not in known for lt in layer_types):
             raise ValueError(
-                f"layer_types must list {n} entries from {LAYER_TYPES}, got {list(layer_types)}")
+                f"layer_types must list {n} entries from {known}, got {list(layer_types)}")
         linear = tuple((kind, linear_attention_type(kind).parse_config(
                            t, tuple(i for i, k in enumerate(layer_types) if k == kind)))
                        for kind in dict.fromkeys(layer_types) if kind != FULL_ATTENTION)

@@ -59,6 +59,12 @@ def shard_plan(c: HybridConfig, name: str, shard: TPShard) -> Plan | None:
     cols = lambda *ranges: (1, tuple(ranges))          # noqa: E731
     if name.endswith(("embed_tokens.weight",)) or name == "lm_head.weight":
         return rows(shard.part(c.vocab_size))
+    kind = _linear_kind(c, name)
+    if kind is not None:           # the type's own tensors; its layer's norms and MLP below
+        plan = linear_attention_type(kind).shard_plan(c, dict(c.linear_attention)[kind], name,
+                                                      shard)
+        if plan is not None:
+            return plan
     if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
         return rows(shard.part(Hq, 2 * hd))
     if name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias",
@@ -66,10 +72,6 @@ def shard_plan(c: HybridConfig, name: str, shard: TPShard) -> Plan | None:
         return rows(shard.part(Hkv, hd))
     if name.endswith("self_attn.o_proj.weight"):
         return cols(shard.part(Hq, hd))
-    for kind, cfg in c.linear_attention:
-        plan = linear_attention_type(kind).shard_plan(c, cfg, name, shard)
-        if plan is not None:
-            return plan
     if name.endswith("mlp.experts.gate_up_proj"):
         F = c.moe_intermediate_size
         a, b = shard.part(F)
@@ -81,6 +83,16 @@ def shard_plan(c: HybridConfig, name: str, shard: TPShard) -> Plan | None:
     if name.endswith("down_proj.weight"):
         return cols(shard.part(_mlp_width(c, name)))
     return None
+
+
+def _linear_kind(c: HybridConfig, name: str) -> str | None:
+    """The linear-attention type of the decoder layer tensor ``name`` belongs to (None: not a
+    linear-attention layer's)."""
+    layers = f"{c.weight_prefix}layers."
+    if not name.startswith(layers):
+        return None
+    kind = c.layer_types[int(name[len(layers):].split(".", 1)[0])]
+    return kind if kind in dict(c.linear_attention) else None
 
 
 def _mlp_width(c: HybridConfig, name: str) -> int:

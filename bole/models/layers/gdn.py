@@ -129,6 +129,8 @@ class GatedDeltaNet(LinearAttention):
 
     name = "linear_attention"
     section = "gdn"
+    #: the cache's pools (and attributes) of the recurrent states and the conv windows
+    state_pool, conv_pool = "gdn_state", "conv_state"
     #: the gates are computed in fp32, as transformers does
     fp32_suffixes = ("linear_attn.A_log", "linear_attn.dt_bias")
     #: Qwen's FP8 releases keep b / a, the conv and the gates in bf16
@@ -231,8 +233,8 @@ class GatedDeltaNet(LinearAttention):
 
     def state_pools(self) -> tuple[StatePool, ...]:
         L = len(self.cfg.layers)
-        return (StatePool("gdn_state", L, (self.hv, self.dk, self.dv), torch.float32),
-                StatePool("conv_state", L, (self.conv_dim, self.K - 1)))
+        return (StatePool(self.state_pool, L, (self.hv, self.dk, self.dv), torch.float32),
+                StatePool(self.conv_pool, L, (self.conv_dim, self.K - 1)))
 
     def reserve(self, backend: str, max_nodes: int):
         """One snapshot store of ``max_nodes`` nodes per GDN layer for the ``triton-serial``
@@ -297,7 +299,7 @@ class GatedDeltaNet(LinearAttention):
         mixed, z, b, a = self._projections(p, gi, x, out)
         out.conv_inputs.append(mixed)
         conv = fused.tree_conv1d_pool(mixed, w[p + "conv1d.weight"].reshape(self.conv_dim, -1),
-                                      cache.conv_state[gi], batch.slots,
+                                      cache.pools[self.conv_pool][gi], batch.slots,
                                       batch.linear[self.name].conv_windows)
         q, k, v = torch.split(conv, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
         q, k, v = q.reshape(N, Hk, dk), k.reshape(N, Hk, dk), v.reshape(N, Hv, dv)
@@ -312,7 +314,7 @@ class GatedDeltaNet(LinearAttention):
         """The gated delta rule over the batch's nodes by the batch's backend: ``o [N, H_v,
         d_v]``; the commit's pieces land in ``out``."""
         N, backend = q.shape[0], batch.backend
-        pool, slots = cache.gdn_state[gi], batch.slots
+        pool, slots = cache.pools[self.state_pool][gi], batch.slots
         if batch.prefill is not None and self.prefill_kernel is not None:
             g, beta = gates_from_raw(a[None], b[None], A_log, dt_bias)
             o, final = self.prefill_kernel(
@@ -365,32 +367,32 @@ class GatedDeltaNet(LinearAttention):
                path_len: torch.Tensor, last: torch.Tensor) -> None:
         """GDN states by the factored or the copy commit (or fla's final states), then conv
         windows: the accepted node's window, less the node itself."""
+        states = cache.pools[self.state_pool]
         if out.final_states:                                      # fla's chunked prefill
             for gi, final in enumerate(out.final_states):
-                cache.gdn_state[gi, slots] = final
+                states[gi, slots] = final
         elif out.factors:
-            self._commit_factored(cache, batch, out, slots, path_global, path_len)
+            self._commit_factored(states, batch, out, slots, path_global, path_len)
         elif out.snapshots:
             keep = path_len > 0                                   # padding rows: dummy slot
             target = torch.where(keep, slots, cache.dummy_slot)
             if batch.backend == "triton-serial":
                 from bole.ops.gdn.triton_serial import commit_from_snapshots_triton
                 for gi, snaps in enumerate(out.snapshots):
-                    commit_from_snapshots_triton(snaps, cache.gdn_state[gi],
-                                                 target.to(torch.int32), last)
+                    commit_from_snapshots_triton(snaps, states[gi], target.to(torch.int32), last)
             else:
-                commit_snapshots(out.snapshots, cache.gdn_state, target, last)
+                commit_snapshots(out.snapshots, states, target, last)
         if out.conv_inputs:
             store = out.projection_store
             if store is not None and len(out.conv_inputs) == store.shape[0]:
                 inputs = store[..., :out.conv_inputs[0].shape[-1]]    # every layer, no copy
             else:
                 inputs = torch.stack(out.conv_inputs)
-            commit_conv_state(cache.conv_state, inputs,
+            commit_conv_state(cache.pools[self.conv_pool], inputs,
                               batch.linear[self.name].conv_windows[last][:, 1:], slots, path_len)
 
     @staticmethod
-    def _commit_factored(cache, batch, out: GDNOutput, slots, path_global, path_len) -> None:
+    def _commit_factored(states, batch, out: GDNOutput, slots, path_global, path_len) -> None:
         store = out.factor_store
         if store is not None and len(out.factors) == store.u.shape[0]:
             # written in place by every layer's verify: only the keys are gathered
@@ -400,6 +402,6 @@ class GatedDeltaNet(LinearAttention):
             stacked = TreeFactors.stack(out.factors)
         if batch.backend == "triton":
             from bole.ops.gdn.triton_commit import commit_factored_triton
-            commit_factored_triton(stacked, cache.gdn_state, batch.slots, path_global, path_len)
+            commit_factored_triton(stacked, states, batch.slots, path_global, path_len)
         else:
-            commit_factored_paths(stacked, cache.gdn_state, slots, path_global, path_len)
+            commit_factored_paths(stacked, states, slots, path_global, path_len)

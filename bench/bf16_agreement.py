@@ -31,7 +31,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path
                              if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
-from bole.engine import Engine, GenerationParams, SpecConfig, default_drafter  # noqa: E402
+from bole.engine import Engine, SamplingParams, SpecConfig, default_drafter  # noqa: E402
 from bole.engine.runner import ModelRunner  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 
@@ -41,7 +41,8 @@ def generate(model, prompts, mode: str, max_tokens: int, gdn_backend: str | None
     engine = Engine(model, SpecConfig(mode=mode, drafter=drafter, depth=8, topk=4, budget=32),
                     max_slots=len(prompts), max_len=max(map(len, prompts)) + max_tokens + 40,
                     gdn_backend=gdn_backend)
-    return [r.token_ids for r in engine.generate(prompts, GenerationParams(max_tokens=max_tokens))]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [r.token_ids for r in engine.generate(prompts, params)]
 
 
 @torch.no_grad()

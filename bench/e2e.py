@@ -57,7 +57,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path
 
 from bole import distributed  # noqa: E402
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
-from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.engine import Engine, SamplingParams, SpecConfig  # noqa: E402
 from bole.engine.calibrate import load_or_calibrate  # noqa: E402
 from bole.models.config import HybridConfig  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
@@ -154,14 +154,15 @@ def _timed(model, spec: SpecConfig, prompts, max_tokens: int, continuations, dev
            slots: int, max_len: int, budget_profile, warmup: int) -> dict:
     engine = Engine(model, spec, max_slots=slots, max_len=max_len, budget_profile=budget_profile)
     warmup = min(warmup, slots)
-    engine.generate(prompts[:warmup], GenerationParams(max_tokens=min(8, max_tokens)), seed=0,
+    warm = SamplingParams(max_tokens=min(8, max_tokens), ignore_eos=True)
+    engine.generate(prompts[:warmup], warm, seed=0,
                     continuations=continuations and continuations[:warmup])
     engine.timings = type(engine.timings)()
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    res = engine.generate(prompts, GenerationParams(max_tokens=max_tokens), seed=0,
-                          continuations=continuations)
+    res = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                          seed=0, continuations=continuations)
     elapsed = time.perf_counter() - t0
     split = engine.timings.summary()
     tokens = sum(len(r.token_ids) for r in res)
@@ -259,7 +260,8 @@ def confirm(model, spec: SpecConfig, context: int, batch: int, device: str) -> d
     t0 = time.perf_counter()
     try:
         engine = Engine(model, spec, max_slots=batch, max_len=context + 4 + scratch + 1)
-        res = engine.generate([prompt] * batch, GenerationParams(max_tokens=4), seed=0)
+        res = engine.generate([prompt] * batch, SamplingParams(max_tokens=4, ignore_eos=True),
+                              seed=0)
         rec.update(ok=True, tokens=sum(len(r.token_ids) for r in res))
     except RuntimeError as exc:          # torch.OutOfMemoryError is one; so are cuBLAS's
         if not _out_of_memory(exc):

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [str(ROOT)] + [p for p in sys.path
                              if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
 
-from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.engine import Engine, SamplingParams, SpecConfig  # noqa: E402
 from bole.engine.runner import ModelRunner  # noqa: E402
 from bole.ops import attention  # noqa: E402
 from bole.forest import DenseForest  # noqa: E402
@@ -303,9 +303,10 @@ def main(argv=None) -> int:
     for mode, draft_vocab in rounds:
         spec = SpecConfig(mode, "mtp", args.depth, 4, 64, draft_vocab=draft_vocab)
         engine = Engine(model, spec, max_slots=1, max_len=args.context + args.round_tokens + 80)
-        engine.generate([prompt.tolist()], GenerationParams(max_tokens=8), seed=0)
+        engine.generate([prompt.tolist()], SamplingParams(max_tokens=8, ignore_eos=True), seed=0)
         engine.timings = type(engine.timings)()
-        engine.generate([prompt.tolist()], GenerationParams(max_tokens=args.round_tokens), seed=0)
+        engine.generate([prompt.tolist()],
+                        SamplingParams(max_tokens=args.round_tokens, ignore_eos=True), seed=0)
         summary = engine.timings.summary()
         head_bytes = (draft_vocab * config.hidden_size * 2 if draft_vocab
                       else model.lm_head_weight.numel() * 2)

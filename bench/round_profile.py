@@ -30,7 +30,7 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path
 
 from bench.e2e import load, prompts_for  # noqa: E402
 
-from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.engine import Engine, SamplingParams, SpecConfig  # noqa: E402
 from bole.speculative.drafters.registry import drafter_info  # noqa: E402
 
 PHASES = ("draft", "verify", "accept")
@@ -119,8 +119,9 @@ def main(argv=None) -> int:
         if replays and spec.mode != "ar":
             cont = result["continuations"]
         live = LiveProfiler(engine.rounds.graphs, args.batch, args.skip)
-        res = engine.generate(prompts, GenerationParams(max_tokens=args.max_tokens), seed=0,
-                              continuations=cont)
+        res = engine.generate(prompts,
+                              SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
+                              seed=0, continuations=cont)
         if spec.mode == "ar":
             result["continuations"] = [r.token_ids for r in res]
         result[spec.mode] = [summarise(k, ks) for k, ks in live.kernels.items()]

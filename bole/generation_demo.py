@@ -21,7 +21,7 @@ def run(model_dir: str | Path = BUNDLED_MODEL, prompt: str | None = None, max_to
     from tokenizers import Tokenizer
 
     from bole.assets import code_prompts
-    from bole.engine import Engine, GenerationParams, SpecConfig, default_drafter
+    from bole.engine import Engine, SamplingParams, SpecConfig, default_drafter
     from bole.speculative.drafters.registry import drafter_info
     from bole.models.qwen3_hybrid import HybridModel
 
@@ -34,14 +34,13 @@ def run(model_dir: str | Path = BUNDLED_MODEL, prompt: str | None = None, max_to
     drafter = default_drafter(model)
     ids = tok.encode(prompt).ids
     # one function: stop where the next top-level definition would begin
-    params = GenerationParams(max_tokens=max_tokens, stop_token_ids=model.config.eos_token_id,
-                              stop_strings=("\ndef ", "\nclass ", "\nif __name__"))
+    params = SamplingParams(max_tokens=max_tokens, stop=("\ndef ", "\nclass ", "\nif __name__"))
     runs = {}
     for mode in ("bole", "ar"):
         spec = SpecConfig(mode, drafter, depth, topk, budget)
         engine = Engine(model, spec, max_slots=1, tokenizer=tok,
                         max_len=len(ids) + max_tokens + max(spec.nodes_per_request, depth + 1) + 1)
-        engine.generate([ids], GenerationParams(max_tokens=4))          # warm-up
+        engine.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))    # warm-up
         t0 = time.perf_counter()
         result = engine.generate([ids], params)[0]
         runs[mode] = (result, time.perf_counter() - t0, engine.text(result, params))

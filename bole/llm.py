@@ -1,5 +1,9 @@
 r"""The Python API: :class:`LLM` and :class:`SamplingParams`, text in, text and token ids out.
 
+:class:`SamplingParams` is the one parameter type of the whole package (defined in
+:mod:`bole.sampling_params`, imported here so that ``from bole import SamplingParams`` works):
+the engine, the server and the CLI take the same class.
+
 In the spirit of vLLM's and nano-vllm's offline API. The example below is the README's; it runs
 verbatim in ``tests/test_api_example.py``:
 
@@ -30,66 +34,16 @@ from typing import Sequence
 import torch
 
 from bole.assets import BUNDLED_MODEL
-from bole.engine import (Engine, GenerationParams, GenerationResult, SpecConfig, TokenLogprob,
-                         default_drafter)
+from bole.engine import Engine, GenerationResult, SpecConfig, TokenLogprob, default_drafter
 from bole.engine.spec import DEFAULT_TREE
 from bole.engine.prefix_admission import PrefixCacheConfig
-from bole.speculative import sampling
+from bole.sampling_params import SamplingParams
 from bole.speculative.drafters.registry import FALLBACK_DRAFTER, drafter_info
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "TokenLogprob"]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request samples and when it stops.
-
-    temperature: 0 is greedy (the default); top_p: nucleus mass (1 = off); top_k: sample among the
-    k most likely tokens (0 = off); max_tokens: output tokens at most; stop: strings that end the
-    output (not returned with it), besides the checkpoint's end-of-sequence tokens; seed: seeds
-    this request's draws (random when None), so a seeded request samples the same tokens
-    whatever else runs in its batch.
-
-    presence_penalty, frequency_penalty: OpenAI's, in [-2, 2], over the generated tokens;
-    repetition_penalty: vLLM's / Hugging Face's (> 0, 1 = off), over the prompt's and the
-    generated tokens; all exact under speculation (see
-    :func:`bole.speculative.sampling.apply_penalties`). stop_token_ids: tokens that end the
-    output (returned with it), besides the end-of-sequence tokens unless ignore_eos. logprobs:
-    None, or each output token's log-probability with this many (0 to 20) most likely
-    alternatives, under the model's raw distribution (before penalties and temperature).
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 64
-    stop: str | Sequence[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop_token_ids: Sequence[int] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-    def target(self) -> sampling.SamplingParams:
-        """The target distribution's parameters (temperature, top-k, top-p) as the engine takes
-        them; raises ValueError naming a bad value."""
-        target = sampling.SamplingParams(temperature=self.temperature, top_k=self.top_k,
-                                         top_p=self.top_p, presence_penalty=self.presence_penalty,
-                                         frequency_penalty=self.frequency_penalty,
-                                         repetition_penalty=self.repetition_penalty)
-        target.validate()
-        return target
 
 
 @dataclass
@@ -235,29 +189,20 @@ class LLM:
             if len(per_prompt) != len(texts):
                 raise ValueError(f"{len(per_prompt)} SamplingParams for {len(texts)} prompts")
         ids = [self.tokenizer.encode(t).ids for t in texts]
-        params = [self._generation_params(p) for p in per_prompt]
-        for i, (prompt, p) in enumerate(zip(ids, params)):
+        for i, (prompt, p) in enumerate(zip(ids, per_prompt)):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"expected bole.SamplingParams, got {type(p).__name__}")
             self.engine.check_request(prompt, p, f"prompt {i}")
 
         scheduler = Scheduler(self.engine, max_queue=len(texts))
-        handles = [scheduler.submit(prompt, p, seed=sp.seed)
-                   for prompt, p, sp in zip(ids, params, per_prompt)]
+        handles = [scheduler.submit(prompt, p, checked=True)
+                   for prompt, p in zip(ids, per_prompt)]
         scheduler.run_until_idle()
         return [self._output(text, prompt, h.result, p)
-                for text, prompt, h, p in zip(texts, ids, handles, params)]
-
-    def _generation_params(self, sp: SamplingParams) -> GenerationParams:
-        if not isinstance(sp, SamplingParams):
-            raise TypeError(f"expected bole.SamplingParams, got {type(sp).__name__}")
-        if sp.seed is not None and not isinstance(sp.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {sp.seed!r}")
-        eos = () if sp.ignore_eos else tuple(self.model.config.eos_token_id)
-        return GenerationParams(max_tokens=sp.max_tokens, sampling=sp.target(),
-                                stop_token_ids=eos + tuple(sp.stop_token_ids),
-                                stop_strings=sp.stop_strings, logprobs=sp.logprobs)
+                for text, prompt, h, p in zip(texts, ids, handles, per_prompt)]
 
     def _output(self, text: str, prompt: list[int], result: GenerationResult,
-                params: GenerationParams) -> RequestOutput:
+                params: SamplingParams) -> RequestOutput:
         return RequestOutput(prompt=text, prompt_token_ids=list(prompt),
                              text=self.engine.text(result, params),
                              token_ids=list(result.token_ids), finish_reason=result.finish_reason,

@@ -6,7 +6,8 @@ dependency, it does not remove it.
 
 Layers, lowest first (a module may import its own layer and any layer below it):
 
-1. base        -- ``assets``, ``config``, ``distributed``, ``memory``, ``tree``
+1. base        -- ``assets``, ``config``, ``distributed``, ``memory``, ``sampling_params``,
+   ``tree``
 2. ops         -- ``bole.ops``: the kernels and their torch references
 3. structures  -- ``forest``, ``cache``: batched trees and cache slots, built on ops' kernels
 4. models      -- ``bole.models``
@@ -32,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "bole"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("bole.assets", "bole.config", "bole.distributed", "bole.memory", "bole.tree")),
+    ("base", ("bole.assets", "bole.config", "bole.distributed", "bole.memory",
+              "bole.sampling_params", "bole.tree")),
     ("ops", ("bole.ops",)),
     ("structures", ("bole.forest", "bole.cache")),
     ("models", ("bole.models",)),

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
-from bole.speculative.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +22,7 @@ def prompts():
 
 @pytest.mark.parametrize("mode", ["bole", "tree-serial", "chain"])
 def test_greedy_modes_equal_ar(model, mode):
-    params = GenerationParams(max_tokens=24)
+    params = SamplingParams(max_tokens=24)
     # ar on the serial reference recurrence: a bug in the closed form cannot cancel out
     ar = Engine(model, SpecConfig(mode="ar"), gdn_backend="torch-serial").generate(
         prompts(), params, seed=0)
@@ -40,7 +39,7 @@ def test_greedy_modes_equal_ar(model, mode):
 def test_ar_decodes_in_place_as_the_serial_reference(model):
     """ar's GDN layers update the state pool in place (the decode step, no GDN commit): its
     output and the cache's states after it equal ar on the serial reference's copy commit."""
-    params = GenerationParams(max_tokens=16)
+    params = SamplingParams(max_tokens=16)
     runs = []
     for backend in (None, "torch-serial"):
         engine = Engine(model, SpecConfig(mode="ar"), max_slots=3, gdn_backend=backend)
@@ -48,8 +47,8 @@ def test_ar_decodes_in_place_as_the_serial_reference(model):
     (inplace, got), (serial, want) = runs
     assert inplace.runner.gdn == "torch-decode"
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
-    r = inplace.new_request(9, prompts()[1], GenerationParams(max_tokens=5))
-    s = serial.new_request(9, prompts()[1], GenerationParams(max_tokens=5))
+    r = inplace.new_request(9, prompts()[1], SamplingParams(max_tokens=5))
+    s = serial.new_request(9, prompts()[1], SamplingParams(max_tokens=5))
     for engine, req in ((inplace, r), (serial, s)):
         engine.admit(req)
         for _ in range(3):
@@ -61,10 +60,11 @@ def test_ar_decodes_in_place_as_the_serial_reference(model):
 
 
 def test_one_request_stops_early_the_others_go_on(model):
-    ref = Engine(model, SpecConfig(mode="ar")).generate(prompts(), GenerationParams(max_tokens=12))
+    ref = Engine(model, SpecConfig(mode="ar")).generate(prompts(), SamplingParams(max_tokens=12))
     stop_tok = ref[1].token_ids[3]
-    params = [GenerationParams(max_tokens=12), GenerationParams(max_tokens=12, stop_token_ids=(stop_tok,)),
-              GenerationParams(max_tokens=5)]
+    params = [SamplingParams(max_tokens=12),
+              SamplingParams(max_tokens=12, stop_token_ids=(stop_tok,)),
+              SamplingParams(max_tokens=5)]
     engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=3)
     res = engine.generate(prompts(), params, seed=0)
     first_stop = ref[1].token_ids.index(stop_tok)
@@ -75,7 +75,7 @@ def test_one_request_stops_early_the_others_go_on(model):
 
 
 def test_sampled_generation_runs_and_is_seeded(model):
-    p = GenerationParams(max_tokens=16, sampling=SamplingParams(temperature=0.8, top_p=0.9))
+    p = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16)
     e = Engine(model, SpecConfig(depth=3, topk=2, budget=8))
     a = e.generate(prompts(), p, seed=7)
     b = e.generate(prompts(), p, seed=7)
@@ -84,12 +84,12 @@ def test_sampled_generation_runs_and_is_seeded(model):
 
 
 @pytest.mark.parametrize("prompt, params, match", [
-    ([], GenerationParams(), "empty"),
-    ([1] * 200, GenerationParams(max_tokens=100), "context"),
-    ([1, 2], GenerationParams(max_tokens=0), "max_tokens"),
-    ([1, 2], GenerationParams(sampling=SamplingParams(temperature=-1)), "temperature"),
-    ([1, 2], GenerationParams(sampling=SamplingParams(top_p=2.0)), "top_p"),
-    ([1, 999], GenerationParams(), "token ids"),
+    ([], SamplingParams(), "empty"),
+    ([1] * 200, SamplingParams(max_tokens=100), "context"),
+    ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
+    ([1, 2], SamplingParams(temperature=-1), "temperature"),
+    ([1, 2], SamplingParams(temperature=1.0, top_p=2.0), "top_p"),
+    ([1, 999], SamplingParams(), "token ids"),
 ])
 def test_bad_requests(model, prompt, params, match):
     e = Engine(model, SpecConfig(), max_len=256)
@@ -158,9 +158,9 @@ def test_bole_bench_runs_bole_under_the_budget_policy(tmp_path):
 def test_an_engine_serves_one_batch_after_another(model):
     """Slots and static buffers are reused across generate calls without stale rows."""
     engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=3)
-    first = engine.generate(prompts(), GenerationParams(max_tokens=14), seed=0)
-    again = engine.generate(prompts(), GenerationParams(max_tokens=14), seed=0)
-    other = engine.generate(prompts()[::-1], GenerationParams(max_tokens=14), seed=0)
+    first = engine.generate(prompts(), SamplingParams(max_tokens=14), seed=0)
+    again = engine.generate(prompts(), SamplingParams(max_tokens=14), seed=0)
+    other = engine.generate(prompts()[::-1], SamplingParams(max_tokens=14), seed=0)
     assert [r.token_ids for r in again] == [r.token_ids for r in first]
     assert [r.rounds for r in again] == [r.rounds for r in first]
     assert [r.token_ids for r in other] == [r.token_ids for r in first][::-1]
@@ -168,8 +168,8 @@ def test_an_engine_serves_one_batch_after_another(model):
 
 def test_mixed_batch_greedy_request_equals_ar(model):
     """A greedy request decoded next to sampled ones gets plain greedy output."""
-    greedy = GenerationParams(max_tokens=16)
-    sampled = GenerationParams(max_tokens=16, sampling=SamplingParams(temperature=1.0))
+    greedy = SamplingParams(max_tokens=16)
+    sampled = SamplingParams(temperature=1.0, max_tokens=16)
     ar = Engine(model, SpecConfig(mode="ar"), gdn_backend="torch-serial").generate(
         prompts()[:1], greedy, seed=0)[0].token_ids
     for mode in ("bole", "tree-serial", "chain"):
@@ -191,7 +191,7 @@ def sampling_case():
 
     def emitted(spec, seed):
         engine = Engine(m, spec, max_slots=128, max_len=64)
-        params = GenerationParams(max_tokens=3, sampling=SamplingParams(temperature=1.0))
+        params = SamplingParams(temperature=1.0, max_tokens=3)
         return [r.token_ids for call in range(6)
                 for r in engine.generate([prompt] * 128, params, seed=seed + call)]
     return emitted, emitted(SpecConfig(mode="ar"), 1000)
@@ -223,7 +223,7 @@ def test_replay_drafter_through_the_engine_equals_ar_and_accepts():
     m = HybridModel.random(preset_config("tiny"), dtype=torch.float32, seed=3, mtp=True,
                            gdn_backend="torch")
     ps = [prompts()[0], prompts()[1]]
-    params = GenerationParams(max_tokens=20)
+    params = SamplingParams(max_tokens=20)
     ar = [r.token_ids for r in Engine(m, SpecConfig(mode="ar")).generate(ps, params)]
     for mode in ("bole", "tree-serial", "chain"):
         spec = SpecConfig(mode=mode, drafter="replay", depth=4, topk=3, budget=12,

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from bole import LLM, SamplingParams
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SpecConfig
 from bole.engine.spec import DEFAULT_TREE
-from bole.speculative import sampling
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +25,7 @@ def test_generate_is_the_engines_output_as_text(llm):
     ids = llm.tokenizer.encode(prompt).ids
     engine = Engine(llm.model, SpecConfig("ar", "mtp"), max_slots=1, max_len=512,
                     tokenizer=llm.tokenizer)
-    params = GenerationParams(max_tokens=12, sampling=sampling.SamplingParams(temperature=0),
-                              stop_token_ids=tuple(llm.model.config.eos_token_id))
-    ar = engine.generate([ids], params)[0]
+    ar = engine.generate([ids], SamplingParams(max_tokens=12))[0]     # stops at eos too
     assert out.prompt == prompt and out.prompt_token_ids == ids
     assert out.token_ids == ar.token_ids                  # greedy bole == plain decoding
     assert out.text == llm.tokenizer.decode(ar.token_ids)

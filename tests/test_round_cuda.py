@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from bole.assets import BUNDLED_MODEL, code_prompts
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.models.qwen3_hybrid import HybridModel
-from bole.speculative.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -29,7 +28,7 @@ CASES = [("ar", "mtp"), ("bole", "mtp"), ("tree-serial", "mtp"), ("chain", "mtp"
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_captured_rounds_equal_eager_rounds(bundled, mode, drafter, temperature):
     model, prompts = bundled
-    params = GenerationParams(max_tokens=40, sampling=SamplingParams(temperature=temperature))
+    params = SamplingParams(temperature=temperature, max_tokens=40, ignore_eos=True)
     outputs = []
     for graphs in (False, True):
         engine = Engine(model, SpecConfig(mode, drafter, depth=6, topk=3, budget=16),
@@ -50,7 +49,7 @@ def test_a_round_synchronises_once(bundled, mode, drafter, prelaunch):
                     max_len=512)
     reqs = []
     for i, p in enumerate(prompts):
-        r = engine.new_request(i, p, GenerationParams(max_tokens=64), seed=i)
+        r = engine.new_request(i, p, SamplingParams(max_tokens=64, ignore_eos=True, seed=i))
         engine.admit(r)
         reqs.append(r)
     engine.step(reqs)                           # buffers written for this batch
@@ -89,7 +88,7 @@ def test_every_width_is_captured_at_start_up(bundled, policy, shared, width_kern
         engine = Engine(model, spec, max_slots=4, max_len=512, cuda_graphs=graphs,
                         budget_profile=profile if policy in ("goodput", "calibrated") else None)
         before = set(engine.rounds.graphs.graphs)
-        res = engine.generate(prompts, GenerationParams(max_tokens=40), seed=3)
+        res = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True), seed=3)
         outputs.append([r.token_ids for r in res])
         if graphs:
             assert set(engine.rounds.graphs.graphs) == before

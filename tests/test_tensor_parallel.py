@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 
 from bole.assets import BUNDLED_MODEL, code_prompts
 from bole.distributed import TPShard, free_port, init, shutdown
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.engine.runner import ModelRunner
 from bole.models.config import HybridConfig
 from bole.models.loader import load_checkpoint
@@ -40,7 +40,7 @@ def run(model: HybridModel, prompts) -> dict:
         engine = Engine(model, SpecConfig(mode, drafter, depth=4, topk=3, budget=12),
                         max_slots=len(prompts), max_len=256)
         out[(mode, drafter)] = [r.token_ids for r in engine.generate(
-            prompts, GenerationParams(max_tokens=16), seed=0)]
+            prompts, SamplingParams(max_tokens=16, ignore_eos=True), seed=0)]
     return out
 
 

@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.engine import Engine, SamplingParams, SpecConfig  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 
 
@@ -57,7 +57,8 @@ def measure(model, prompts, mode: str, drafter: str, depth: int, topk: int, budg
     t0 = time.perf_counter()
     results = []
     for i in range(0, len(prompts), 8):
-        results += engine.generate(prompts[i:i + 8], GenerationParams(max_tokens=max_tokens), seed=0)
+        results += engine.generate(prompts[i:i + 8],
+                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=0)
     seconds = time.perf_counter() - t0
     rounds = sum(r.rounds for r in results)
     accepted = sum(sum(r.accepted) for r in results)

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
-from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.engine import Engine, SamplingParams, SpecConfig  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.speculative.drafters.draft_vocab import draft_vocab_ids  # noqa: E402
 from bole.speculative.drafters.mtp import MTPDrafter  # noqa: E402
@@ -80,7 +80,8 @@ def greedy(model: HybridModel, prompts: list[list[int]], new_tokens: int) -> lis
     engine = Engine(model, SpecConfig(mode="ar"), max_slots=8, max_len=max_len)
     out = []
     for i in range(0, len(prompts), 8):
-        res = engine.generate(prompts[i:i + 8], GenerationParams(max_tokens=new_tokens), seed=0)
+        res = engine.generate(prompts[i:i + 8],
+                              SamplingParams(max_tokens=new_tokens, ignore_eos=True), seed=0)
         out += [r.token_ids for r in res]
     return out
 

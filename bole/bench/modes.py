@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bole.engine import MODES, Engine, GenerationParams, SpecConfig
+from bole.engine import MODES, Engine, SamplingParams, SpecConfig
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.budget.registry import DEFAULT_POLICY
 from bole.speculative.drafters.registry import FALLBACK_DRAFTER, drafter_info
@@ -66,7 +66,7 @@ def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_
     its output is every other mode's known continuation. ``budget_policy``, ``shared_budget``,
     ``root_floor`` and ``budget_eps`` (:class:`SpecConfig`'s) apply to bole's rounds."""
     batches = batches or (len(prompts),)
-    params = GenerationParams(max_tokens=max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)    # fixed-length runs
     results = []
     for batch in batches:
         work = [prompts[i % len(prompts)] for i in range(batch)]
@@ -92,7 +92,8 @@ def run_modes(model: HybridModel, prompts: list[list[int]], modes=MODES, *, max_
             engine = Engine(model, spec, max_slots=batch, max_len=max_len,
                             cuda_graphs=cuda_graphs)
             # warm-up on the same prompts: kernels compile, buffers exist for this batch
-            engine.generate(work, GenerationParams(max_tokens=min(max_tokens, 2 * depth + 2)),
+            engine.generate(work, SamplingParams(max_tokens=min(max_tokens, 2 * depth + 2),
+                                                 ignore_eos=True),
                             seed=seed, continuations=continuations)
             engine.timings = type(engine.timings)()
             stats = engine.rounds.graphs.stats

@@ -41,16 +41,20 @@ def generate(args) -> int:
 
     import torch
 
-    from bole.engine import Engine, GenerationParams, default_drafter
+    from bole.engine import Engine, SamplingParams, default_drafter
     from bole.models.qwen3_hybrid import HybridModel
-    from bole.speculative.sampling import SamplingParams
 
     check_positive(max_tokens=args.max_tokens)
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.presence_penalty,
-                              args.frequency_penalty, args.repetition_penalty)
+    # --seed goes to Engine.generate below (request 0 of a seeded batch), so a seed draws the
+    # same tokens it always has
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
+        stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
+        ignore_eos=args.ignore_eos, logprobs=args.logprobs)
     try:
-        sampling.validate()
-        GenerationParams(logprobs=args.logprobs).validate()
+        params.validate()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     device = pick_device(args.device)
@@ -67,11 +71,6 @@ def generate(args) -> int:
                    if args.draft_model else None)
     drafter = args.drafter or default_drafter(model, draft_model)
     spec = spec_from_args(args, drafter)
-    eos = () if args.ignore_eos else tuple(model.config.eos_token_id)
-    params = GenerationParams(max_tokens=args.max_tokens,
-                              stop_token_ids=eos + tuple(args.stop_token_id),
-                              stop_strings=tuple(args.stop), sampling=sampling,
-                              logprobs=args.logprobs)
     engine = Engine(model, spec, max_slots=1, tokenizer=tokenizer, draft_model=draft_model,
                     max_len=len(ids) + args.max_tokens + max(spec.nodes_per_request,
                                                              args.depth + 1) + 1,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from bole.speculative.accept_device import SamplingBatch
-from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams
+from bole.sampling_params import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["StaticSampling", "RoundBuffers", "RoundLogprobs", "PrefillBuffers"]
 

@@ -18,12 +18,13 @@ others go on. The node budget is per request; the calibrated batch-shared budget
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Sequence
 
 import torch
 
 from bole.engine.prefix_admission import PrefixAdmission, PrefixCacheConfig
-from bole.engine.request import (EngineInfo, GenerationParams, GenerationResult, Request,
+from bole.engine.request import (EngineInfo, GenerationResult, Request, SamplingParams,
                                  TokenLogprob, result_text)
 from bole.engine.round import RoundRunner
 from bole.engine.runner import PREFILL_BATCH_MAX, PREFILL_BATCH_ROWS, ModelRunner, prefill_bucket
@@ -33,7 +34,8 @@ from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.accept_device import sample_rows
 from bole.speculative.budget.registry import policy_info
 from bole.speculative.drafters import registry as drafters
-from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams, penalize_params, target_probs
+from bole.sampling_params import MAX_LOGPROBS
+from bole.speculative.sampling import penalize_params, target_probs
 
 __all__ = ["Engine"]
 
@@ -100,32 +102,36 @@ class Engine:
                           self.model.config.vocab_size,
                           tuple(self.model.config.eos_token_id), self.tokenizer is not None)
 
-    def check_request(self, prompt: Sequence[int], params: GenerationParams,
+    def check_request(self, prompt: Sequence[int], params: SamplingParams,
                       name: str = "the prompt") -> None:
         """Raise a ValueError naming what is wrong with one request (nothing is allocated)."""
         self.info.check_request(prompt, params, name)
 
-    def new_request(self, index: int, prompt: Sequence[int], params: GenerationParams,
-                    seed: int | None = None) -> Request:
+    def new_request(self, index: int, prompt: Sequence[int], params: SamplingParams) -> Request:
         """A request not yet admitted (no slot); its sampling draws come from its own generator,
-        seeded by ``seed`` (random when None), so they do not depend on the batch around it."""
+        seeded by ``params.seed`` (random when None), so they do not depend on the batch around
+        it. It stops at ``params.all_stop_token_ids`` of the checkpoint's end-of-sequence
+        tokens."""
         gen = torch.Generator(device=self.model.device)
-        if seed is None:
+        if params.seed is None:
             gen.seed()
         else:
-            gen.manual_seed(seed)
-        return Request(index, [int(t) for t in prompt], params, slot=-1, gen=gen)
+            gen.manual_seed(params.seed)
+        stops = params.all_stop_token_ids(self.model.config.eos_token_id)
+        return Request(index, [int(t) for t in prompt], params, slot=-1, gen=gen,
+                       stop_ids=frozenset(stops))
 
     def generate(self, prompts: Sequence[Sequence[int]],
-                 params: GenerationParams | Sequence[GenerationParams] = GenerationParams(),
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
                  seed: int | None = None,
                  continuations: Sequence[Sequence[int]] | None = None) -> list[GenerationResult]:
         """Generate for every prompt through the continuous-batching scheduler: requests beyond
         the free slots wait, and each finished request leaves the batch and frees its slot while
-        the others go on. Request i's sampling is seeded by ``(seed, i)``. ``continuations``:
-        plain decoding's output per prompt, for the replay drafter."""
+        the others go on. Request i's sampling is seeded by its ``params.seed``, else by
+        ``(seed, i)``. ``continuations``: plain decoding's output per prompt, for the replay
+        drafter."""
         from bole.engine.scheduler import Scheduler
-        if isinstance(params, GenerationParams):
+        if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} parameter sets for {len(prompts)} prompts")
@@ -136,8 +142,8 @@ class Engine:
             import random
             seed = self.model.tp.broadcast_int(random.randrange(2 ** 31))
         scheduler = Scheduler(self, max_queue=max(1, len(prompts)))
-        handles = [scheduler.submit(p, q, seed=None if seed is None else seed * 1_000_003 + i,
-                                    checked=True)
+        handles = [scheduler.submit(p, q if seed is None or q.seed is not None else
+                                    replace(q, seed=seed * 1_000_003 + i), checked=True)
                    for i, (p, q) in enumerate(zip(prompts, params))]
         for h, cont in zip(handles, continuations or []):
             h.request.continuation = [int(t) for t in cont]
@@ -156,7 +162,7 @@ class Engine:
             for R in (1, 2):
                 if self.cache.max_len < T + 1 + self.scratch or self.cache.num_free < R:
                     continue
-                requests = [self.new_request(-1 - i, [0] * T, GenerationParams(max_tokens=1))
+                requests = [self.new_request(-1 - i, [0] * T, SamplingParams(max_tokens=1))
                             for i in range(R)]
                 try:
                     self.admit_many(requests)
@@ -197,7 +203,7 @@ class Engine:
             # the greedy first tokens in one read; sampled and penalised ones one by one
             greedy = logits.argmax(-1).tolist()
             for i, r in enumerate(group):
-                sampling = r.params.sampling
+                sampling = r.params
                 first = greedy[i] if sampling.greedy and not sampling.penalized else \
                     self._sample_one(penalize_params(logits[i], [], r.prompt, sampling),
                                      sampling, r.gen)
@@ -243,7 +249,7 @@ class Engine:
               logprobs: list[TokenLogprob] | None = None) -> None:
         """Append a round's tokens (and their ``logprobs``, one per token, when the request
         asked for them) up to a stop token or max_tokens; finish the request there."""
-        stop = set(r.params.stop_token_ids)
+        stop = r.stop_ids
         before, reason = len(r.out), None
         for j, t in enumerate(new):
             r.out.append(t)
@@ -255,7 +261,7 @@ class Engine:
             if len(r.out) >= r.params.max_tokens:
                 reason = "length"
                 break
-        if r.params.stop_strings:
+        if r.params.stop:
             cut = self._stop_string_cut(r)
             if cut is not None:
                 del r.out[cut:]
@@ -274,14 +280,14 @@ class Engine:
     def _stop_string_cut(self, r: Request) -> int | None:
         """Fewest output tokens whose text contains a stop string, or None."""
         text = self.tokenizer.decode(r.out)
-        if not any(stop in text for stop in r.params.stop_strings):
+        if not any(stop in text for stop in r.params.stop):
             return None
         for m in range(1, len(r.out) + 1):
-            if any(stop in self.tokenizer.decode(r.out[:m]) for stop in r.params.stop_strings):
+            if any(stop in self.tokenizer.decode(r.out[:m]) for stop in r.params.stop):
                 return m
         return len(r.out)
 
-    def text(self, result: GenerationResult, params: GenerationParams) -> str:
+    def text(self, result: GenerationResult, params: SamplingParams) -> str:
         """Decoded output (:func:`result_text`)."""
         return result_text(self.tokenizer, result, params)
 

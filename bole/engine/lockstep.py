@@ -2,18 +2,18 @@
 
 Rank 0 serves HTTP. Its scheduler (:class:`LockstepScheduler`) holds submissions and
 cancellations in an inbox; each step first broadcasts them (a pickled :class:`StepEvents`: the
-admitted requests' prompt ids, parameters and seed, the cancelled requests' serials) over a CPU
-gloo group of its own, then applies them and steps. Every other rank (:meth:`follow`) receives
-the same events, applies them to its own scheduler and steps it, so all ranks admit, batch,
-sample and retire alike and the model's collectives pair up. Rank 0's engine thread sends a
-``stop`` event when it ends; the followers then return.
+admitted requests' prompt ids and parameters, seed included, the cancelled requests' serials)
+over a CPU gloo group of its own, then applies them and steps. Every other rank
+(:meth:`follow`) receives the same events, applies them to its own scheduler and steps it, so
+all ranks admit, batch, sample and retire alike and the model's collectives pair up. Rank 0's
+engine thread sends a ``stop`` event when it ends; the followers then return.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Sequence
 
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from bole.distributed import TensorParallel
 from bole.engine.engine import Engine
-from bole.engine.request import GenerationParams
+from bole.engine.request import SamplingParams
 from bole.engine.scheduler import EventFn, Handle, QueueFull, Scheduler
 
 log = logging.getLogger("bole.server")
@@ -32,12 +32,11 @@ IDLE_TIMEOUT = timedelta(days=365)
 
 @dataclass(frozen=True)
 class Submission:
-    """A request as every rank builds it: serial, prompt ids, parameters and sampling seed."""
+    """A request as every rank builds it: serial, prompt ids, parameters (their seed set)."""
 
     serial: int
     prompt: list[int]
-    params: GenerationParams
-    seed: int
+    params: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -92,22 +91,23 @@ class LockstepScheduler(Scheduler):
         self.broken: Exception | None = None
 
     # ---- any thread (rank 0) ----
-    def submit(self, prompt: Sequence[int], params: GenerationParams, *, seed: int | None = None,
+    def submit(self, prompt: Sequence[int], params: SamplingParams, *,
                on_event: EventFn | None = None, checked: bool = False) -> Handle:
-        """Queue a request for the next step; a seed is drawn here when None, so that every rank
-        samples alike."""
+        """Queue a request for the next step; a seed is drawn here when ``params.seed`` is None,
+        so that every rank samples alike."""
         if self.broken is not None:
             raise RuntimeError(f"the tensor-parallel ranks are gone ({self.broken}); the server "
                                "is stopping")
         if not checked:
             self.engine.check_request(prompt, params)
-        seed = random.randrange(2 ** 63) if seed is None else int(seed)
+        if params.seed is None:
+            params = replace(params, seed=random.randrange(2 ** 63))
         with self._lock:
             if self.num_waiting >= self.max_queue:
                 raise QueueFull(f"{self.num_waiting} requests are waiting (the most this server "
                                 f"queues); retry shortly")
             self._serial += 1
-            sub = Submission(self._serial, [int(t) for t in prompt], params, seed)
+            sub = Submission(self._serial, [int(t) for t in prompt], params)
             handle = Handle(self._request(sub), on_event)
             self._inbox.append((handle, sub))
             self._wake.notify_all()
@@ -170,7 +170,7 @@ class LockstepScheduler(Scheduler):
                 log.exception("a round failed")
 
     def _request(self, sub: Submission):
-        return self.engine.new_request(sub.serial, sub.prompt, sub.params, sub.seed)
+        return self.engine.new_request(sub.serial, sub.prompt, sub.params)
 
     def _apply(self, handles: list[Handle], cancelled: Sequence[int]) -> None:
         gone = set(cancelled)

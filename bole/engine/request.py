@@ -1,6 +1,7 @@
-"""A request as the engine and its front ends see it: its generation parameters, its host-side
-state while it runs, and its result (tokens, logprobs, timings); what a front end knows of an
-engine (:class:`EngineInfo`)."""
+"""A request as the engine and its front ends see it: its parameters (:class:`SamplingParams`,
+defined at the base floor in :mod:`bole.sampling_params` so that the speculative sampling code can
+read it too, and importable from here), its host-side state while it runs, and its result
+(tokens, logprobs, timings); what a front end knows of an engine (:class:`EngineInfo`)."""
 
 from __future__ import annotations
 
@@ -10,42 +11,10 @@ from typing import Sequence
 import torch
 
 from bole.engine.spec import SpecConfig
-from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams
+from bole.sampling_params import SamplingParams
 
-__all__ = ["GenerationParams", "TokenLogprob", "GenerationResult", "Request", "result_text",
+__all__ = ["SamplingParams", "TokenLogprob", "GenerationResult", "Request", "result_text",
            "EngineInfo"]
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """One request's generation: ``max_tokens`` output tokens at most; ``sampling`` the target
-    distribution (penalties included); ``stop_token_ids`` every token that ends the output
-    (returned with it): front ends add the checkpoint's end-of-sequence tokens unless asked to
-    ignore them; ``stop_strings`` end it too (not returned; need the engine's tokenizer);
-    ``logprobs``: None, or return each output token's log-probability with this many (0 to
-    :data:`MAX_LOGPROBS`) most likely alternatives, under the model's raw distribution
-    (log_softmax of its logits, before penalties, temperature, top-k and top-p, as vLLM's
-    default), read at the tree node the token was emitted from."""
-
-    max_tokens: int = 64
-    sampling: SamplingParams = SamplingParams(temperature=0)
-    stop_token_ids: tuple[int, ...] = ()
-    stop_strings: tuple[str, ...] = ()      # need the engine's tokenizer
-    logprobs: int | None = None
-
-    def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be integers, got {self.stop_token_ids!r}")
-        lp = self.logprobs
-        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int)
-                               or not 0 <= lp <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
-                             f"got {lp!r}")
-        if any(not isinstance(t, str) or not t for t in self.stop_strings):
-            raise ValueError("stop strings must be non-empty strings")
-        self.sampling.validate()
 
 
 @dataclass(frozen=True)
@@ -82,7 +51,7 @@ class Request:
 
     index: int
     prompt: list[int]
-    params: GenerationParams
+    params: SamplingParams
     slot: int
     out: list[int] = field(default_factory=list)
     rounds: int = 0
@@ -94,19 +63,21 @@ class Request:
     continuation: list[int] | None = None     # plain decoding's output (the replay drafter's)
     logprobs: list[TokenLogprob] = field(default_factory=list)   # one per out token, if asked
     cached_tokens: int = 0                    # prompt tokens the prefix cache restored
+    #: every token that ends the output (params.all_stop_token_ids of the checkpoint's eos)
+    stop_ids: frozenset[int] = frozenset()
 
     @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.out)
 
 
-def result_text(tokenizer, result: GenerationResult, params: GenerationParams) -> str:
+def result_text(tokenizer, result: GenerationResult, params: SamplingParams) -> str:
     """Decoded output, cut before the first stop string (the stop string is not returned); a
     multi-byte character that max_tokens cut in two is left out, not shown as U+FFFD."""
     text = tokenizer.decode(result.token_ids)
     if result.finish_reason == "length":
         text = text.rstrip("\ufffd")
-    hits = [text.find(s) for s in params.stop_strings if s in text]
+    hits = [text.find(s) for s in params.stop if s in text]
     return text[: min(hits)] if hits else text
 
 
@@ -122,11 +93,11 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     has_tokenizer: bool
 
-    def check_request(self, prompt: Sequence[int], params: GenerationParams,
+    def check_request(self, prompt: Sequence[int], params: SamplingParams,
                       name: str = "the prompt") -> None:
         """Raise a ValueError naming what is wrong with one request."""
         params.validate()
-        if params.stop_strings and not self.has_tokenizer:
+        if params.stop and not self.has_tokenizer:
             raise ValueError("stop strings need a tokenizer: build the Engine with one")
         if len(prompt) == 0:
             raise ValueError(f"{name} is empty; give at least one token")

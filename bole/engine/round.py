@@ -224,7 +224,7 @@ class RoundRunner(RoundPhases, RoundAdmission):
         b.active.copy_(dev[1].bool())
         b.roots.copy_(dev[2])
         b.remaining.copy_(dev[3])
-        b.sampling.write([r.params.sampling for r in requests], _wants_logprobs(requests))
+        b.sampling.write([r.params for r in requests], _wants_logprobs(requests))
         b.budget.fill_(self.policy.budget(n))
         b.rows = rows
         return True
@@ -254,7 +254,7 @@ class RoundRunner(RoundPhases, RoundAdmission):
         """Each sampled row's acceptance draws from its request's own generator (padding and
         greedy rows keep zeros): a request's samples do not depend on the batch around it."""
         rows = [draw_uniforms(1, self.D, self.K, r.gen, self.device)[0]
-                if not r.params.sampling.greedy else torch.zeros_like(b.uniforms[0])
+                if not r.params.greedy else torch.zeros_like(b.uniforms[0])
                 for r in requests]
         rows += [torch.zeros_like(b.uniforms[0])] * (b.R - len(requests))
         b.uniforms.copy_(torch.stack(rows))
@@ -269,7 +269,7 @@ class RoundRunner(RoundPhases, RoundAdmission):
             raise ValueError(f"{len(requests)} requests exceed the engine's {self.max_slots} "
                              "slots")
         b = self._buffers(R)
-        flags = StaticSampling.flags_for([r.params.sampling for r in requests],
+        flags = StaticSampling.flags_for([r.params for r in requests],
                                          _wants_logprobs(requests))
         if flags[6] and b.logprobs is None:
             b.logprobs = RoundLogprobs.empty(R, self.D, self.model.config.vocab_size,

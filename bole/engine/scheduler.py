@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
-from bole.engine.request import GenerationParams, GenerationResult, Request
+from bole.engine.request import GenerationResult, Request, SamplingParams
 
 
 class SteppedEngine(Protocol):
@@ -25,11 +25,11 @@ class SteppedEngine(Protocol):
     spec: Any
     cache: Any
 
-    def check_request(self, prompt: Sequence[int], params: GenerationParams,
+    def check_request(self, prompt: Sequence[int], params: SamplingParams,
                       name: str = "the prompt") -> None: ...
 
-    def new_request(self, index: int, prompt: Sequence[int], params: GenerationParams,
-                    seed: int | None = None) -> Request: ...
+    def new_request(self, index: int, prompt: Sequence[int],
+                    params: SamplingParams) -> Request: ...
 
     def admit_many(self, requests: Sequence[Request]) -> None: ...
 
@@ -97,7 +97,7 @@ class Scheduler:
         self._serial = 0
 
     # ---- any thread ----
-    def submit(self, prompt: Sequence[int], params: GenerationParams, *, seed: int | None = None,
+    def submit(self, prompt: Sequence[int], params: SamplingParams, *,
                on_event: EventFn | None = None, checked: bool = False) -> Handle:
         """Queue a request (checked first unless the caller did, ``checked``: a ValueError names
         what is wrong); QueueFull when ``max_queue`` requests are already waiting."""
@@ -108,7 +108,7 @@ class Scheduler:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (the most this server "
                                 f"queues); retry shortly")
             self._serial += 1
-            handle = Handle(self.engine.new_request(self._serial, prompt, params, seed), on_event)
+            handle = Handle(self.engine.new_request(self._serial, prompt, params), on_event)
             self.waiting.append(handle)
             self._wake.notify_all()
         return handle

@@ -22,13 +22,13 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import Response
 
-from bole.engine import Engine, GenerationParams
+from bole.engine import Engine, SamplingParams
 from bole.engine.lockstep import Channel, LockstepScheduler
 from bole.engine.request import GenerationResult, result_text
 from bole.engine.scheduler import Handle, Scheduler
@@ -140,14 +140,13 @@ def default_prompt_bytes(max_len: int) -> int:
 
 @dataclass(eq=False)
 class Sequence:
-    """One choice of a request: its prompt, parameters and seed, its engine handle, latency
-    timer, and whether the server aborted it (shutdown)."""
+    """One choice of a request: its prompt, parameters (with the choice's seed), its engine
+    handle, latency timer, and whether the server aborted it (shutdown)."""
 
     index: int
     prompt_index: int
     ids: list[int]
-    params: GenerationParams
-    seed: int | None
+    params: SamplingParams
     echo: str = ""
     handle: Handle | None = None
     timer: RequestTimer | None = None
@@ -255,7 +254,7 @@ class BoleServer:
             limit = req.token_limit
             if limit is None:
                 limit = max(1, min(self.info.max_len - self.info.scratch - len(ids), 4096))
-            params = engine_params(req, limit, self.info.eos_token_ids)
+            params = engine_params(req, limit)
             name = "the prompt" if len(prompts) == 1 else f"prompt {i}"
             try:
                 self.info.check_request(ids, params, name)
@@ -263,7 +262,8 @@ class BoleServer:
                 raise RequestError(str(exc), "messages" if chat else "prompt") from None
             for j in range(req.n):
                 index = i * req.n + j
-                sequences.append(Sequence(index, i, ids, params, choice_seed(req.seed, index),
+                sequences.append(Sequence(index, i, ids,
+                                          replace(params, seed=choice_seed(req.seed, index)),
                                           echo))
         return sequences
 
@@ -297,8 +297,7 @@ class BoleServer:
                 if stream or finished:
                     pump.post(queue, (seq.index, finished))
             try:
-                seq.handle = self.scheduler.submit(seq.ids, seq.params, seed=seq.seed,
-                                                   on_event=on_event)
+                seq.handle = self.scheduler.submit(seq.ids, seq.params, on_event=on_event)
             except BaseException:
                 self.release(sequences)
                 raise

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from bole.engine.request import EngineInfo, GenerationParams, GenerationResult
+from bole.engine.request import EngineInfo, GenerationResult, SamplingParams
 from bole.engine.scheduler import EventFn, Handle, QueueFull, RoundReport, Scheduler
 
 log = logging.getLogger("bole.server")
@@ -34,7 +34,7 @@ class RequestView:
 
     index: int
     prompt: list[int]
-    params: GenerationParams
+    params: SamplingParams
     out: list[int] = field(default_factory=list)
     rounds: int = 0
     accepted: list[int] = field(default_factory=list)
@@ -76,10 +76,9 @@ def engine_main(conn, factory: Callable[..., Any], factory_args: tuple) -> None:
             while conn.poll(timeout):
                 msg = conn.recv()
                 if msg[0] == "submit":
-                    _, serial, prompt, params, seed = msg
+                    _, serial, prompt, params = msg
                     try:
-                        handle = scheduler.submit(prompt, params, seed=seed, on_event=on_event,
-                                                  checked=True)
+                        handle = scheduler.submit(prompt, params, on_event=on_event, checked=True)
                     except Exception:              # fail this request, keep the process
                         log.exception("a submitted request could not start")
                         events.append((serial, [], True, 0, [], None, []))
@@ -155,7 +154,7 @@ class EngineClient:
         self._reader.start()
 
     # ---- what the server calls ----
-    def submit(self, prompt: Sequence[int], params: GenerationParams, *, seed: int | None = None,
+    def submit(self, prompt: Sequence[int], params: SamplingParams, *,
                on_event: EventFn | None = None, checked: bool = False) -> Handle:
         if not checked:
             self.info.check_request(prompt, params)
@@ -170,7 +169,7 @@ class EngineClient:
             handle = Handle(RequestView(serial, [int(t) for t in prompt], params), on_event)
             self._handles[serial] = handle
             self._waiting.add(serial)
-        self._send(("submit", serial, handle.request.prompt, params, seed))
+        self._send(("submit", serial, handle.request.prompt, params))
         return handle
 
     def cancel(self, handle: Handle) -> None:

@@ -5,7 +5,7 @@ error body ``{"error": {"message", "type", "param", "code"}}`` (see :func:`error
 this server does not implement is never ignored in silence: :func:`check_supported` refuses it
 with a 400 naming it, unless it holds its neutral value (``"tools": []``, ``"logit_bias": {}``),
 which asks for nothing. :func:`engine_params` is the one place where request fields become the
-engine's :class:`GenerationParams`.
+engine's :class:`~bole.sampling_params.SamplingParams`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from bole.engine.request import GenerationParams, TokenLogprob
-from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams
+from bole.engine.request import SamplingParams, TokenLogprob
+from bole.sampling_params import MAX_LOGPROBS
 
 #: the most choices (``n``) one request may ask for per prompt
 MAX_N = 16
@@ -245,18 +245,19 @@ def check_supported(req: _Sampling) -> None:
                            f"sequences; at most {MAX_SEQUENCES} per request", "n")
 
 
-def engine_params(req: _Sampling, max_tokens: int, eos: tuple[int, ...]) -> GenerationParams:
+def engine_params(req: _Sampling, max_tokens: int) -> SamplingParams:
     """The engine's parameters for one sequence of ``req``: the one place where request fields
-    become :class:`GenerationParams`."""
-    stops = (() if req.ignore_eos else eos) + tuple(req.stop_token_ids or ())
-    sampling = SamplingParams(
-        req.temperature, req.top_k, req.top_p,
+    become :class:`SamplingParams`. Every field is passed explicitly, so the server's defaults
+    are OpenAI's (``temperature`` 1.0, from the request body's default), not the Python API's.
+    The seed is the request's; each choice gets its own (:func:`choice_seed`)."""
+    return SamplingParams(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
-    return GenerationParams(max_tokens=max_tokens, stop_token_ids=stops,
-                            stop_strings=req.stop_strings, sampling=sampling,
-                            logprobs=req.logprob_count)
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed, max_tokens=max_tokens, stop=req.stop_strings,
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=bool(req.ignore_eos),
+        logprobs=req.logprob_count)
 
 
 def _token_entry(text_of, token_id: int, logprob: float) -> dict:

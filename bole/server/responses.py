@@ -110,7 +110,7 @@ async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.
     optionally the usage (on the last chunk, or so far on every chunk), then ``[DONE]``."""
     loop = asyncio.get_running_loop()
     by_index = {s.index: s for s in sequences}
-    streams = {s.index: TextStream(server.tokenizer, s.params.stop_strings) for s in sequences}
+    streams = {s.index: TextStream(server.tokenizer, s.params.stop) for s in sequences}
     first = {s.index: True for s in sequences}
     counted = {s.index: 0 for s in sequences}
     offset = {s.index: len(s.echo) for s in sequences}      # completions' text_offset

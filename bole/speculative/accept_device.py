@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 
 from bole.forest import DenseForest
-from bole.speculative.sampling import SamplingParams
+from bole.sampling_params import SamplingParams
 
 __all__ = ["SamplingBatch", "DeviceAcceptance", "EMITTED_PAD", "target_probs_rows", "sample_rows",
            "sample_tokens", "draw_uniforms", "children_slots", "accept_greedy", "accept_sampled",

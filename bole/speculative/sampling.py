@@ -1,5 +1,5 @@
-"""Sampling parameters and the target distribution they define (penalties, temperature, top-k,
-top-p).
+"""The target distribution that a request's :class:`~bole.sampling_params.SamplingParams` define
+(penalties, temperature, top-k, top-p).
 
 Acceptance must reproduce plain sampling from exactly this distribution, so one function,
 :func:`target_probs`, defines it for plain decoding and for speculative verification alike, and
@@ -8,60 +8,11 @@ one function, :func:`apply_penalties`, defines the penalised logits it starts fr
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-#: the most alternatives a request can ask log-probabilities of at each token (OpenAI's limit)
-MAX_LOGPROBS = 20
+from bole.sampling_params import SamplingParams
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1``
-    switch those filters off.
-
-    Penalties change the logits before temperature, top-k and top-p (greedy takes the argmax of
-    the penalised logits), as vLLM does: ``presence_penalty`` and ``frequency_penalty`` (OpenAI,
-    in [-2, 2], 0 = off) over the tokens generated so far, ``repetition_penalty`` (> 0, 1 = off)
-    over the prompt's and the generated tokens (see :func:`apply_penalties`).
-    """
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-
-    def validate(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not -2 <= value <= 2:
-                raise ValueError(f"{name} must lie in [-2, 2], got {value!r}")
-        rep = self.repetition_penalty
-        if isinstance(rep, bool) or not isinstance(rep, (int, float)) or not math.isfinite(rep) \
-                or rep <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
-
-    @property
-    def penalized(self) -> bool:
-        """Whether any penalty is on."""
-        return (self.presence_penalty != 0 or self.frequency_penalty != 0
-                or self.repetition_penalty != 1)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+__all__ = ["apply_penalties", "penalize_params", "target_probs"]
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor,

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.speculative.budget.registry import make_policy
 from bole.speculative.budget.round_select import select
 from bole.speculative.budget.widths import width_buckets
@@ -30,7 +30,7 @@ def model():
 @pytest.mark.parametrize("mode", ["bole", "tree-serial"])
 @pytest.mark.parametrize("drafter", ["mtp", "ngram"])
 def test_a_shared_budget_keeps_greedy_output(model, mode, drafter):
-    params = GenerationParams(max_tokens=16)
+    params = SamplingParams(max_tokens=16)
     ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar"), gdn_backend="torch-serial")
           .generate(PROMPTS, params)]
     for budget in (1, 4, 12):
@@ -51,9 +51,9 @@ def test_rows_near_their_token_limit_do_not_set_the_next_width(model):
     spec = SpecConfig("bole", "mtp", depth=4, topk=3, budget=12, budget_policy="global",
                       shared_budget=24)
     engine = Engine(model, spec, max_slots=3)
-    engine.generate(PROMPTS, GenerationParams(max_tokens=4))   # every round within depth 4
+    engine.generate(PROMPTS, SamplingParams(max_tokens=4))   # every round within depth 4
     assert engine.rounds.policy.last_kept == {}
-    engine.generate(PROMPTS, GenerationParams(max_tokens=16))
+    engine.generate(PROMPTS, SamplingParams(max_tokens=16))
     assert engine.rounds.policy.last_kept                      # rounds of whole trees counted
 
 
@@ -226,7 +226,7 @@ def test_calibrated_policy_calibrates_on_first_use(model, tmp_path, monkeypatch,
     import bole.engine.calibrate as cal
     monkeypatch.setattr(cal, "DEFAULT_GRID", (1, 2, 4, 8))
     spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=8, budget_policy="calibrated")
-    params = GenerationParams(max_tokens=10)
+    params = SamplingParams(max_tokens=10)
     ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar")).generate(PROMPTS, params)]
     engine = Engine(model, spec, max_slots=3)
     assert "calibrating now" in capsys.readouterr().err
@@ -334,7 +334,7 @@ def test_calibrated_rounds_keep_each_request_within_its_width(model, monkeypatch
     rows keep at most that many nodes, and greedy output equals plain decoding's."""
     spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=8, budget_policy="calibrated")
     profile = _profile(1000.0, T=spec.nodes_per_request).at_eps(0.025)   # batch 4: width 2
-    params = GenerationParams(max_tokens=12)
+    params = SamplingParams(max_tokens=12)
     ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar")).generate(PROMPTS, params)]
     engine = Engine(model, spec, max_slots=3, budget_profile=profile)
     policy, seen = engine.rounds.policy, []
@@ -552,7 +552,7 @@ def test_each_policy_names_the_rounds_it_can_run():
 def test_whole_tree_rounds_verify_every_drafted_node(model):
     """Against a flat verify curve, goodput rounds skip the selection: every drafted node is
     verified (as the fixed policy verifies them), and greedy output is plain decoding's."""
-    params = GenerationParams(max_tokens=24)
+    params = SamplingParams(max_tokens=24)
     ar, spec = _goodput_case(model, params)
     engine = Engine(model, spec, max_slots=3,
                     budget_profile=_profile(1000.0, slope=0.0, T=spec.nodes_per_request))
@@ -580,7 +580,7 @@ def test_goodput_drafts_when_it_pays_and_decodes_plainly_when_not(model):
     against a decode of 1 us it delivers less, and the batch decodes plainly, drafting again
     after AR_ROUNDS rounds to look; greedy output is plain decoding's either way."""
     from bole.speculative.budget.goodput import AR_ROUNDS, FIRST_ROUNDS
-    params = GenerationParams(max_tokens=24)
+    params = SamplingParams(max_tokens=24)
     ar, spec = _goodput_case(model, params)
     cheap = Engine(model, spec, max_slots=3,
                    budget_profile=_profile(1000.0, T=spec.nodes_per_request))
@@ -605,7 +605,7 @@ def test_goodput_learns_acceptance_from_its_rounds(model):
     equal the verified draft nodes, the accepted ones the drafted tokens that were emitted, and
     the table has moved off its prior where nodes were seen."""
     from bole.speculative.budget.goodput import FIT_EVERY
-    params = GenerationParams(max_tokens=40)
+    params = SamplingParams(max_tokens=40)
     model = HybridModel(model.config, dict(model.w), gdn_backend="torch")   # nothing learnt yet
     ar, spec = _goodput_case(model, params)
     # past 4 draft nodes a verify costs 1000x: the choice is never whole trees (at any batch,
@@ -633,7 +633,7 @@ def test_goodput_learns_acceptance_from_its_rounds(model):
 def test_engines_of_one_model_share_what_goodput_learnt(model):
     """Acceptance per rho belongs to a model and its drafter: a second engine of the same model
     and drafter starts from the first one's estimates; another drafter or model does not."""
-    _, spec = _goodput_case(model, GenerationParams(max_tokens=4))
+    _, spec = _goodput_case(model, SamplingParams(max_tokens=4))
     profile = _profile(1000.0, T=spec.nodes_per_request)
     first = Engine(model, spec, max_slots=3, budget_profile=profile)
     second = Engine(model, spec, max_slots=2, budget_profile=profile)
@@ -678,7 +678,7 @@ def test_goodput_is_refused_under_tensor_parallelism(model):
     import types
     twin = HybridModel(model.config, dict(model.w), gdn_backend="torch")
     twin.tp = types.SimpleNamespace(world=2)
-    _, spec = _goodput_case(model, GenerationParams(max_tokens=4))
+    _, spec = _goodput_case(model, SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="tensor-parallel ranks.*fixed, global or calibrated"):
         Engine(twin, spec, max_slots=2,
                budget_profile=_profile(1000.0, T=spec.nodes_per_request))
@@ -693,7 +693,7 @@ def test_budget_eps_derives_b_ver_from_the_profiles_curves(model):
     # eps 0.025; at eps 0 N = 2 and 4 of width 2 failed, so B_ver stays 1); without budget_eps
     # the profile is used as given
     profile = _profile(1000.0, T=spec.nodes_per_request)
-    params = GenerationParams(max_tokens=10)
+    params = SamplingParams(max_tokens=10)
     ar = [r.token_ids for r in Engine(model, SpecConfig(mode="ar")).generate(PROMPTS, params)]
     for eps, b_ver in ((None, [16, 16, 16]), (0.0, [1, 1, 1]), (0.025, [7, 6, 4]),
                        (1.0, [7, 14, 28])):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.speculative.budget.draft_depth import DraftDepth, fill_depths, MIN_ROWS, PROBE_EVERY
 from bole.speculative.budget.registry import make_policy
 from tests.engine.test_budget_policy import PROMPTS, _goodput_case, _profile
@@ -154,7 +154,7 @@ def test_greedy_output_is_unchanged_at_every_depth(model):
     """Whole rounds grown to a depth drawn at random each round (the choice replaced), in a
     batch that stays (its drafts queued before the round that takes them) and in one whose rows
     change (a slot short): greedy output equals plain decoding's, at several depths."""
-    params = GenerationParams(max_tokens=24)
+    params = SamplingParams(max_tokens=24)
     ar, spec = _goodput_case(model, params)
     for slots in (3, 2):
         engine = Engine(model, spec, max_slots=slots,
@@ -172,7 +172,7 @@ def test_whole_rounds_grow_the_chosen_depth_and_probe_one_level_more(model):
     """With the choice fixed at the shallowest depth, the whole rounds of a run grow it, except
     the probe rounds (every PROBE_EVERY-th, one level deeper) and the rounds before the choice
     (the first, and the next one, whose draft was queued before the first choice)."""
-    params = GenerationParams(max_tokens=60)
+    params = SamplingParams(max_tokens=60)
     ar, spec = _goodput_case(model, params)
     engine = Engine(model, spec, max_slots=1,
                     budget_profile=_profile(1000.0, slope=0.0, T=spec.nodes_per_request))
@@ -216,7 +216,7 @@ def test_the_round_feeds_the_choice_what_it_ran(model):
     """Every whole round reports to the choice the depth it grew (the drafted trees reach no
     deeper, and some reach it), the accepted draft tokens of its rows not near their limit, its
     draft time and the rest of its wall time (the CPU hides nothing)."""
-    params = GenerationParams(max_tokens=40)
+    params = SamplingParams(max_tokens=40)
     ar, spec = _goodput_case(model, params)
     engine = Engine(model, spec, max_slots=2,
                     budget_profile=_profile(1000.0, slope=0.0, T=spec.nodes_per_request))
@@ -264,7 +264,7 @@ def test_the_round_feeds_the_choice_what_it_ran(model):
 def test_a_select_round_drafts_again_over_a_shallower_queued_draft(model):
     """A draft queued at the choice's depth for a round that then selects (it chooses from every
     level) is dropped, and the round grows the deepest tree."""
-    params = GenerationParams(max_tokens=40)
+    params = SamplingParams(max_tokens=40)
     ar, spec = _goodput_case(model, params)
     engine = Engine(model, spec, max_slots=1,
                     budget_profile=_profile(1000.0, slope=0.0, T=spec.nodes_per_request))

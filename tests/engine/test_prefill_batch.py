@@ -4,7 +4,7 @@ prefilled alone, and the engine admits a round's arrivals in one such forward.""
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.engine.runner import PREFILL_BATCH_MAX, ModelRunner
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
@@ -66,7 +66,7 @@ def test_engine_outputs_with_batched_admission_equal_one_by_one(model, mode):
     one at a time (max_slots 1 admits them one by one)."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 3, 30, 70, 14)]
-    params = GenerationParams(max_tokens=12)
+    params = SamplingParams(max_tokens=12)
     spec = SpecConfig(mode, "mtp", depth=3, topk=2, budget=6)
     together = Engine(model, spec, max_slots=5, max_len=160).generate(prompts, params, seed=0)
     one_by_one = Engine(model, spec, max_slots=1, max_len=160).generate(prompts, params, seed=0)
@@ -132,7 +132,7 @@ def test_rounds_pad_to_a_bucket_no_larger_than_the_engine(model):
     assert bucket_for(257, 300) == 300 and bucket_for(52, 51) is None
     assert bucket_for(3, 256) == 4 and bucket_for(300, 256) is None
     prompts = [[5, 9, 17, 33, 2], [7, 7, 8, 9, 1], [100, 3, 100]]
-    params = GenerationParams(max_tokens=6)
+    params = SamplingParams(max_tokens=6)
     spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=6)
     engine = Engine(model, spec, max_slots=3, max_len=64)
     got = [r.token_ids for r in engine.generate(prompts, params, seed=0)]
@@ -147,7 +147,7 @@ def test_padding_rows_stay_inside_the_dummy_slot_at_a_short_max_len(model):
     positions: the width drops to 63, so the padding row on the dummy slot (which holds a
     token) stays inside it; outputs equal one-by-one admission."""
     prompts = [[1] * 40, [2] * 5, [3] * 7]
-    params = GenerationParams(max_tokens=4)
+    params = SamplingParams(max_tokens=4)
     spec = SpecConfig("bole", "mtp", depth=2, topk=2, budget=4)
     together = Engine(model, spec, max_slots=4, max_len=64, cuda_graphs=False)
     assert together.rounds.prefill_widths() == (16, 32)
@@ -164,9 +164,9 @@ def test_admission_takes_at_most_a_row_cap_per_forward(model):
     prompts = [torch.randint(0, 128, (5,), generator=gen).tolist() for _ in range(n)]
     spec = SpecConfig("ar")
     engine = Engine(model, spec, max_slots=n, max_len=64)
-    got = engine.generate(prompts, GenerationParams(max_tokens=3), seed=0)
+    got = engine.generate(prompts, SamplingParams(max_tokens=3), seed=0)
     want = Engine(model, spec, max_slots=1, max_len=64).generate(
-        prompts, GenerationParams(max_tokens=3), seed=0)
+        prompts, SamplingParams(max_tokens=3), seed=0)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     slots = [engine.cache.allocate(16) for _ in range(n)]
     with pytest.raises(ValueError, match="at most"):
@@ -182,7 +182,7 @@ def test_warm_up_leaves_the_cache_as_it_was(model):
     warmed.warm_up()
     assert warmed.cache.num_free == 3 and not warmed.cache.used_slots
     prompts = [[5, 6, 7], list(range(20, 45))]
-    params = GenerationParams(max_tokens=6)
+    params = SamplingParams(max_tokens=6)
     assert [r.token_ids for r in warmed.generate(prompts, params)] == \
         [r.token_ids for r in fresh.generate(prompts, params)]
 

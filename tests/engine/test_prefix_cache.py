@@ -6,12 +6,11 @@ checkpoint at every block boundary; shorter ones at their last token but one."""
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.engine.prefix_admission import PrefixCacheConfig
 from bole.engine.scheduler import Scheduler
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
-from bole.speculative.sampling import SamplingParams
 
 MODES = ("ar", "chain", "tree-serial", "bole")
 BLOCK = 8
@@ -54,9 +53,8 @@ def run_one_by_one(e, prompts, params):
 def test_output_is_identical_with_the_cache_on_and_off(model, mode):
     """Greedy and seeded sampling, requests one after another (A, B, A, a longer A): the same
     tokens with the cache as without; hits where the user expects them."""
-    for params in (GenerationParams(max_tokens=12),
-                   GenerationParams(max_tokens=12,
-                                    sampling=SamplingParams(temperature=0.8, top_k=5))):
+    for params in (SamplingParams(max_tokens=12),
+                   SamplingParams(temperature=0.8, top_k=5, max_tokens=12)):
         off = run_one_by_one(engine(model, mode, cache=False), conversation(), params)
         on_engine = engine(model, mode)
         on = run_one_by_one(on_engine, conversation(), params)
@@ -72,7 +70,7 @@ def test_output_is_identical_with_the_cache_on_and_off(model, mode):
 
 def _admit(e, prompt):
     """Admit one request (its first token emitted) and return it, slot held."""
-    r = e.new_request(0, prompt, GenerationParams(max_tokens=4), seed=0)
+    r = e.new_request(0, prompt, SamplingParams(max_tokens=4, seed=0))
     e.admit_many([r])
     return r
 
@@ -117,7 +115,7 @@ def test_speculation_does_not_change_the_hit_rate(model):
     hits = {}
     for mode in ("ar", "bole"):
         e = engine(model, mode)
-        run_one_by_one(e, conversation(), GenerationParams(max_tokens=10))
+        run_one_by_one(e, conversation(), SamplingParams(max_tokens=10))
         hits[mode] = e.prefix.stats()
     assert hits["ar"]["hit_tokens"] == hits["bole"]["hit_tokens"] > 0
     assert hits["ar"]["query_tokens"] == hits["bole"]["query_tokens"]
@@ -126,7 +124,7 @@ def test_speculation_does_not_change_the_hit_rate(model):
 def test_a_prompt_shorter_than_a_block_hits_when_repeated(model):
     e = engine(model, "bole")
     short = [3, 1, 4, 1, 5]
-    first, again, _ = run_one_by_one(e, [short, short], GenerationParams(max_tokens=8))
+    first, again, _ = run_one_by_one(e, [short, short], SamplingParams(max_tokens=8))
     assert again.cached_tokens == 4 and first.token_ids == again.token_ids
 
 
@@ -134,8 +132,8 @@ def test_a_prefix_ending_mid_block_hits_its_last_full_block(model):
     e = engine(model, "bole")
     a = list(range(30, 110))                                  # 80 tokens
     b = a[:69] + [9, 8, 7]                                    # diverges inside the ninth block
-    off = run_one_by_one(engine(model, "bole", cache=False), [a, b], GenerationParams(max_tokens=8))
-    on = run_one_by_one(e, [a, b], GenerationParams(max_tokens=8))
+    off = run_one_by_one(engine(model, "bole", cache=False), [a, b], SamplingParams(max_tokens=8))
+    on = run_one_by_one(e, [a, b], SamplingParams(max_tokens=8))
     assert on[1].cached_tokens == 64
     assert [r.token_ids for r in on] == [r.token_ids for r in off]
 
@@ -145,7 +143,7 @@ def test_concurrent_requests_sharing_a_prefix_and_eviction_under_a_tiny_cap(mode
     cache too small to hold them all (entries evicted while requests that restored them run):
     outputs equal the cache-off run."""
     prompts = [SYSTEM + [40 + i, 41 + i, 42 + i] for i in range(6)] + conversation()
-    params = GenerationParams(max_tokens=10)
+    params = SamplingParams(max_tokens=10)
     off = engine(model, "bole", cache=False).generate(prompts, params, seed=1)
     for capacity in (None, 2e-5):                             # about 20 KiB: a few entries
         e = engine(model, "bole", capacity_gib=capacity, slots=3)
@@ -162,14 +160,14 @@ def test_a_request_cancelled_mid_prefill_frees_its_slot_and_leaves_the_cache_usa
     e = engine(model, "bole", slots=1)
     scheduler = Scheduler(e)
     long = SYSTEM + list(range(60, 90))
-    handle = scheduler.submit(long, GenerationParams(max_tokens=20))
+    handle = scheduler.submit(long, SamplingParams(max_tokens=20))
     e.on_prefill_chunk = lambda done, total: scheduler.cancel(handle)
     scheduler.step()
     e.on_prefill_chunk = None
     scheduler.run_until_idle()
     assert handle.done.is_set() and e.cache.num_free == 1
-    off = engine(model, "bole", cache=False).generate([long], GenerationParams(max_tokens=10))
-    on = e.generate([long], GenerationParams(max_tokens=10))
+    off = engine(model, "bole", cache=False).generate([long], SamplingParams(max_tokens=10))
+    on = e.generate([long], SamplingParams(max_tokens=10))
     assert on[0].token_ids == off[0].token_ids
 
 
@@ -184,7 +182,7 @@ def test_bad_prefix_cache_settings_are_named():
 def test_host_drafters_and_the_draft_model_see_the_same_output(model, drafter):
     """The n-gram drafter (the whole prompt, host side) and a draft model (its own cache,
     prefilled whole): output identical with the cache on and off, hits as with the MTP head."""
-    params = GenerationParams(max_tokens=12)
+    params = SamplingParams(max_tokens=12)
     runs = {}
     for cache in (False, True):
         e = Engine(model, SpecConfig("bole", drafter, depth=3, topk=2, budget=6), max_slots=2,
@@ -198,7 +196,7 @@ def test_host_drafters_and_the_draft_model_see_the_same_output(model, drafter):
 def test_running_out_of_device_memory_shrinks_the_cache_not_the_request(model, monkeypatch):
     e = engine(model, "bole")
     store = e.prefix.store
-    run_one_by_one(e, conversation()[:1], GenerationParams(max_tokens=6))
+    run_one_by_one(e, conversation()[:1], SamplingParams(max_tokens=6))
     held = store.bytes
     assert held > 0
 
@@ -206,8 +204,8 @@ def test_running_out_of_device_memory_shrinks_the_cache_not_the_request(model, m
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
     monkeypatch.setattr(store, "states", oom)                    # a finished request's
     monkeypatch.setattr(store.pools[0], "state", oom)            # a prefill's checkpoints
-    got = e.generate([conversation()[1]], GenerationParams(max_tokens=6), seed=7)[0]
+    got = e.generate([conversation()[1]], SamplingParams(max_tokens=6), seed=7)[0]
     want = engine(model, "bole", cache=False).generate([conversation()[1]],
-                                                       GenerationParams(max_tokens=6), seed=7)[0]
+                                                       SamplingParams(max_tokens=6), seed=7)[0]
     assert got.token_ids == want.token_ids and got.cached_tokens == 64
     assert store.capacity < held and store.bytes <= store.capacity

@@ -3,13 +3,14 @@ are the same as drafting at the start of each round, greedy and sampled, also wh
 changes under a queued draft (a request leaves or joins), and the queued draft is reused only
 while the rows are unchanged."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
-from bole.speculative.sampling import SamplingParams
 
 PROMPTS = [[5, 9, 17, 33, 2] * 3, [7, 7, 8, 9, 1, 2, 3], [100, 4], [3, 1, 4, 1, 5, 9, 2, 6]]
 
@@ -27,9 +28,9 @@ def drive(model, spec, prelaunch: bool, sampled: bool):
     drafts = []
     real = engine.rounds._draft
     engine.rounds._draft = lambda b, d: (drafts.append(b.R), real(b, d))[1]
-    params = GenerationParams(max_tokens=24, sampling=SamplingParams(
-        temperature=0.9, top_k=20) if sampled else SamplingParams(temperature=0))
-    reqs = [engine.new_request(i, p, params, seed=i) for i, p in enumerate(PROMPTS)]
+    params = SamplingParams(temperature=0.9, top_k=20, max_tokens=24) if sampled else \
+        SamplingParams(temperature=0, max_tokens=24)
+    reqs = [engine.new_request(i, p, replace(params, seed=i)) for i, p in enumerate(PROMPTS)]
     running = reqs[:3]
     for r in running:
         engine.admit(r)
@@ -67,7 +68,7 @@ def test_a_queued_draft_is_reused_only_for_the_same_rows(model):
     calls = []
     real = engine.rounds._draft
     engine.rounds._draft = lambda b, d: (calls.append(1), real(b, d))[1]
-    r0, r1 = (engine.new_request(i, p, GenerationParams(max_tokens=30), seed=i)
+    r0, r1 = (engine.new_request(i, p, SamplingParams(max_tokens=30, seed=i))
               for i, p in enumerate(PROMPTS[:2]))
     engine.admit(r0)
     engine.step([r0], prelaunch=True)              # drafts, then queues the next draft
@@ -77,7 +78,7 @@ def test_a_queued_draft_is_reused_only_for_the_same_rows(model):
     engine.admit(r1)
     engine.step([r0, r1], prelaunch=False)         # new rows (another bucket): drafts anew
     assert len(calls) == 4 and engine.rounds._pending is None
-    near_end = engine.new_request(2, PROMPTS[2], GenerationParams(max_tokens=3), seed=2)
+    near_end = engine.new_request(2, PROMPTS[2], SamplingParams(max_tokens=3, seed=2))
     engine.release(r1)
     engine.admit(near_end)
     engine.step([r0, near_end], prelaunch=True)    # near_end may finish: nothing is queued
@@ -91,7 +92,7 @@ def test_a_queued_draft_counts_in_the_round_that_uses_it(model):
     import time
     spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=6)
     engine = Engine(model, spec, max_slots=1, max_len=200)
-    r = engine.new_request(0, PROMPTS[0], GenerationParams(max_tokens=60), seed=0)
+    r = engine.new_request(0, PROMPTS[0], SamplingParams(max_tokens=60, seed=0))
     engine.admit(r)
     walls, timings = [], []
     for _ in range(4):

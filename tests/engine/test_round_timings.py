@@ -4,7 +4,7 @@ rounds record every token they emit under the number of requests they ran."""
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.engine.timings import RoundTimings
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
@@ -31,7 +31,7 @@ def test_an_engine_records_every_token_under_its_batch_size():
                                gdn_backend="torch")
     prompts = [[5, 9, 17, 33], [7, 7, 8], [100, 3, 100, 3, 100]]
     engine = Engine(model, SpecConfig("bole", "mtp", depth=3, topk=2, budget=6), max_slots=3)
-    res = engine.generate(prompts, [GenerationParams(max_tokens=n) for n in (12, 5, 8)])
+    res = engine.generate(prompts, [SamplingParams(max_tokens=n) for n in (12, 5, 8)])
     by = engine.timings.by_batch
     assert max(by) == 3 and sum(row[0] for row in by.values()) == engine.timings.rounds
     # every token after each request's first comes from a round

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.engine.runner import ModelRunner
 from bole.forest import DenseForest
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
+from bole.sampling_params import MAX_LOGPROBS
 from bole.speculative.penalties import PenaltyCounts, penalize_forest
-from bole.speculative.sampling import MAX_LOGPROBS, SamplingParams
 
 MODES = ["bole", "tree-serial", "chain"]
 
@@ -144,10 +145,9 @@ def test_greedy_penalties_equal_plain_decoding_in_every_mode(replay_model):
     the tokens on a node's path decide its argmax (counting only the committed output fails
     this test for the penalties that favour repeats)."""
     for pen in PENALTIES:
-        params = GenerationParams(max_tokens=24, sampling=SamplingParams(temperature=0, **pen))
+        params = SamplingParams(temperature=0, **pen, max_tokens=24)
         ar_engine = Engine(replay_model, SpecConfig(mode="ar"))
-        plain = [r.token_ids for r in ar_engine.generate(prompts(), GenerationParams(
-            max_tokens=24))]
+        plain = [r.token_ids for r in ar_engine.generate(prompts(), SamplingParams(max_tokens=24))]
         ar = [r.token_ids for r in ar_engine.generate(prompts(), params)]
         assert ar != plain, pen
         for mode in MODES:
@@ -161,8 +161,8 @@ def test_greedy_penalties_equal_plain_decoding_in_every_mode(replay_model):
 
 def test_greedy_penalties_with_ngram_drafts_equal_plain_decoding(model):
     """The host (n-gram) drafter's trees with penalties: equal to ar in every mode."""
-    params = GenerationParams(max_tokens=24, sampling=SamplingParams(
-        temperature=0, presence_penalty=-2.0, repetition_penalty=1.2, frequency_penalty=0.4))
+    params = SamplingParams(temperature=0, presence_penalty=-2.0, frequency_penalty=0.4,
+                            repetition_penalty=1.2, max_tokens=24)
     ar = Engine(model, SpecConfig(mode="ar")).generate(prompts(), params, seed=0)
     for mode in MODES:
         spec = Engine(model, SpecConfig(mode=mode, depth=4, topk=3, budget=12)).generate(
@@ -175,10 +175,9 @@ def test_greedy_penalised_output_follows_the_definition(model):
     """ar's penalised greedy output is the argmax of the reference penalties applied to a plain
     forward's logits, at every position (independent of the engine's penalty code)."""
     sp = SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.8,
-                        repetition_penalty=1.4)
+                        repetition_penalty=1.4, max_tokens=16)
     prompt = prompts()[1]
-    out = Engine(model, SpecConfig(mode="ar")).generate(
-        [prompt], GenerationParams(max_tokens=16, sampling=sp))[0].token_ids
+    out = Engine(model, SpecConfig(mode="ar")).generate([prompt], sp)[0].token_ids
     logits = plain_logits(model, prompt + out[:-1])[len(prompt) - 1:]
     for j, tok in enumerate(out):
         row = [penalised_reference(float(x), out[:j].count(v), v in prompt, 0.5, 0.8, 1.4)
@@ -189,11 +188,9 @@ def test_greedy_penalised_output_follows_the_definition(model):
 def test_mixed_batch_penalised_and_plain_rows(model):
     """Penalised, plain greedy and sampled requests in one batch: the greedy ones equal ar's
     outputs with their own parameters."""
-    pen = GenerationParams(max_tokens=16, sampling=SamplingParams(temperature=0,
-                                                                  frequency_penalty=1.0))
-    plain = GenerationParams(max_tokens=16)
-    sampled = GenerationParams(max_tokens=16, sampling=SamplingParams(temperature=1.0,
-                                                                      presence_penalty=1.0))
+    pen = SamplingParams(temperature=0, frequency_penalty=1.0, max_tokens=16)
+    plain = SamplingParams(max_tokens=16)
+    sampled = SamplingParams(temperature=1.0, presence_penalty=1.0, max_tokens=16)
     ar = Engine(model, SpecConfig(mode="ar")).generate([prompts()[0]] * 2, [pen, plain])
     for mode in MODES:
         res = Engine(model, SpecConfig(mode=mode, depth=3, topk=2, budget=8), max_slots=3)\
@@ -208,8 +205,8 @@ def test_logprobs_equal_plain_forward_in_every_mode(model, mode):
     """Each emitted token's logprob and top alternatives are log_softmax of a plain forward's
     logits at its position (raw distribution: penalties and temperature do not enter), and
     equal ar's; a request without logprobs gets None."""
-    sp = SamplingParams(temperature=0, repetition_penalty=1.3)
-    params = [GenerationParams(max_tokens=20, sampling=sp, logprobs=k) for k in (5, 0, None)]
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=20, logprobs=k)
+              for k in (5, 0, None)]
     ar = Engine(model, SpecConfig(mode="ar")).generate(prompts(), params, seed=0)
     res = Engine(model, SpecConfig(mode=mode, depth=4, topk=3, budget=12)).generate(
         prompts(), params, seed=0)
@@ -230,25 +227,25 @@ def test_logprobs_equal_plain_forward_in_every_mode(model, mode):
 
 def test_logprobs_follow_the_stop_string_cut_and_bounds(model):
     with pytest.raises(ValueError, match="logprobs"):
-        GenerationParams(logprobs=MAX_LOGPROBS + 1).validate()
+        SamplingParams(logprobs=MAX_LOGPROBS + 1).validate()
     with pytest.raises(ValueError, match="logprobs"):
-        GenerationParams(logprobs=-1).validate()
+        SamplingParams(logprobs=-1).validate()
     with pytest.raises(ValueError, match="penalty"):
         SamplingParams(presence_penalty=2.5).validate()
     with pytest.raises(ValueError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=0).validate()
     with pytest.raises(ValueError, match="stop_token_ids"):
         Engine(model, SpecConfig(mode="ar")).generate(
-            [[1, 2]], GenerationParams(stop_token_ids=(10 ** 6,)))
+            [[1, 2]], SamplingParams(stop_token_ids=(10 ** 6,)))
 
 
 def test_stop_token_ids_stop_every_mode_with_logprobs(model):
     """A stop token inside an accepted path ends the output there, with its logprob."""
-    ref = Engine(model, SpecConfig(mode="ar")).generate([prompts()[0]], GenerationParams(
-        max_tokens=20))[0].token_ids
+    ref = Engine(model, SpecConfig(mode="ar")).generate(
+        [prompts()[0]], SamplingParams(max_tokens=20))[0].token_ids
     stop = ref[9]
     cut = ref[:ref.index(stop) + 1]
-    params = GenerationParams(max_tokens=20, stop_token_ids=(stop,), logprobs=2)
+    params = SamplingParams(max_tokens=20, stop_token_ids=(stop,), logprobs=2)
     for mode in ["ar"] + MODES:
         r = Engine(model, SpecConfig(mode=mode, depth=4, topk=3, budget=12)).generate(
             [prompts()[0]], params)[0]
@@ -279,7 +276,7 @@ def test_sampled_penalties_follow_the_penalised_distribution():
     m = HybridModel(m.config, tensors, gdn_backend="torch")
     prompt = [5, 9, 17, 33, 2] * 4
     pen = dict(presence_penalty=1.0, frequency_penalty=0.7, repetition_penalty=1.6)
-    params = GenerationParams(max_tokens=3, sampling=SamplingParams(temperature=1.0, **pen))
+    params = SamplingParams(temperature=1.0, **pen, max_tokens=3)
     engine = Engine(m, SpecConfig(mode="bole", depth=3, topk=3, budget=10), max_slots=128,
                     max_len=64)
     runs = [r.token_ids for call in range(6)
@@ -327,10 +324,9 @@ def test_captured_penalties_and_logprobs_equal_eager_and_sync_once():
     model = HybridModel.from_pretrained(BUNDLED_MODEL, dtype=torch.float32, device="cuda")
     tok = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
     ps = [tok.encode(p).ids for p in code_prompts()[:3]]
-    pen = [SamplingParams(temperature=0, frequency_penalty=0.8, repetition_penalty=1.3),
-           SamplingParams(temperature=0.8, presence_penalty=1.0),
-           SamplingParams(temperature=0)]
-    params = [GenerationParams(max_tokens=40, sampling=s, logprobs=3) for s in pen]
+    pen = [dict(temperature=0, frequency_penalty=0.8, repetition_penalty=1.3),
+           dict(temperature=0.8, presence_penalty=1.0), dict(temperature=0)]
+    params = [SamplingParams(**s, max_tokens=40, ignore_eos=True, logprobs=3) for s in pen]
     runs = {}
     for mode, graphs in (("ar", False), ("bole", False), ("bole", True), ("chain", True)):
         engine = Engine(model, SpecConfig(mode, "mtp", depth=6, topk=3, budget=16),
@@ -350,7 +346,8 @@ def test_captured_penalties_and_logprobs_equal_eager_and_sync_once():
                 assert math.isclose(x.logprob, y.logprob, abs_tol=1e-3)
     engine = Engine(model, SpecConfig("bole", "mtp", depth=6, topk=3, budget=16), max_slots=4,
                     max_len=512)
-    reqs = [engine.new_request(i, p, q, seed=i) for i, (p, q) in enumerate(zip(ps, params))]
+    reqs = [engine.new_request(i, p, replace(q, seed=i))
+            for i, (p, q) in enumerate(zip(ps, params))]
     for r in reqs:
         engine.admit(r)
     engine.step(reqs)
@@ -365,22 +362,24 @@ def test_captured_penalties_and_logprobs_equal_eager_and_sync_once():
 
 
 def test_llm_api_takes_the_new_fields():
-    """bole.LLM: penalties, stop_token_ids, ignore_eos and logprobs reach the engine; the
-    output equals plain decoding's with the same parameters."""
+    """bole.LLM: penalties, stop_token_ids, ignore_eos and logprobs reach the engine (the API's
+    SamplingParams is the engine's); the output equals plain decoding's with the same
+    parameters."""
     from bole import LLM
     from bole import SamplingParams as ApiParams
+    assert ApiParams is SamplingParams
     llm = LLM(max_batch=1, max_len=256, dtype="fp32")     # exact comparisons: fp32 on a GPU too
     eos = tuple(llm.model.config.eos_token_id)
     base = llm.generate("def add(a, b):", ApiParams(max_tokens=12))[0]
     stop = base.token_ids[6]
     sp = ApiParams(max_tokens=12, frequency_penalty=0.5, repetition_penalty=1.1,
                    stop_token_ids=[stop], ignore_eos=True, logprobs=2)
-    params = llm._generation_params(sp)
-    assert params.stop_token_ids == (stop,) and params.logprobs == 2
-    assert llm._generation_params(ApiParams(stop_token_ids=[stop])).stop_token_ids == eos + (stop,)
+    assert sp.stop_token_ids == (stop,) and llm.engine.new_request(0, [1], sp).stop_ids == {stop}
+    with_eos = llm.engine.new_request(0, [1], ApiParams(stop_token_ids=[stop]))
+    assert with_eos.stop_ids == set(eos + (stop,))
     out = llm.generate("def add(a, b):", sp)[0]
     ar = Engine(llm.model, SpecConfig("ar", "mtp"), max_slots=1, max_len=256).generate(
-        [out.prompt_token_ids], params)[0]
+        [out.prompt_token_ids], sp)[0]
     assert out.token_ids == ar.token_ids and len(out.logprobs) == len(out.token_ids)
     assert out.finish_reason == ar.finish_reason
     assert (out.token_ids[-1] == stop) == (out.finish_reason == "stop")

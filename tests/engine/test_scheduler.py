@@ -4,7 +4,7 @@ finished requests free their slots, a full queue refuses."""
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.engine.scheduler import QueueFull, Scheduler
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
@@ -23,7 +23,7 @@ def model():
 def alone(model, prompt, max_tokens):
     engine = Engine(model, SpecConfig(mode="ar"), max_slots=1, max_len=128,
                     gdn_backend="torch-serial")
-    return engine.generate([prompt], GenerationParams(max_tokens=max_tokens))[0].token_ids
+    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].token_ids
 
 
 @pytest.mark.parametrize("mode", ["bole", "tree-serial", "chain", "ar"])
@@ -36,11 +36,11 @@ def test_requests_joining_mid_flight_equal_one_at_a_time(model, mode):
     def record(handle, tokens, finished):
         events.setdefault(handle.request.index, []).extend(tokens)
     lengths = [14, 9, 11, 6]
-    handles = [scheduler.submit(PROMPTS[0], GenerationParams(max_tokens=lengths[0]),
+    handles = [scheduler.submit(PROMPTS[0], SamplingParams(max_tokens=lengths[0]),
                                 on_event=record)]
     scheduler.step()                                   # the first request runs alone
     for p, n in zip(PROMPTS[1:], lengths[1:]):         # then three more arrive, one per round
-        handles.append(scheduler.submit(p, GenerationParams(max_tokens=n), on_event=record))
+        handles.append(scheduler.submit(p, SamplingParams(max_tokens=n), on_event=record))
         assert scheduler.num_running <= 2              # two slots: the rest wait
         scheduler.step()
     scheduler.run_until_idle()
@@ -55,10 +55,10 @@ def test_cancelled_requests_free_their_slots_within_a_round(model):
     engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=2, max_len=128)
     scheduler = Scheduler(engine, max_queue=4)
     finals = []
-    a = scheduler.submit(PROMPTS[0], GenerationParams(max_tokens=40),
+    a = scheduler.submit(PROMPTS[0], SamplingParams(max_tokens=40),
                          on_event=lambda h, t, f: f and finals.append(h))
-    b = scheduler.submit(PROMPTS[1], GenerationParams(max_tokens=40))
-    waiting = scheduler.submit(PROMPTS[2], GenerationParams(max_tokens=40))
+    b = scheduler.submit(PROMPTS[1], SamplingParams(max_tokens=40))
+    waiting = scheduler.submit(PROMPTS[2], SamplingParams(max_tokens=40))
     scheduler.step()
     assert engine.cache.num_free == 0 and scheduler.num_waiting == 1
     scheduler.cancel(a)
@@ -75,20 +75,20 @@ def test_a_full_queue_refuses_and_bad_requests_are_checked_first(model):
     engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=1, max_len=64)
     scheduler = Scheduler(engine, max_queue=2)
     for _ in range(2):
-        scheduler.submit(PROMPTS[2], GenerationParams(max_tokens=4))
+        scheduler.submit(PROMPTS[2], SamplingParams(max_tokens=4))
     with pytest.raises(QueueFull, match="waiting"):
-        scheduler.submit(PROMPTS[2], GenerationParams(max_tokens=4))
+        scheduler.submit(PROMPTS[2], SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="context"):
-        scheduler.submit(PROMPTS[2], GenerationParams(max_tokens=100))
+        scheduler.submit(PROMPTS[2], SamplingParams(max_tokens=100))
     with pytest.raises(ValueError, match="token ids"):
-        scheduler.submit([10_000], GenerationParams(max_tokens=4))
+        scheduler.submit([10_000], SamplingParams(max_tokens=4))
     scheduler.run_until_idle()
     assert engine.cache.num_free == 1
 
 
 def test_generate_queues_more_prompts_than_slots(model):
     engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=2, max_len=128)
-    res = engine.generate(PROMPTS, GenerationParams(max_tokens=10), seed=0)
+    res = engine.generate(PROMPTS, SamplingParams(max_tokens=10), seed=0)
     assert [r.token_ids for r in res] == [alone(model, p, 10) for p in PROMPTS]
     assert engine.cache.num_free == 2
 
@@ -106,7 +106,7 @@ def test_a_round_queues_its_next_draft_unless_a_free_slot_waits_for_a_request(mo
         seen.append((len(requests), scheduler.num_waiting, prelaunch))
         return real(requests, prelaunch=prelaunch)
     engine.step = spy
-    handles = [scheduler.submit(p, GenerationParams(max_tokens=1 if i == 0 else 10), seed=i)
+    handles = [scheduler.submit(p, SamplingParams(max_tokens=1 if i == 0 else 10, seed=i))
                for i, p in enumerate(PROMPTS)]
     scheduler.run_until_idle()
     assert seen[0] == (1, 2, False)      # the first request ended at its prefill: a slot is free

@@ -18,13 +18,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.engine.request import GenerationResult, result_text
 from bole.engine.runner import ModelRunner
 from bole.engine.scheduler import Scheduler
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
-from bole.speculative.sampling import SamplingParams
 
 
 # ---------------------------------------------------------------- the sampled distribution
@@ -153,7 +152,7 @@ def test_sampled_tokens_follow_the_models_own_distribution(sampling_model, refer
     engine = Engine(sampling_model, SpecConfig(mode=mode, drafter="draft", depth=2, topk=3,
                                                budget=8),
                     max_slots=128, max_len=64, draft_model=sampling_model)
-    params = GenerationParams(max_tokens=3, sampling=SamplingParams(temperature, top_k, top_p))
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=3)
     results = [r for call in range(4)
                for r in engine.generate([PROMPT] * 128, params, seed=100 + call)]
     samples = [tuple(r.token_ids) for r in results]
@@ -184,7 +183,8 @@ def test_mtp_pool_rows_are_the_committed_positions_after_every_round(bundled):
     engine = Engine(model, SpecConfig("bole", "mtp", depth=4, topk=3, budget=12), max_slots=2,
                     max_len=256)
     scheduler = Scheduler(engine)
-    handles = [scheduler.submit(p, GenerationParams(max_tokens=24)) for p in prompts[:2]]
+    handles = [scheduler.submit(p, SamplingParams(max_tokens=24, ignore_eos=True))
+               for p in prompts[:2]]
     fresh_runner = ModelRunner(model, model.new_cache(1, 256), "torch")
     fresh = MTPDrafter(model, 1, 256, engine.scratch)
     mtp = engine.rounds.device_drafter
@@ -222,7 +222,7 @@ def test_bundled_model_acceptance_is_in_its_measured_band(bundled):
     model, prompts = bundled
     engine = Engine(model, SpecConfig("bole", "mtp", depth=6, topk=3, budget=16), max_slots=3,
                     max_len=256)
-    results = engine.generate(prompts, GenerationParams(max_tokens=32))
+    results = engine.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     rounds = sum(r.rounds for r in results)
     mean = sum(sum(r.accepted) for r in results) / rounds
     assert abs(mean - BUNDLED_ACCEPTANCE) <= ACCEPTANCE_BAND, mean
@@ -251,7 +251,7 @@ def test_stop_strings_cut_at_the_first_match_across_tokens_and_strings(greedy_mo
     engine = Engine(greedy_model, SpecConfig("bole", "draft", depth=4, topk=2, budget=8),
                     max_slots=2, max_len=128, tokenizer=PairTokenizer(), draft_model=greedy_model)
     prompt = [5, 9, 17, 33, 2] * 4
-    free = engine.generate([prompt], GenerationParams(max_tokens=40))[0]
+    free = engine.generate([prompt], SamplingParams(max_tokens=40))[0]
     assert max(free.accepted) >= 3
     text = PairTokenizer().decode(free.token_ids)
     # a string of two letters that straddles a token boundary (an odd offset) and occurs at
@@ -262,7 +262,7 @@ def test_stop_strings_cut_at_the_first_match_across_tokens_and_strings(greedy_mo
     assert text.find(twice, first + 1) > first
 
     def run(stops):
-        params = GenerationParams(max_tokens=40, stop_strings=tuple(stops))
+        params = SamplingParams(max_tokens=40, stop=tuple(stops))
         res = engine.generate([prompt], params)[0]
         return res, engine.text(res, params)
 
@@ -291,15 +291,15 @@ def test_result_text_cuts_before_the_first_of_several_matches():
     tok = PairTokenizer()
     ids = [0, 1, 0, 1, 2]                                  # "AaBaAaBaCa"
     res = GenerationResult(ids, "stop")
-    assert result_text(tok, res, GenerationParams(stop_strings=("aB",))) == "A"
-    assert result_text(tok, res, GenerationParams(stop_strings=("Ca", "aA"))) == "AaB"
-    assert result_text(tok, res, GenerationParams(stop_strings=("Q",))) == "AaBaAaBaCa"
+    assert result_text(tok, res, SamplingParams(stop=("aB",))) == "A"
+    assert result_text(tok, res, SamplingParams(stop=("Ca", "aA"))) == "AaB"
+    assert result_text(tok, res, SamplingParams(stop=("Q",))) == "AaBaAaBaCa"
 
     class Cut:                      # a multi-byte character cut in two decodes to U+FFFD
         def decode(self, ids):
             return "\ufffdab\ufffd"
-    assert result_text(Cut(), GenerationResult([1], "length"), GenerationParams()) == "\ufffdab"
-    assert result_text(Cut(), GenerationResult([1], "stop"), GenerationParams()) == \
+    assert result_text(Cut(), GenerationResult([1], "length"), SamplingParams()) == "\ufffdab"
+    assert result_text(Cut(), GenerationResult([1], "stop"), SamplingParams()) == \
         "\ufffdab\ufffd"
 
 
@@ -319,10 +319,10 @@ def test_a_cancel_frees_the_slot_for_the_waiting_request_in_the_next_step(greedy
                     max_slots=1, max_len=128)
     log: list = []
     scheduler = Scheduler(engine)
-    a = scheduler.submit([5, 9, 17, 33, 2] * 4, GenerationParams(max_tokens=60),
+    a = scheduler.submit([5, 9, 17, 33, 2] * 4, SamplingParams(max_tokens=60),
                          on_event=_events(log))
     scheduler.step()
-    b = scheduler.submit([7, 7, 8, 9, 1], GenerationParams(max_tokens=60), on_event=_events(log))
+    b = scheduler.submit([7, 7, 8, 9, 1], SamplingParams(max_tokens=60), on_event=_events(log))
     scheduler.step()
     assert scheduler.running == [a] and list(scheduler.waiting) == [b] and not b.request.out
     scheduler.cancel(a)
@@ -347,7 +347,7 @@ def test_admission_is_fifo_bounded_by_the_batch_and_skips_cancelled_requests(gre
     prompts = [[5, 9, 17, 33, 2] * 2, [7, 7, 8, 9, 1], [100, 3], [1, 2, 3, 4], [60, 61]]
     limits = [2, 20, 20, 20, 20]
     log: list = []
-    h = [scheduler.submit(p, GenerationParams(max_tokens=n), on_event=_events(log))
+    h = [scheduler.submit(p, SamplingParams(max_tokens=n), on_event=_events(log))
          for p, n in zip(prompts, limits)]
     scheduler.cancel(h[2])
     scheduler.step()                          # admits 0 and 1; 0 reaches its limit and leaves
@@ -362,7 +362,7 @@ def test_admission_is_fifo_bounded_by_the_batch_and_skips_cancelled_requests(gre
     assert h[2].request.out == [] and (h[2].request.index, [], True) in log
     alone = Engine(greedy_model, SpecConfig("ar"), max_slots=1, max_len=128)
     for i in (0, 1, 3, 4):
-        want = alone.generate([prompts[i]], GenerationParams(max_tokens=limits[i]))[0]
+        want = alone.generate([prompts[i]], SamplingParams(max_tokens=limits[i]))[0]
         assert h[i].result.token_ids == want.token_ids
     assert engine.cache.num_free == 4
 
@@ -375,7 +375,7 @@ def test_each_step_reports_what_it_did(greedy_model):
                     max_slots=3, max_len=128)
     reports = []
     scheduler = Scheduler(engine, on_round=reports.append)
-    h = [scheduler.submit(p, GenerationParams(max_tokens=12))
+    h = [scheduler.submit(p, SamplingParams(max_tokens=12))
          for p in ([5, 9, 17, 33, 2] * 2, [7, 7, 8, 9, 1])]
     scheduler.step()
     scheduler.step()
@@ -390,7 +390,7 @@ def test_each_step_reports_what_it_did(greedy_model):
         assert 0 <= rep.admit_s <= rep.step_s and rep.step_s > 0 and rep.timings
     scheduler.run_until_idle()
     reports.clear()
-    one = scheduler.submit([1, 2, 3], GenerationParams(max_tokens=1))
+    one = scheduler.submit([1, 2, 3], SamplingParams(max_tokens=1))
     scheduler.step()
     (rep,) = reports
     assert (rep.batch, rep.emitted, rep.verified_node_slots, rep.timings, rep.admitted) == \
@@ -404,8 +404,8 @@ def test_a_request_seed_fixes_its_samples(greedy_model):
     engine = Engine(greedy_model, SpecConfig("bole", "ngram", depth=3, topk=2, budget=8),
                     max_slots=4, max_len=128)
     scheduler = Scheduler(engine)
-    params = GenerationParams(max_tokens=8, sampling=SamplingParams(temperature=5.0))
-    h = [scheduler.submit([5, 9, 17], params, seed=s) for s in (7, 7, 8, 9)]
+    h = [scheduler.submit([5, 9, 17], SamplingParams(temperature=5.0, max_tokens=8, seed=s))
+         for s in (7, 7, 8, 9)]
     scheduler.run_until_idle()
     out = [x.result.token_ids for x in h]
     assert out[0] == out[1] and out[2] != out[0] and out[3] != out[0]
@@ -416,7 +416,7 @@ def test_a_failed_admission_finishes_its_requests_and_frees_their_slots(greedy_m
     log: list = []
     scheduler = Scheduler(engine)
     # skipping the check lets a request in that cannot fit the context: its admission fails
-    bad = scheduler.submit([1] * 60, GenerationParams(max_tokens=30), on_event=_events(log),
+    bad = scheduler.submit([1] * 60, SamplingParams(max_tokens=30), on_event=_events(log),
                            checked=True)
     from bole.cache import CacheFull
     with pytest.raises(CacheFull):

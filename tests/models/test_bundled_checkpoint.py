@@ -64,10 +64,10 @@ def test_cli_defaults_to_the_bundled_model():
 
 @pytest.mark.parametrize("drafter", ["mtp", "ngram", "draft"])
 def test_greedy_output_equals_plain_decoding_in_every_mode(models, drafter):
-    from bole.engine import Engine, GenerationParams, SpecConfig
+    from bole.engine import Engine, SamplingParams, SpecConfig
     _, ours, tok = models
     prompts = [tok.encode(p).ids for p in code_prompts()[:3]]
-    params = GenerationParams(max_tokens=24)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
     outputs = {}
     for mode in ("ar", "bole", "tree-serial", "chain"):
         engine = Engine(ours, SpecConfig(mode, drafter, depth=6, topk=3, budget=16), max_slots=3,

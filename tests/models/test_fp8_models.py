@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.engine import Engine, SamplingParams, SpecConfig  # noqa: E402
 from bole.models.config import HybridConfig, fp8_block  # noqa: E402
 from bole.models.loader import CheckpointError, load_checkpoint  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
@@ -97,7 +97,7 @@ def test_fp8_checkpoint_loads_fp8_weights_and_keeps_the_rest(fp8_checkpoint):
 
 def test_fp8_greedy_output_equals_the_dequantized_twin_in_all_four_modes(fp8_checkpoint):
     kind, fp8, twin = fp8_checkpoint
-    params = GenerationParams(max_tokens=8)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
     outputs = {}
     for name, path in (("fp8", fp8), ("twin", twin)):
         model = HybridModel.from_pretrained(path, dtype=torch.float32)

@@ -19,7 +19,7 @@ from tests.oracle_imports import block_fast_kernels
 block_fast_kernels()  # transformers on its torch paths (tests/oracle_imports.py)
 pytest.importorskip("transformers")
 
-from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.engine import Engine, SamplingParams, SpecConfig  # noqa: E402
 from bole.engine.runner import ModelRunner  # noqa: E402
 from bole.models.config import HybridConfig  # noqa: E402
 from bole.models.loader import CheckpointError, load_checkpoint  # noqa: E402
@@ -143,7 +143,7 @@ def test_greedy_output_equals_transformers_in_all_four_modes(checkpoint, layout,
                                         moe_backend=moe_backend)
     assert model.graph_safe == (moe_backend == "triton")
     want = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
-    params = GenerationParams(max_tokens=MAX_TOKENS)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     for mode in MODES:
         spec = SpecConfig(mode, "mtp", depth=3, topk=2, budget=6) if mode != "ar" else \
             SpecConfig(mode="ar")
@@ -362,7 +362,7 @@ def test_moe_rounds_are_captured_without_eager_fallback_and_equal_transformers(c
     model = HybridModel.from_pretrained(fused, dtype=torch.float32, device="cuda")
     assert model.moe_backend == "triton" and model.graph_safe
     want = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
-    params = GenerationParams(max_tokens=MAX_TOKENS)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     for mode in MODES:
         spec = SpecConfig(mode, "mtp", depth=3, topk=2, budget=6) if mode != "ar" else \
             SpecConfig(mode="ar")

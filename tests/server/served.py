@@ -19,7 +19,7 @@ import torch
 
 from bole.assets import BUNDLED_MODEL
 from bole.distributed import free_port
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.models.qwen3_hybrid import HybridModel
 
 SHAPE = dict(depth=4, topk=3, budget=12)
@@ -58,7 +58,7 @@ def offline(prompts: list[list[int]], tok) -> tuple[list[list[int]], list[str]]:
     model = HybridModel.from_pretrained(BUNDLED_MODEL, dtype=torch.float32)
     engine = Engine(model, SpecConfig("bole", "mtp", **SHAPE), max_slots=2, max_len=256,
                     tokenizer=tok)
-    params = GenerationParams(max_tokens=MAX_TOKENS, stop_token_ids=model.config.eos_token_id)
+    params = SamplingParams(max_tokens=MAX_TOKENS)     # stops at eos, as the server
     results = engine.generate(prompts, params)
     return [r.token_ids for r in results], [engine.text(r, params) for r in results]
 

@@ -15,7 +15,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
-from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.engine import Engine, SamplingParams, SpecConfig  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.server.api import BoleServer, create_app  # noqa: E402
 
@@ -82,7 +82,7 @@ def live(bundled):
 def offline(bundled, prompts, max_tokens):
     model, tok = bundled
     engine = Engine(model, SpecConfig("ar"), max_slots=len(prompts), max_len=512, tokenizer=tok)
-    params = GenerationParams(max_tokens=max_tokens, stop_token_ids=model.config.eos_token_id)
+    params = SamplingParams(max_tokens=max_tokens)     # stops at eos, as the server
     return [engine.text(r, params) for r in engine.generate(
         [tok.encode(p).ids for p in prompts], params)]
 
@@ -97,7 +97,7 @@ def test_completions_chat_streaming_and_stop(live, bundled):
     model, tok = bundled
     ids = tok.encode(prompt).ids
     plain = Engine(model, SpecConfig("ar"), max_slots=1, max_len=512).generate(
-        [ids], GenerationParams(max_tokens=24, stop_token_ids=model.config.eos_token_id))[0]
+        [ids], SamplingParams(max_tokens=24))[0]
     assert res.usage.completion_tokens == len(plain.token_ids)
     assert res.choices[0].finish_reason == plain.finish_reason
     assert res.usage.prompt_tokens == len(ids)
@@ -173,7 +173,7 @@ def test_bad_requests_get_400_with_an_openai_error(live, body, needle):
 
 def test_a_full_queue_gets_503_with_retry_after(bundled):
     server = _server(bundled, max_batch=1, max_queue=1)
-    server.scheduler.submit([1, 2, 3], GenerationParams(max_tokens=4))   # the queue is full
+    server.scheduler.submit([1, 2, 3], SamplingParams(max_tokens=4))   # the queue is full
     app = create_app(server)                   # no lifespan: the engine thread never drains it
 
     async def post():

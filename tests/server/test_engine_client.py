@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.engine.scheduler import QueueFull
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
@@ -53,9 +53,9 @@ def test_requests_come_back_as_the_engine_generates_them(client: EngineClient):
     its tokens and end with one final event; the reports count the rounds' tokens; nothing is
     left running or waiting."""
     ref = Engine(tiny_engine(2).model, SpecConfig(mode="ar")).generate(
-        prompts()[:1], GenerationParams(max_tokens=12))[0].token_ids
-    params = [GenerationParams(max_tokens=12, logprobs=2),
-              GenerationParams(max_tokens=12, stop_token_ids=(ref[4],))]
+        prompts()[:1], SamplingParams(max_tokens=12))[0].token_ids
+    params = [SamplingParams(max_tokens=12, logprobs=2),
+              SamplingParams(max_tokens=12, stop_token_ids=(ref[4],))]
     want = Engine(tiny_engine(2).model, SpecConfig(mode="ar")).generate(
         prompts()[:1] * 2, params)
     assert want[1].finish_reason == "stop" and want[0].finish_reason == "length"
@@ -84,7 +84,7 @@ def test_requests_come_back_as_the_engine_generates_them(client: EngineClient):
 
 def test_a_cancel_ends_the_request_without_a_result(client: EngineClient):
     events = Events()
-    h = client.submit(prompts()[0], GenerationParams(max_tokens=60), on_event=events)
+    h = client.submit(prompts()[0], SamplingParams(max_tokens=60), on_event=events)
     client.cancel(h)
     assert h.done.wait(120) and h.cancelled
     assert h.request.result is None and len(h.request.out) < 60
@@ -95,10 +95,10 @@ def test_the_queue_bound_and_a_bad_request_are_refused_here(client: EngineClient
     """More waiting requests than ``max_queue`` is a QueueFull at once; a request the engine
     cannot take is a ValueError before anything is sent."""
     with pytest.raises(ValueError, match="max_tokens|context"):
-        client.submit([1, 2], GenerationParams(max_tokens=10 ** 6))
-    first = [client.submit(prompts()[0], GenerationParams(max_tokens=4)) for _ in range(2)]
+        client.submit([1, 2], SamplingParams(max_tokens=10 ** 6))
+    first = [client.submit(prompts()[0], SamplingParams(max_tokens=4)) for _ in range(2)]
     with pytest.raises(QueueFull):
-        client.submit(prompts()[0], GenerationParams(max_tokens=4))
+        client.submit(prompts()[0], SamplingParams(max_tokens=4))
     for h in first:
         assert h.done.wait(120) and h.request.result is not None
 
@@ -110,13 +110,13 @@ def test_an_engine_process_that_dies_ends_its_requests():
     c = EngineClient(tiny_engine, (1,), max_queue=1, startup_timeout=300)
     try:
         events = Events()
-        h = c.submit(prompts()[0], GenerationParams(max_tokens=60), on_event=events)
+        h = c.submit(prompts()[0], SamplingParams(max_tokens=60), on_event=events)
         c.process.kill()
         assert h.done.wait(60) and h.request.result is None
         assert events.by_handle[id(h)][-1] == ([], True)
         assert not c.healthy() and c.num_waiting == 0
         with pytest.raises(RuntimeError, match="engine process is gone"):
-            c.submit(prompts()[0], GenerationParams(max_tokens=4))
+            c.submit(prompts()[0], SamplingParams(max_tokens=4))
     finally:
         c.stop()
     assert not c.process.is_alive()

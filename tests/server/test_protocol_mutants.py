@@ -1,5 +1,5 @@
 """The request-to-engine mapping and the response's logprobs, without a server: what each
-request field becomes in :class:`GenerationParams`, the chat and completions ``logprobs``
+request field becomes in :class:`SamplingParams`, the chat and completions ``logprobs``
 bodies against values written out by hand (UTF-8 bytes, text offsets), and the choices'
 seeds."""
 
@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from bole.engine.request import GenerationParams, TokenLogprob
+from bole.engine.request import SamplingParams, TokenLogprob
 from bole.server.protocol import (ChatCompletionRequest, CompletionRequest, choice_seed,
                                   engine_params, logprobs_body)
-from bole.speculative.sampling import SamplingParams
 
 TEXT = {1: "a", 2: "é", 3: "日本", 4: " x"}           # 1, 2, 6 and 2 UTF-8 bytes
 ENTRIES = [TokenLogprob(2, -0.25, ((2, -0.25), (1, -1.5))),
@@ -59,26 +58,31 @@ def _chat(**fields) -> ChatCompletionRequest:
                                  **fields)
 
 
-@pytest.mark.parametrize("request_, max_tokens, want", [
-    (CompletionRequest(model="m", prompt="x"), 16, GenerationParams(
-        16, SamplingParams(1.0, 0, 1.0, 0.0, 0.0, 1.0), (5, 6), (), None)),
+@pytest.mark.parametrize("request_, max_tokens, want, stops", [
+    (CompletionRequest(model="m", prompt="x"), 16,
+     SamplingParams(temperature=1.0, max_tokens=16), (5, 6)),
     (CompletionRequest(model="m", prompt="x", temperature=0.5, top_k=7, top_p=0.75,
                        presence_penalty=-1.5, frequency_penalty=0.25, repetition_penalty=1.25,
-                       stop=["\n\n", "END"], stop_token_ids=[9, 3], logprobs=3), 40,
-     GenerationParams(40, SamplingParams(0.5, 7, 0.75, -1.5, 0.25, 1.25), (5, 6, 9, 3),
-                      ("\n\n", "END"), 3)),
+                       stop=["\n\n", "END"], stop_token_ids=[9, 3], logprobs=3, seed=-4), 40,
+     SamplingParams(temperature=0.5, top_p=0.75, top_k=7, presence_penalty=-1.5,
+                    frequency_penalty=0.25, repetition_penalty=1.25, seed=-4, max_tokens=40,
+                    stop=("\n\n", "END"), stop_token_ids=(9, 3), logprobs=3), (5, 6, 9, 3)),
     (CompletionRequest(model="m", prompt="x", ignore_eos=True, stop_token_ids=[9],
                        repetition_penalty=0.5, stop="."), 3,
-     GenerationParams(3, SamplingParams(1.0, 0, 1.0, 0.0, 0.0, 0.5), (9,), (".",), None)),
+     SamplingParams(temperature=1.0, repetition_penalty=0.5, max_tokens=3, stop=(".",),
+                    stop_token_ids=(9,), ignore_eos=True), (9,)),
     (_chat(temperature=0, logprobs=True, top_logprobs=2, presence_penalty=2.0,
            ignore_eos=False), 8,
-     GenerationParams(8, SamplingParams(0.0, 0, 1.0, 2.0, 0.0, 1.0), (5, 6), (), 2)),
+     SamplingParams(temperature=0.0, presence_penalty=2.0, max_tokens=8, logprobs=2), (5, 6)),
     (_chat(logprobs=True, frequency_penalty=-2.0, ignore_eos=True), 8,
-     GenerationParams(8, SamplingParams(1.0, 0, 1.0, 0.0, -2.0, 1.0), (), (), 0)),
+     SamplingParams(temperature=1.0, frequency_penalty=-2.0, max_tokens=8, ignore_eos=True,
+                    logprobs=0), ()),
 ])
-def test_engine_params_take_every_request_field(request_, max_tokens, want):
-    """Each field lands in its place; absent penalties are neutral; the checkpoint's
-    end-of-sequence tokens (5, 6 here) stop unless ``ignore_eos``, then the request's own."""
-    got = engine_params(request_, max_tokens, (5, 6))
+def test_engine_params_take_every_request_field(request_, max_tokens, want, stops):
+    """Each field lands in its place; absent penalties are neutral; OpenAI's temperature
+    default (1.0) is passed explicitly; the checkpoint's end-of-sequence tokens (5, 6 here)
+    stop unless ``ignore_eos``, then the request's own (the engine adds them)."""
+    got = engine_params(request_, max_tokens)
     assert got == want
+    assert got.all_stop_token_ids((5, 6)) == stops
     got.validate()

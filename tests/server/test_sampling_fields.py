@@ -34,7 +34,7 @@ def plain(bundled):  # noqa: F811
 
     def run(**fields):
         req = CompletionRequest(model=NAME, prompt=PROMPT, **fields)
-        params = engine_params(req, req.max_tokens, tuple(model.config.eos_token_id))
+        params = engine_params(req, req.max_tokens)
         return engine.generate([tok.encode(PROMPT).ids], params)[0], tok
     return run
 
@@ -122,9 +122,9 @@ def test_stop_token_ids_and_ignore_eos(client, plain):
     assert out.choices[0].text == tok.decode(cut) and out.usage.completion_tokens == len(cut)
     eos = (7, 8)
     req = CompletionRequest(model=NAME, prompt="x", ignore_eos=True, stop_token_ids=[3])
-    assert engine_params(req, 4, eos).stop_token_ids == (3,)
+    assert engine_params(req, 4).all_stop_token_ids(eos) == (3,)
     req = CompletionRequest(model=NAME, prompt="x", stop_token_ids=[3])
-    assert engine_params(req, 4, eos).stop_token_ids == (7, 8, 3)
+    assert engine_params(req, 4).all_stop_token_ids(eos) == (7, 8, 3)
 
 
 @pytest.mark.parametrize("body, needle", [
@@ -142,11 +142,11 @@ def test_bad_fields_get_400(client, body, needle):
 def test_request_models_map_logprobs():
     chat = ChatCompletionRequest(model=NAME, messages=[{"role": "user", "content": "x"}],
                                  logprobs=True, top_logprobs=4)
-    assert engine_params(chat, 4, ()).logprobs == 4
+    assert engine_params(chat, 4).logprobs == 4
     assert engine_params(ChatCompletionRequest(model=NAME, messages=[
-        {"role": "user", "content": "x"}]), 4, ()).logprobs is None
-    assert engine_params(CompletionRequest(model=NAME, prompt="x", logprobs=0), 4,
-                         ()).logprobs == 0
+        {"role": "user", "content": "x"}]), 4).logprobs is None
+    assert engine_params(CompletionRequest(model=NAME, prompt="x", logprobs=0),
+                         4).logprobs == 0
 
 
 def test_engine_process_streams_logprobs_and_penalties(tmp_path, plain):

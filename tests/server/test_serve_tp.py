@@ -4,6 +4,8 @@ engine's output token for token; stopping rank 0 stops every process it started.
 process: a follower that replays rank 0's step events ends with rank 0's outputs, sampled and
 cancelled requests included."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,11 +15,10 @@ pytest.importorskip("uvicorn")
 
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
 from bole.distributed import free_port  # noqa: E402
-from bole.engine import Engine, GenerationParams, SpecConfig  # noqa: E402
+from bole.engine import Engine, SamplingParams, SpecConfig  # noqa: E402
 from bole.models.presets import preset_config  # noqa: E402
 from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.engine.lockstep import LockstepScheduler, StepEvents  # noqa: E402
-from bole.speculative.sampling import SamplingParams  # noqa: E402
 from tests.server.served import Served, offline  # noqa: E402
 
 
@@ -66,9 +67,10 @@ def test_a_follower_replays_rank_0s_steps():
     events: list = []
     lead, follower = (LockstepScheduler(Engine(model, spec, max_slots=2, max_len=128),
                                         _Queue(events)) for _ in range(2))
-    sampled = GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=0.8))
-    handles = [lead.submit([5, 9, 17, 33], GenerationParams(max_tokens=12)),
-               lead.submit([7, 7, 8], sampled), lead.submit([100, 3], sampled, seed=4)]
+    sampled = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+    handles = [lead.submit([5, 9, 17, 33], SamplingParams(max_tokens=12, ignore_eos=True)),
+               lead.submit([7, 7, 8], sampled),
+               lead.submit([100, 3], replace(sampled, seed=4))]
     assert lead.num_waiting == 3 and not lead.waiting        # nothing applied before a step
     lead.step()                                              # two admitted, one waits
     lead.cancel(handles[0])

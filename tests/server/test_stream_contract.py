@@ -65,10 +65,10 @@ def serve(model: HybridModel, max_batch: int = 4, mode: str = "bole") -> Running
 
 def greedy_ids(model: HybridModel, n: int) -> list[int]:
     """Plain greedy decoding of PROMPT with the engine's own ``ar`` mode, no stop tokens."""
-    from bole.engine import GenerationParams
+    from bole.engine import SamplingParams
     engine = Engine(model, SpecConfig("ar"),
                     max_slots=1, max_len=128)
-    return engine.generate([PROMPT], GenerationParams(max_tokens=n))[0].token_ids
+    return engine.generate([PROMPT], SamplingParams(max_tokens=n))[0].token_ids
 
 
 @pytest.fixture(scope="module")

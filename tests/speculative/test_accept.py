@@ -14,7 +14,8 @@ from scipy.stats import chisquare
 
 from bole.speculative import accept
 from bole.speculative.accept import accept_forest, children_table
-from bole.speculative.sampling import SamplingParams, target_probs
+from bole.sampling_params import SamplingParams
+from bole.speculative.sampling import target_probs
 from bole.tree import DraftTree, PackedForest
 
 V = 5
@@ -125,12 +126,14 @@ def test_target_probs_filters():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
     p = target_probs(logits, SamplingParams(temperature=0.5))
     assert torch.allclose(p, torch.softmax(logits / 0.5, -1))
-    p = target_probs(logits, SamplingParams(top_k=2))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_k=2))
     assert (p[0, 2:] == 0).all() and torch.allclose(p[0, :2], torch.softmax(logits[0, :2], -1))
     full = torch.softmax(logits, -1)[0]
-    p = target_probs(logits, SamplingParams(top_p=float(full[0]) + 1e-3))  # needs the top two
+    p = target_probs(logits, SamplingParams(temperature=1.0,
+                                            top_p=float(full[0]) + 1e-3))   # needs the top two
     assert (p[0] > 0).tolist() == [True, True, False, False, False]
-    p = target_probs(logits, SamplingParams(top_p=float(full[0]) / 2))    # top one alone
+    p = target_probs(logits, SamplingParams(temperature=1.0,
+                                            top_p=float(full[0]) / 2))      # top one alone
     assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert target_probs(logits, SamplingParams(temperature=0))[0].tolist() == [1, 0, 0, 0, 0]
 

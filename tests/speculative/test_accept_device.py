@@ -23,7 +23,8 @@ from bole.speculative.accept import accept_forest
 from bole.speculative.accept_device import (
     EMITTED_PAD, DeviceAcceptance, SamplingBatch, accept, accept_greedy, accept_sampled,
     children_slots, draw_uniforms, sample_rows, target_probs_rows)
-from bole.speculative.sampling import SamplingParams, target_probs
+from bole.sampling_params import SamplingParams
+from bole.speculative.sampling import target_probs
 from bole.tree import DraftTree, PackedForest
 from tests.strategies import forests, padded
 
@@ -379,8 +380,8 @@ def test_target_probs_rows_equals_target_probs(device):
     rng = np.random.default_rng(5)
     R, T, V = 30, 4, 40
     params = random_batch(R, rng, greedy_share=0.2)
-    params[2] = SamplingParams(top_p=0.75)                    # 0.5 + 0.25: exactly on the boundary
-    params[5] = SamplingParams(top_k=V)
+    params[2] = SamplingParams(temperature=1.0, top_p=0.75)   # 0.5 + 0.25: exactly on the boundary
+    params[5] = SamplingParams(temperature=1.0, top_k=V)
     params[8] = SamplingParams(temperature=0.3, top_k=7, top_p=0.5)
     batch = SamplingBatch.from_params(params, device)
     logits = tricky_logits(R, T, V, gen).to(device)
@@ -404,13 +405,13 @@ def test_target_probs_rows_equals_target_probs(device):
 
 def test_sampling_batch_flags():
     b = SamplingBatch.from_params([SamplingParams(temperature=0, top_k=5, top_p=0.5),
-                                   SamplingParams(top_k=3)])
+                                   SamplingParams(temperature=1.0, top_k=3)])
     assert (b.all_greedy, b.any_greedy, b.any_top_k, b.any_top_p, b.max_top_k) == \
         (False, True, True, False, 3)
     assert b.greedy.tolist() == [True, False] and b.top_k.dtype == torch.int64
     assert SamplingBatch.from_params([SamplingParams(temperature=0)]).all_greedy
     with pytest.raises(ValueError, match="top_p"):
-        SamplingBatch.from_params([SamplingParams(top_p=0)])
+        SamplingBatch.from_params([SamplingParams(temperature=1.0, top_p=0)])
 
 
 # ---------------------------------------------------------------- (e) sample_rows

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.models.config import HybridConfig
 from bole.models.presets import PRESETS, preset_config
 from bole.models.qwen3_hybrid import HybridModel
@@ -21,7 +21,7 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
 def test_target_as_its_own_draft_accepts_whole_chains():
     target = tiny(1)
     draft = HybridModel(target.config, dict(target.w), gdn_backend="torch")
-    params = GenerationParams(max_tokens=21)
+    params = SamplingParams(max_tokens=21)
     ar = Engine(target, SpecConfig(mode="ar")).generate(PROMPTS, params, seed=0)
     res = Engine(target, SpecConfig(mode="chain", drafter="draft", depth=4),
                  draft_model=draft).generate(PROMPTS, params, seed=0)
@@ -32,7 +32,7 @@ def test_target_as_its_own_draft_accepts_whole_chains():
 
 def test_a_different_draft_model_stays_exact():
     target, draft = tiny(1), tiny(2)
-    params = GenerationParams(max_tokens=16)
+    params = SamplingParams(max_tokens=16)
     ar = Engine(target, SpecConfig(mode="ar")).generate(PROMPTS, params, seed=0)
     for mode in ("bole", "tree-serial"):
         res = Engine(target, SpecConfig(mode=mode, drafter="draft", depth=3, topk=2, budget=8),

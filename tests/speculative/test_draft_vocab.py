@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.speculative.drafters.draft_vocab import draft_vocab_ids, frequent_ids, load_counts
 from bole.speculative.drafters.mtp import MTPDrafter
 from bole.speculative.tree_growth import NodeTable, node_capacity
@@ -76,7 +76,7 @@ def _head_output(mtp, slot, ctx):
 
 def test_engine_output_equals_ar_with_a_reduced_draft_vocabulary(model):
     prompts = [[1, 2, 3, 4, 5, 6], [9, 9, 9]]
-    params = GenerationParams(max_tokens=16)
+    params = SamplingParams(max_tokens=16)
     ar = Engine(model, SpecConfig(mode="ar")).generate(prompts, params, seed=0)
     for mode in ("bole", "chain"):
         spec = SpecConfig(mode=mode, drafter="mtp", depth=3, topk=2, budget=6, draft_vocab=40)

@@ -12,7 +12,8 @@ from bole.engine.runner import ModelRunner
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.accept import accept_forest
-from bole.speculative.sampling import SamplingParams, target_probs
+from bole.sampling_params import SamplingParams
+from bole.speculative.sampling import target_probs
 from bole.tree import DraftTree, PackedForest
 
 GREEDY = SamplingParams(temperature=0)

@@ -4,7 +4,7 @@ requests without changing any request's tree, and drafting with it stays lossles
 import pytest
 import torch
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.engine.runner import ModelRunner
 from bole.forest import DenseForest
 from bole.models.presets import preset_config
@@ -154,7 +154,7 @@ def test_every_tree_node_drafts_what_its_path_drafts_alone(model):
 
 def test_engine_with_mtp_drafter_equals_ar(model):
     prompts = [[1, 2, 3, 4, 5, 6], [9, 9, 9]]
-    params = GenerationParams(max_tokens=16)
+    params = SamplingParams(max_tokens=16)
     ar = Engine(model, SpecConfig(mode="ar")).generate(prompts, params, seed=0)
     for mode in ("bole", "tree-serial", "chain"):
         spec = Engine(model, SpecConfig(mode=mode, drafter="mtp", depth=3, topk=2, budget=6))

@@ -12,7 +12,8 @@ import torch
 
 from bole.forest import DenseForest
 from bole.speculative.penalties import PenaltyCounts, path_tokens
-from bole.speculative.sampling import SamplingParams, apply_penalties, penalize_params
+from bole.sampling_params import SamplingParams
+from bole.speculative.sampling import apply_penalties, penalize_params
 from tests.engine.test_sampling_features import penalised_reference
 
 #: (presence, frequency, repetition) per row: each sign, a neutral row, and the bounds

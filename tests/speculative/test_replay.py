@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from bole.engine import Engine, GenerationParams, SpecConfig
+from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.engine.runner import ModelRunner
 from bole.forest import DenseForest
 from bole.models.presets import preset_config
@@ -267,7 +267,7 @@ def test_greedy_output_equals_plain_decoding_in_every_mode(model):
     prompts = [[1, 2, 3, 4, 5, 6], [9, 9, 9], [7, 100, 3, 3, 41, 8, 2, 77, 5]]
     max_tokens = 24
     ar = Engine(model, SpecConfig(mode="ar")).generate(
-        prompts, GenerationParams(max_tokens=max_tokens), seed=0)
+        prompts, SamplingParams(max_tokens=max_tokens), seed=0)
     plain = [r.token_ids for r in ar]
     rounds = {}
     for mode in ("bole", "tree-serial", "chain"):
@@ -289,7 +289,7 @@ def test_forced_acceptance_follows_the_continuation(model):
     continuation that is not the target's, the output follows that continuation instead, so
     the acceptance is the replay's whatever the target's argmax."""
     prompts = [[1, 2, 3, 4, 5, 6], [9, 9, 9]]
-    params = GenerationParams(max_tokens=20)
+    params = SamplingParams(max_tokens=20)
     plain = [r.token_ids for r in Engine(model, SpecConfig(mode="ar")).generate(
         prompts, params, seed=0)]
     profile = "qwen3-next-mtp"

@@ -4,14 +4,16 @@ each row alone: greedy one-hot, temperature, top-k, top-p and their combination.
 import pytest
 import torch
 
-from bole.speculative.sampling import SamplingParams, target_probs
+from bole.sampling_params import SamplingParams
+from bole.speculative.sampling import target_probs
 from tests.engine.test_user_visible import reference_probs
 
 
-@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0),
-                                    SamplingParams(0.7), SamplingParams(1.0, top_k=5),
-                                    SamplingParams(1.0, top_p=0.6),
-                                    SamplingParams(1.3, top_k=9, top_p=0.75)])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.0, top_p=0.6),
+    SamplingParams(temperature=1.3, top_k=9, top_p=0.75)])
 def test_target_probs_equals_a_per_row_reference(params):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 3, 16, generator=gen) * 2

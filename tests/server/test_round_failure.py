@@ -4,6 +4,8 @@ request answered as plain decoding would)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -33,4 +35,8 @@ def test_a_failed_round_fails_its_request_and_the_server_goes_on(bundled):  # no
         ok = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
         assert ok["choices"][0]["finish_reason"] == "length"
         assert ok["usage"]["completion_tokens"] == 24
+        # the slot is freed after the round's final events went out: wait for it
+        deadline = time.time() + 10
+        while server.engine.cache.num_free != 2 and time.time() < deadline:
+            time.sleep(0.01)
         assert server.engine.cache.num_free == 2

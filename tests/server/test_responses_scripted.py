@@ -1,0 +1,595 @@
+"""The HTTP layer against a scripted engine (tests/server/scripted.py: the real scheduler and
+engine thread, the engine's own finishing rules, scripted tokens), in this process: what a
+client reads (texts, finish reasons, usage, logprobs, the SSE framing, errors and their
+status codes) for a known output, each expected value computed here from the tokenizer. Fast
+(no model), so every branch of ``api.py`` and ``responses.py`` is reached in seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("httpx")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from bole.server.api import BoleServer, ServerConfig, create_app  # noqa: E402
+from bole.server.engine_process import EngineClient  # noqa: E402
+from bole.server.protocol import choice_seed  # noqa: E402
+from tests.server.scripted import EOS, ScriptedEngine, logprob_of, tokenizer  # noqa: E402
+
+NAME = "scripted"
+PROMPT = "def fibonacci(n):"
+
+
+def make(max_slots: int = 4, max_queue: int = 64, per_round: int = 3, **config):
+    engine = ScriptedEngine(max_slots=max_slots, per_round=per_round)
+    server = BoleServer(engine, NAME, max_queue=max_queue,
+                        config=ServerConfig(**config) if config else None)
+    return engine, server
+
+
+@pytest.fixture
+def live():
+    """(engine, server, client) with the app's lifespan running, the engine on its thread."""
+    engine, server = make()
+    with TestClient(create_app(server)) as client:
+        yield engine, server, client
+    engine.go()
+
+
+@pytest.fixture(scope="module")
+def in_process():
+    """The server with the scripted engine in an engine process of its own (``bole serve
+    --engine-process``), one for the module (the app's lifespan ends the process)."""
+    c = EngineClient(ScriptedEngine, (), max_queue=8, startup_timeout=300)
+    server = BoleServer(None, NAME, client=c, tokenizer=tokenizer(), max_batch=4)
+    with TestClient(create_app(server)) as client:
+        yield ScriptedEngine(), server, client       # the engine here: expected outputs only
+
+
+@pytest.fixture(params=["thread", "process"])
+def served(request):
+    """The request-only tests run against both: the engine on the server's thread, and in a
+    process of its own."""
+    return request.getfixturevalue("live" if request.param == "thread" else "in_process")
+
+
+def text_of(engine: ScriptedEngine, ids: list[int], stops=()) -> str:
+    """What a response should say for output ``ids``: the decoded text cut before the first
+    stop string, an incomplete character at the end left out."""
+    text = engine.tokenizer.decode(ids)
+    hits = [text.find(s) for s in stops if s in text]
+    return text[:min(hits)] if hits else text.rstrip("\ufffd")
+
+
+def sse(response) -> tuple[list[dict], list[str]]:
+    """The JSON events of a streamed response and its raw ``data:`` payloads, in order."""
+    raw = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    return [json.loads(r) for r in raw if r != "[DONE]"], raw
+
+
+def post(client, path: str, **body):
+    return client.post(path, json=dict(model=NAME, **body))
+
+
+def stream(client, path: str, **body):
+    with client.stream("POST", path, json=dict(model=NAME, stream=True, **body)) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events, raw = sse(r)
+    check_framing(events, raw, chat="chat" in path)
+    return events, raw
+
+
+def check_framing(events: list[dict], raw: list[str], chat: bool) -> None:
+    """What every stream holds to: one ``[DONE]``, last; one id and the model's name on every
+    chunk; each choice's chunks carry text or token ids (chat's first: the role), then one
+    finish chunk with no text, and nothing after it."""
+    assert raw[-1] == "[DONE]" and raw.count("[DONE]") == 1
+    chunks = [e for e in events if "error" not in e]
+    assert len({e["id"] for e in chunks}) == 1
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    assert all(e["model"] == NAME and e["object"] == kind for e in chunks)
+    started, finished = set(), set()
+    for e in chunks:
+        if not e["choices"]:                               # the usage chunk
+            continue
+        c = e["choices"][0]
+        i = c["index"]
+        assert i not in finished, "a chunk after the choice's finish"
+        text = c["delta"]["content"] if chat else c["text"]
+        if c["finish_reason"] is not None:
+            assert text == "" and "token_ids" not in c
+            finished.add(i)
+        elif chat and i not in started:
+            assert c["delta"]["role"] == "assistant"
+        else:
+            assert text or c.get("token_ids"), f"an empty chunk: {e}"
+        started.add(i)
+
+
+def prompt_len(engine, prompt: str = PROMPT) -> int:
+    return len(engine.tokenizer.encode(prompt).ids)
+
+
+# ---- whole responses ----
+
+def test_a_completion_says_the_scripted_text_with_length_and_its_usage(served):
+    engine, server, client = served
+    r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=10, temperature=0)
+    assert r.status_code == 200
+    body = r.json()
+    ids = engine.expected(None, 10)
+    assert body["object"] == "text_completion" and body["model"] == NAME
+    assert body["id"].startswith("cmpl-")
+    assert body["choices"] == [{"index": 0, "text": text_of(engine, ids),
+                                "finish_reason": "length", "logprobs": None}]
+    rounds = 3                                          # 1 at admission, then 3 + 3 + 3
+    assert body["usage"] == {
+        "prompt_tokens": prompt_len(engine), "completion_tokens": 10,
+        "total_tokens": prompt_len(engine) + 10, "prompt_tokens_details": {"cached_tokens": 0},
+        "rounds": rounds, "accepted_tokens": 9, "mean_accepted_tokens": 3.0}
+    assert not server.inflight
+    wait_until(lambda: engine.cache.num_free == 4)     # freed as the round's events go out
+
+
+def test_a_chat_completion_is_the_assistant_message(served):
+    engine, _, client = served
+    r = post(client, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+             max_completion_tokens=7, seed=5)
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"] == [{"index": 0, "finish_reason": "length", "logprobs": None,
+                                "message": {"role": "assistant",
+                                            "content": text_of(engine,
+                                                               engine.expected(5, 7))}}]
+    assert body["usage"]["completion_tokens"] == 7
+
+
+def test_a_stop_string_cuts_before_its_first_match_and_finishes_with_stop(served):
+    engine, _, client = served
+    ids = engine.expected(None, 30)
+    full = engine.tokenizer.decode(ids)
+    r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=30, stop=["o", "lazy"])
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == full[:full.index("o")] == " The quick br"
+
+
+def test_a_stop_token_id_finishes_with_stop(served):
+    engine, _, client = served
+    ids = engine.expected(None, 12)
+    r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=12, stop_token_ids=[ids[4]])
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 5         # the stop token is an output token
+    assert body["choices"][0]["text"] == text_of(engine, ids[:5])
+
+
+def test_n_choices_and_several_prompts_come_back_in_index_order_with_their_own_seeds(served):
+    engine, _, client = served
+    prompts = [PROMPT, "import torch"]
+    r = post(client, "/v1/completions", prompt=prompts, n=2, max_tokens=4, seed=11)
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    for c in body["choices"]:
+        assert c["text"] == text_of(engine, engine.expected(choice_seed(11, c["index"]), 4))
+    assert body["choices"][0]["text"] != body["choices"][1]["text"]
+    lengths = [prompt_len(engine, p) for p in prompts]
+    assert body["usage"]["prompt_tokens"] == sum(lengths)          # once per prompt, not per n
+    assert body["usage"]["completion_tokens"] == 16
+
+
+def test_token_id_prompts_and_echo(served):
+    engine, _, client = served
+    ids = engine.tokenizer.encode(PROMPT).ids
+    body = post(client, "/v1/completions", prompt=ids, max_tokens=3, echo=True).json()
+    assert body["choices"][0]["text"] == PROMPT + text_of(engine, engine.expected(None, 3))
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    two = post(client, "/v1/completions", prompt=[ids, ids[:2]], max_tokens=2).json()
+    assert two["usage"]["prompt_tokens"] == len(ids) + 2
+
+
+def test_completion_logprobs_list_each_token_its_alternatives_and_text_offsets(served):
+    engine, _, client = served
+    body = post(client, "/v1/completions", prompt=PROMPT, max_tokens=5, logprobs=2,
+                echo=True).json()
+    ids = engine.expected(None, 5)
+    lp = body["choices"][0]["logprobs"]
+    tokens = [engine.tokenizer.decode([t]) for t in ids]
+    assert lp["tokens"] == tokens
+    assert lp["token_logprobs"] == [logprob_of(t) for t in ids]
+    assert lp["top_logprobs"] == [{engine.tokenizer.decode([t]): logprob_of(t),
+                                   engine.tokenizer.decode([t + 1]): logprob_of(t) - 1}
+                                  for t in ids]
+    offsets = [len(PROMPT) + sum(len(x) for x in tokens[:k]) for k in range(5)]
+    assert lp["text_offset"] == offsets
+
+
+def test_chat_logprobs_are_content_entries_with_bytes(served):
+    engine, _, client = served
+    body = post(client, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}],
+                max_tokens=3, logprobs=True, top_logprobs=1).json()
+    ids = engine.expected(None, 3)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [engine.tokenizer.decode([t]) for t in ids]
+    assert [e["logprob"] for e in content] == [logprob_of(t) for t in ids]
+    assert [e["bytes"] for e in content] == [list(engine.tokenizer.decode([t]).encode())
+                                             for t in ids]
+    assert [len(e["top_logprobs"]) for e in content] == [1, 1, 1]
+
+
+# ---- streamed responses ----
+
+def test_a_stream_adds_up_to_the_whole_text_and_ends_with_the_finish_then_done(served):
+    engine, _, client = served
+    events, raw = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=32)
+    assert raw[-1] == "[DONE]" and raw.count("[DONE]") == 1
+    ids = engine.expected(None, 32)
+    assert "".join(e["choices"][0]["text"] for e in events) == text_of(engine, ids)
+    assert all(e["object"] == "text_completion" for e in events)
+    assert len({e["id"] for e in events}) == 1 and events[0]["id"].startswith("cmpl-")
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1]] == [None] * (len(events) - 1)
+    assert events[-1]["choices"][0] == {"index": 0, "text": "", "finish_reason": "length",
+                                        "logprobs": None}
+    # token ids: every output token once, in order, on the chunks that carry text
+    got = [t for e in events for t in e["choices"][0].get("token_ids", [])]
+    assert got == ids
+    # no chunk shows half a character: the emoji's four byte tokens arrive as one delta
+    assert all("\ufffd" not in e["choices"][0]["text"] for e in events)
+    assert "\U0001F642" in [e["choices"][0]["text"].strip() for e in events] or any(
+        "\U0001F642" in e["choices"][0]["text"] for e in events)
+
+
+def test_a_streamed_stop_string_never_shows_and_finishes_with_stop(served):
+    engine, _, client = served
+    events, raw = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=30,
+                         stop=["lazy dog"])
+    text = "".join(e["choices"][0]["text"] for e in events)
+    assert text == " The quick brown fox jumps over the "
+    assert events[-1]["choices"][0]["finish_reason"] == "stop" and raw[-1] == "[DONE]"
+
+
+def test_a_streamed_chat_starts_with_the_role_and_ends_with_its_finish(served):
+    engine, _, client = served
+    events, raw = stream(client, "/v1/chat/completions",
+                         messages=[{"role": "user", "content": "hi"}], max_tokens=6)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in e["choices"][0]["delta"] for e in events[1:])
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["id"].startswith("chatcmpl-")
+    text = "".join(e["choices"][0]["delta"]["content"] for e in events)
+    assert text == text_of(engine, engine.expected(None, 6))
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and raw[-1] == "[DONE]"
+
+
+def test_stream_usage_last_or_on_every_chunk(served):
+    engine, _, client = served
+    events, _ = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=7,
+                       stream_options={"include_usage": True})
+    assert all("usage" not in e for e in events[:-1])
+    assert events[-1]["choices"] == []
+    assert events[-1]["usage"]["completion_tokens"] == 7
+    assert events[-1]["usage"]["prompt_tokens"] == prompt_len(engine)
+    events, _ = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=7,
+                       stream_options={"continuous_usage_stats": True})
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 7 and counts[0] < 7 and len(events) > 2
+
+
+def test_streamed_echo_comes_first_and_several_choices_each_finish(served):
+    engine, _, client = served
+    events, raw = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=5, echo=True,
+                         n=2, seed=3)
+    assert events[0]["choices"][0]["text"] == PROMPT
+    for index in (0, 1):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in mine) == PROMPT + text_of(
+            engine, engine.expected(choice_seed(3, index), 5))
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["length"]
+    assert raw[-1] == "[DONE]"
+
+
+def test_streamed_logprobs_add_up_to_the_whole_responses(served):
+    engine, _, client = served
+    whole = post(client, "/v1/completions", prompt=PROMPT, max_tokens=9, logprobs=1,
+                 echo=True).json()["choices"][0]["logprobs"]
+    events, _ = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=9, logprobs=1,
+                       echo=True)
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for p in parts for x in p[key]] == whole[key], key
+
+
+def test_an_end_of_sequence_token_that_adds_no_text_still_comes_with_its_id_and_logprob():
+    """The end-of-sequence token decodes to nothing and arrives alone in a round (admission
+    emits token 0, the rounds 1-3 and then the end): a chunk still carries its id and logprob,
+    and the text is that of the tokens before it."""
+    plain = ScriptedEngine()
+    script = plain.script[:4] + [EOS] + plain.script[4:]
+    engine = ScriptedEngine(script=script)
+    assert engine.tokenizer.decode([EOS]) == ""
+    server = BoleServer(engine, NAME)
+    with TestClient(create_app(server)) as client:
+        events, _ = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=10,
+                           logprobs=0)
+        assert [e["choices"][0].get("token_ids") for e in events[-2:]] == [[EOS], None]
+        got = [t for e in events for t in e["choices"][0].get("token_ids", [])]
+        assert got == script[:5]
+        lps = [x for e in events if e["choices"][0]["logprobs"]
+               for x in e["choices"][0]["logprobs"]["token_logprobs"]]
+        assert lps == [logprob_of(t) for t in script[:5]]
+        assert "".join(e["choices"][0]["text"] for e in events) == text_of(engine, script[:4])
+        assert events[-1]["choices"][0]["finish_reason"] == "stop"
+        body = post(client, "/v1/completions", prompt=PROMPT, max_tokens=10,
+                    ignore_eos=True).json()
+        assert body["usage"]["completion_tokens"] == 10
+        assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stream_of_one_token_a_round_holds_back_half_characters_and_sends_no_empty_chunk(
+        live):
+    """Rounds that end inside the emoji's four byte tokens add no text: they send their token
+    ids only (chat: nothing), and the emoji arrives whole."""
+    engine, _, client = live
+    engine.per_round = 1
+    for path, body, field in (("/v1/completions", dict(prompt=PROMPT), "text"),
+                              ("/v1/chat/completions",
+                               dict(messages=[{"role": "user", "content": "hi"}]), "delta")):
+        events, _ = stream(client, path, max_tokens=30, **body)
+        texts = [e["choices"][0]["text"] if field == "text" else
+                 e["choices"][0]["delta"]["content"] for e in events]
+        assert "".join(texts) == text_of(engine, engine.expected(None, 30))
+        assert not any("\ufffd" in t for t in texts)
+        assert any("\U0001F642" in t for t in texts)
+
+
+def test_streamed_chat_logprobs_add_up_to_the_whole_responses(served):
+    engine, _, client = served
+    body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=8, logprobs=True,
+                top_logprobs=2)
+    whole = post(client, "/v1/chat/completions", **body).json()["choices"][0]["logprobs"]
+    events, _ = stream(client, "/v1/chat/completions", **body)
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"]]
+    assert [x for p in parts for x in p["content"]] == whole["content"]
+    assert all(p["refusal"] is None for p in parts)
+
+
+# ---- refusals and failures ----
+
+def error_of(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+def test_an_unknown_model_or_an_oversized_prompt_is_a_400_naming_the_field():
+    engine, server = make(max_prompt_bytes=64)
+    with TestClient(create_app(server)) as client:
+        err = error_of(client.post("/v1/completions", json=dict(model="other", prompt="x")), 400)
+        assert err["param"] == "model" and "'other'" in err["message"]
+        err = error_of(post(client, "/v1/completions", prompt="x" * 65), 400)
+        assert err["param"] == "prompt" and "64" in err["message"]
+        assert post(client, "/v1/completions", prompt="x" * 64, max_tokens=1).status_code == 200
+        err = error_of(post(client, "/v1/chat/completions",
+                            messages=[{"role": "user", "content": "\u00e9" * 33}]), 400)
+        assert err["param"] == "messages"                 # 33 characters, 66 bytes
+        err = error_of(post(client, "/v1/completions", prompt=PROMPT, max_tokens=250), 400)
+        assert err["param"] == "prompt" and "context of 256" in err["message"]
+        err = error_of(post(client, "/v1/completions", prompt=[PROMPT, "a"], max_tokens=250),
+                       400)
+        assert "prompt 0" in err["message"]
+        assert not server.inflight and engine.cache.num_free == 4      # none was admitted
+
+
+def test_without_max_tokens_a_request_runs_to_its_context():
+    engine, server = make()
+    with TestClient(create_app(server)) as client:
+        body = post(client, "/v1/chat/completions",
+                    messages=[{"role": "user", "content": "hi"}]).json()
+        prompt = body["usage"]["prompt_tokens"]
+        assert body["usage"]["completion_tokens"] == 256 - 8 - prompt     # max_len - scratch
+        assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_full_queue_is_a_503_with_retry_after_and_counts_as_rejected():
+    engine, server = make(max_slots=1, max_queue=1)
+    engine.hold()
+    with TestClient(create_app(server)) as client:
+        results = {}
+
+        def first(key, **body):
+            results[key] = post(client, "/v1/completions", prompt=PROMPT, **body)
+
+        a = threading.Thread(target=first, args=("running",), kwargs=dict(max_tokens=4))
+        a.start()
+        wait_until(lambda: server.scheduler.num_running == 1)
+        b = threading.Thread(target=first, args=("waiting",), kwargs=dict(max_tokens=4))
+        b.start()
+        wait_until(lambda: server.scheduler.num_waiting == 1)
+        r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=4)
+        err = error_of(r, 503)
+        assert err["type"] == "server_busy" and r.headers["retry-after"] == "1"
+        engine.go()
+        a.join(30), b.join(30)
+        assert results["running"].status_code == results["waiting"].status_code == 200
+        metrics = client.get("/metrics").text
+        assert 'bole_requests_total{status="rejected"} 1.0' in metrics
+        assert not server.inflight
+
+
+def test_n_choices_that_do_not_all_fit_the_queue_leave_none_queued():
+    engine, server = make(max_slots=1, max_queue=1)
+    engine.hold()
+    with TestClient(create_app(server)) as client:
+        r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=4, n=3)
+        assert error_of(r, 503)["type"] == "server_busy"
+        engine.go()
+        wait_until(lambda: server.scheduler.idle)
+        assert not server.inflight and engine.cache.num_free == 1
+        assert post(client, "/v1/completions", prompt=PROMPT, max_tokens=2).status_code == 200
+
+
+def test_a_failed_round_is_a_500_for_its_request_and_the_next_one_is_served(live):
+    engine, server, client = live
+    engine.fail_next = True
+    err = error_of(post(client, "/v1/completions", prompt=PROMPT, max_tokens=6), 500)
+    assert err["type"] == "server_error" and "cancelled by the server" in err["message"]
+    assert client.get("/health").json() == {"status": "ok", "running": 0, "waiting": 0}
+    engine.fail_next = True
+    events, raw = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=6)
+    assert events[-1]["error"]["type"] == "server_error" and raw[-1] == "[DONE]"
+    assert "cancelled by the server" in events[-1]["error"]["message"]
+    body = post(client, "/v1/completions", prompt=PROMPT, max_tokens=6).json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert not server.inflight
+    wait_until(lambda: engine.cache.num_free == 4)
+
+
+def test_abort_all_ends_running_requests_with_abort_and_their_tokens_so_far(live):
+    engine, server, client = live
+    results = {}
+    engine.hold()
+
+    def whole():
+        results["whole"] = post(client, "/v1/completions", prompt=PROMPT, max_tokens=40)
+
+    t = threading.Thread(target=whole)
+    t.start()
+    wait_until(lambda: server.scheduler.num_running == 1)
+    assert len(server.live()) == 1
+    assert server.abort_all() == 1
+    engine.go()
+    t.join(30)
+    choice = results["whole"].json()["choices"][0]
+    assert choice["finish_reason"] == "abort"
+    # the token of its admission and those of the round in flight when it was aborted
+    assert choice["text"] == text_of(engine, engine.expected(None, 4))
+    assert results["whole"].json()["usage"]["completion_tokens"] == 4
+    assert server.live() == [] and not server.inflight
+
+
+def test_a_draining_server_refuses_with_503_and_health_says_so(live):
+    engine, server, client = live
+    server.draining = True
+    r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=2)
+    assert error_of(r, 503)["type"] == "server_error" and r.headers["retry-after"] == "5"
+    assert client.get("/health").status_code == 503
+    server.draining = False
+    assert client.get("/health").status_code == 200
+
+
+def test_health_reports_a_dead_engine_thread(live):
+    engine, server, client = live
+    server.loop.error = RuntimeError("gone")
+    server.loop._stop.set()
+    server.loop.thread.join(10)
+    r = client.get("/health")
+    assert error_of(r, 503)["message"].startswith("the engine stopped")
+
+
+def test_a_stream_closed_early_cancels_its_request_and_frees_its_slot(live):
+    engine, server, client = live
+    engine.per_round = 1
+    with client.stream("POST", "/v1/completions",
+                       json=dict(model=NAME, prompt=PROMPT, max_tokens=200, stream=True)) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    wait_until(lambda: server.scheduler.idle and not server.inflight)
+    assert engine.cache.num_free == 4
+    assert engine.rounds < 150
+
+
+def test_models_list_and_card_and_an_unknown_model_is_a_404(served):
+    engine, server, client = served
+    listed = client.get("/v1/models").json()
+    card = client.get(f"/v1/models/{NAME}").json()
+    assert listed == {"object": "list", "data": [card]}
+    assert card["id"] == NAME and card["max_model_len"] == 256 and card["owned_by"] == "bole"
+    assert card["bole"] == {"mode": "bole", "drafter": "mtp", "depth": 3, "topk": 2,
+                            "budget": 8}
+    err = error_of(client.get("/v1/models/other"), 404)
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+
+
+def test_metrics_count_prompt_tokens_once_per_prompt_and_the_requests(live):
+    engine, server, client = live
+    post(client, "/v1/completions", prompt=PROMPT, n=3, max_tokens=2)
+    text = client.get("/metrics").text
+    assert f"bole_prompt_tokens_total {float(prompt_len(engine))}" in text
+    assert "bole_output_tokens_total 6.0" in text
+    assert 'bole_requests_total{status="length"} 3.0' in text
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+# ---- the server's state, without HTTP ----
+
+class Gone:
+    """An HTTP request whose client has gone away."""
+
+    async def is_disconnected(self) -> bool:
+        return True
+
+
+def test_a_whole_response_whose_client_left_is_a_499_and_frees_its_slot():
+    from bole.server.protocol import CompletionRequest
+    from bole.server.responses import respond
+    engine, server = make()
+    engine.hold()
+    server.loop.start()
+    try:
+        req = CompletionRequest(model=NAME, prompt=PROMPT, max_tokens=50)
+        r = asyncio.run(asyncio.wait_for(respond(server, req, Gone(), chat=False), 10))
+        assert r.status_code == 499
+        assert not server.inflight
+        engine.go()
+        wait_until(lambda: server.scheduler.idle)
+        assert engine.cache.num_free == 4
+        assert engine.rounds <= 2                       # cancelled, not run to 50 tokens
+    finally:
+        engine.go()
+        server.loop.stop()
+
+
+def test_live_lists_the_sequences_the_engine_has_not_finished():
+    from bole.server.protocol import CompletionRequest
+    engine, server = make()
+    server.loop.start()
+    try:
+        async def run():
+            loop = asyncio.get_running_loop()
+            short = server.prepare(CompletionRequest(model=NAME, prompt=PROMPT, max_tokens=1),
+                                   chat=False)
+            engine.hold()
+            long = server.prepare(CompletionRequest(model=NAME, prompt=PROMPT, max_tokens=40),
+                                  chat=False)
+            queue: asyncio.Queue = asyncio.Queue()
+            server.submit(short + long, queue, loop, stream=False)
+            wait_until(lambda: short[0].handle.done.is_set()
+                       and server.scheduler.num_running == 1)
+            assert server.inflight == set(short + long)
+            assert server.live() == long
+            assert server.abort_all() == 1 and long[0].aborted and not short[0].aborted
+            engine.go()
+            for _ in range(2):
+                await asyncio.wait_for(queue.get(), 10)
+            assert server.live() == []
+            use = server.usage_of(short + long)
+            assert use["prompt_tokens"] == prompt_len(engine)          # one prompt, counted once
+            assert use["completion_tokens"] == 1 + len(long[0].handle.request.out)
+            server.release(short + long)
+            assert not server.inflight
+        asyncio.run(run())
+    finally:
+        engine.go()
+        server.loop.stop()

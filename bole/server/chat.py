@@ -19,6 +19,7 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _refuse      # what HF templates call on bad input
         self.template = env.from_string(source)
         self.bos_token, self.eos_token = bos_token, eos_token
         self.source = source
@@ -46,3 +47,9 @@ class ChatTemplate:
     def render(self, messages: list[dict]) -> str:
         return self.template.render(messages=messages, add_generation_prompt=True,
                                     bos_token=self.bos_token, eos_token=self.eos_token)
+
+
+def _refuse(message: str):
+    """A template's ``raise_exception(message)``: the messages do not fit the template (the
+    server answers 400 with ``message``)."""
+    raise ValueError(message)

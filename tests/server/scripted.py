@@ -104,11 +104,11 @@ class ScriptedEngine:
 
     def step(self, running: list[Request], prelaunch: bool = False) -> dict:
         self._go.wait(timeout=30)
+        time.sleep(self.round_s)
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("scripted round failure")
         self.rounds += 1
-        time.sleep(self.round_s)
         for r in running:
             self._emit_next(r, self.per_round, rounds=1)
         return {"total": 1.0}

@@ -37,8 +37,10 @@ def live():
     """(engine, server, client) with the app's lifespan running, the engine on its thread."""
     engine, server = make()
     with TestClient(create_app(server)) as client:
-        yield engine, server, client
-    engine.go()
+        try:
+            yield engine, server, client
+        finally:
+            engine.go()                  # a failed test's held rounds must not hang the exit
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +96,7 @@ def check_framing(events: list[dict], raw: list[str], chat: bool) -> None:
     assert len({e["id"] for e in chunks}) == 1
     kind = "chat.completion.chunk" if chat else "text_completion"
     assert all(e["model"] == NAME and e["object"] == kind for e in chunks)
-    started, finished = set(), set()
+    started, finished, textless = set(), set(), set()
     for e in chunks:
         if not e["choices"]:                               # the usage chunk
             continue
@@ -105,10 +107,17 @@ def check_framing(events: list[dict], raw: list[str], chat: bool) -> None:
         if c["finish_reason"] is not None:
             assert text == "" and "token_ids" not in c
             finished.add(i)
+            continue
         elif chat and i not in started:
             assert c["delta"]["role"] == "assistant"
-        else:
-            assert text or c.get("token_ids"), f"an empty chunk: {e}"
+        elif not text:
+            # tokens that add no text come with the final event only (an end-of-sequence
+            # token, a stop string's): the finish follows at once
+            assert c.get("token_ids"), f"an empty chunk: {e}"
+            textless.add(i)
+            started.add(i)
+            continue
+        assert i not in textless, "a chunk after a text-less one before the finish"
         started.add(i)
 
 
@@ -182,6 +191,8 @@ def test_n_choices_and_several_prompts_come_back_in_index_order_with_their_own_s
     lengths = [prompt_len(engine, p) for p in prompts]
     assert body["usage"]["prompt_tokens"] == sum(lengths)          # once per prompt, not per n
     assert body["usage"]["completion_tokens"] == 16
+    # each choice: its first token at admission, then one round of 3; the usage adds them up
+    assert body["usage"]["rounds"] == 4 and body["usage"]["accepted_tokens"] == 12
 
 
 def test_token_id_prompts_and_echo(served):
@@ -275,6 +286,10 @@ def test_stream_usage_last_or_on_every_chunk(served):
     assert events[-1]["choices"] == []
     assert events[-1]["usage"]["completion_tokens"] == 7
     assert events[-1]["usage"]["prompt_tokens"] == prompt_len(engine)
+    events, _ = stream(client, "/v1/chat/completions", max_tokens=7,
+                       messages=[{"role": "user", "content": "hi"}],
+                       stream_options={"include_usage": True})
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 7
     events, _ = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=7,
                        stream_options={"continuous_usage_stats": True})
     counts = [e["usage"]["completion_tokens"] for e in events]
@@ -373,6 +388,7 @@ def test_an_unknown_model_or_an_oversized_prompt_is_a_400_naming_the_field():
         assert err["param"] == "model" and "'other'" in err["message"]
         err = error_of(post(client, "/v1/completions", prompt="x" * 65), 400)
         assert err["param"] == "prompt" and "64" in err["message"]
+        assert err["message"].endswith("(bole serve --max-prompt-bytes); shorten it")
         assert post(client, "/v1/completions", prompt="x" * 64, max_tokens=1).status_code == 200
         err = error_of(post(client, "/v1/chat/completions",
                             messages=[{"role": "user", "content": "\u00e9" * 33}]), 400)
@@ -413,6 +429,7 @@ def test_a_full_queue_is_a_503_with_retry_after_and_counts_as_rejected():
         r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=4)
         err = error_of(r, 503)
         assert err["type"] == "server_busy" and r.headers["retry-after"] == "1"
+        assert err["message"].startswith("1 requests are waiting")
         engine.go()
         a.join(30), b.join(30)
         assert results["running"].status_code == results["waiting"].status_code == 200
@@ -437,12 +454,13 @@ def test_a_failed_round_is_a_500_for_its_request_and_the_next_one_is_served(live
     engine, server, client = live
     engine.fail_next = True
     err = error_of(post(client, "/v1/completions", prompt=PROMPT, max_tokens=6), 500)
-    assert err["type"] == "server_error" and "cancelled by the server" in err["message"]
+    assert err["type"] == "server_error"
+    assert err["message"] == "the request was cancelled by the server"
     assert client.get("/health").json() == {"status": "ok", "running": 0, "waiting": 0}
     engine.fail_next = True
     events, raw = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=6)
     assert events[-1]["error"]["type"] == "server_error" and raw[-1] == "[DONE]"
-    assert "cancelled by the server" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["message"] == "the request was cancelled by the server"
     body = post(client, "/v1/completions", prompt=PROMPT, max_tokens=6).json()
     assert body["choices"][0]["finish_reason"] == "length"
     assert not server.inflight
@@ -450,33 +468,62 @@ def test_a_failed_round_is_a_500_for_its_request_and_the_next_one_is_served(live
 
 
 def test_abort_all_ends_running_requests_with_abort_and_their_tokens_so_far(live):
+    """Aborted (shutdown) responses, one running and one waiting, say ``abort`` and hold the
+    tokens they had, with their logprobs when asked for."""
     engine, server, client = live
+    engine.script = engine.tokenizer.encode(" \U0001F642 and more").ids   # 4 tokens: half of it
     results = {}
     engine.hold()
 
     def whole():
-        results["whole"] = post(client, "/v1/completions", prompt=PROMPT, max_tokens=40)
+        results["whole"] = post(client, "/v1/completions", prompt=PROMPT, max_tokens=40,
+                                logprobs=1)
 
-    t = threading.Thread(target=whole)
-    t.start()
-    wait_until(lambda: server.scheduler.num_running == 1)
-    assert len(server.live()) == 1
-    assert server.abort_all() == 1
+    def streamed():
+        results["stream"] = stream(client, "/v1/chat/completions", max_tokens=40,
+                                   messages=[{"role": "user", "content": "hi"}])
+
+    threads = [threading.Thread(target=whole), threading.Thread(target=streamed)]
+    threads[0].start()
+    wait_until(lambda: server.scheduler.num_running == 1)     # its round is held
+    threads[1].start()
+    wait_until(lambda: server.scheduler.num_waiting == 1)
+    assert len(server.live()) == 2
+    assert server.abort_all() == 2
     engine.go()
-    t.join(30)
-    choice = results["whole"].json()["choices"][0]
+    for t in threads:
+        t.join(30)
+    body = results["whole"].json()
+    choice = body["choices"][0]
     assert choice["finish_reason"] == "abort"
     # the token of its admission and those of the round in flight when it was aborted
-    assert choice["text"] == text_of(engine, engine.expected(None, 4))
-    assert results["whole"].json()["usage"]["completion_tokens"] == 4
+    ids = engine.expected(None, 4)
+    assert choice["text"] == text_of(engine, ids) == " "     # no half character
+    assert choice["logprobs"]["token_logprobs"] == [logprob_of(t) for t in ids]
+    assert body["usage"]["completion_tokens"] == 4
+    events, _ = results["stream"]                              # aborted while it waited
+    assert [e["choices"][0]["finish_reason"] for e in events] == [None, "abort"]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert server.live() == [] and not server.inflight
+
+
+def test_the_engine_thread_serves_requests_that_come_after_it_idled(live):
+    engine, server, client = live
+    assert post(client, "/v1/completions", prompt=PROMPT, max_tokens=2).status_code == 200
+    time.sleep(0.3)                      # several of the engine thread's waits for work
+    assert server.loop.thread.is_alive()
+    body = post(client, "/v1/completions", prompt=PROMPT, max_tokens=2).json()
+    assert body["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_draining_server_refuses_with_503_and_health_says_so(live):
     engine, server, client = live
     server.draining = True
     r = post(client, "/v1/completions", prompt=PROMPT, max_tokens=2)
-    assert error_of(r, 503)["type"] == "server_error" and r.headers["retry-after"] == "5"
+    err = error_of(r, 503)
+    assert err["type"] == "server_error" and r.headers["retry-after"] == "5"
+    assert err["message"] == ("the server is shutting down; send the request to another "
+                              "replica or retry after it restarts")
     assert client.get("/health").status_code == 503
     server.draining = False
     assert client.get("/health").status_code == 200
@@ -509,9 +556,10 @@ def test_models_list_and_card_and_an_unknown_model_is_a_404(served):
     listed = client.get("/v1/models").json()
     card = client.get(f"/v1/models/{NAME}").json()
     assert listed == {"object": "list", "data": [card]}
-    assert card["id"] == NAME and card["max_model_len"] == 256 and card["owned_by"] == "bole"
-    assert card["bole"] == {"mode": "bole", "drafter": "mtp", "depth": 3, "topk": 2,
-                            "budget": 8}
+    assert card == {"id": NAME, "object": "model", "created": 0, "owned_by": "bole",
+                    "max_model_len": 256, "bole": {"mode": "bole", "drafter": "mtp", "depth": 3,
+                                                   "topk": 2, "budget": 8}}
+    assert client.get("/openapi.json").json()["info"]["title"] == "Bole"
     err = error_of(client.get("/v1/models/other"), 404)
     assert err["code"] == "model_not_found" and err["param"] == "model"
 
@@ -523,6 +571,7 @@ def test_metrics_count_prompt_tokens_once_per_prompt_and_the_requests(live):
     assert f"bole_prompt_tokens_total {float(prompt_len(engine))}" in text
     assert "bole_output_tokens_total 6.0" in text
     assert 'bole_requests_total{status="length"} 3.0' in text
+    assert 'bole_http_responses_total{code="200",route="/v1/completions"} 1.0' in text
 
 
 def wait_until(cond, timeout: float = 10.0) -> None:
@@ -593,3 +642,40 @@ def test_live_lists_the_sequences_the_engine_has_not_finished():
     finally:
         engine.go()
         server.loop.stop()
+
+
+def test_an_engine_process_queues_every_request_its_front_end_takes():
+    """The front end bounds the queue (``max_queue``, here over the scheduler's default of
+    256); the engine process takes everything it is sent: 300 requests at once all finish."""
+    c = EngineClient(ScriptedEngine, (1,), max_queue=400, startup_timeout=300)
+    try:
+        from bole.engine.request import SamplingParams
+        done = threading.Semaphore(0)
+        handles = [c.submit([1, 2, 3], SamplingParams(max_tokens=1),
+                            on_event=lambda h, t, f: f and done.release()) for _ in range(300)]
+        for _ in handles:
+            assert done.acquire(timeout=60)
+        assert all(h.request.result is not None for h in handles)
+        assert all(h.request.result.finish_reason == "length" for h in handles)
+    finally:
+        c.stop()
+
+
+def test_an_api_key_is_asked_for_and_a_template_refusal_is_a_400():
+    from bole.server.chat import ChatTemplate
+    engine = ScriptedEngine()
+    template = ChatTemplate("{% if messages[-1]['role'] != 'user' %}"
+                            "{{ raise_exception('the last message must be the user\\'s') }}"
+                            "{% endif %}{{ messages[-1]['content'] }}")
+    server = BoleServer(engine, NAME, chat_template=template,
+                        config=ServerConfig(api_key="sesame"))
+    with TestClient(create_app(server)) as client:
+        body = dict(model=NAME, prompt=PROMPT, max_tokens=2)
+        assert error_of(client.post("/v1/completions", json=body), 401)
+        key = {"Authorization": "Bearer sesame"}
+        assert client.post("/v1/completions", json=body, headers=key).status_code == 200
+        chat = dict(model=NAME, max_tokens=2, messages=[{"role": "assistant", "content": "x"}])
+        err = error_of(client.post("/v1/chat/completions", json=chat, headers=key), 400)
+        assert err["message"] == "the last message must be the user's"
+        chat["messages"] = [{"role": "user", "content": "x"}]
+        assert client.post("/v1/chat/completions", json=chat, headers=key).status_code == 200

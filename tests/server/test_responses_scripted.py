@@ -551,6 +551,29 @@ def test_a_stream_closed_early_cancels_its_request_and_frees_its_slot(live):
     assert engine.rounds < 150
 
 
+def finished(client, status: str) -> float:
+    """How many requests ended with ``status`` (the server's counter)."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f'bole_requests_total{{status="{status}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_stream_closed_early_ends_its_request_as_aborted_not_run_out(served):
+    """Through the engine process too: the cancel reaches the engine, which ends the request
+    with no result (counted ``abort``) instead of running it to its 200 tokens (``length``)."""
+    engine, server, client = served
+    before = finished(client, "abort"), finished(client, "length")
+    with client.stream("POST", "/v1/completions",
+                       json=dict(model=NAME, prompt=PROMPT, max_tokens=200, stream=True)) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    wait_until(lambda: finished(client, "abort") + finished(client, "length") > sum(before))
+    assert (finished(client, "abort"), finished(client, "length")) == (before[0] + 1, before[1])
+    wait_until(lambda: server.scheduler.num_running == 0 and server.scheduler.num_waiting == 0)
+
+
 def test_models_list_and_card_and_an_unknown_model_is_a_404(served):
     engine, server, client = served
     listed = client.get("/v1/models").json()
@@ -649,6 +672,7 @@ def test_an_engine_process_queues_every_request_its_front_end_takes():
     256); the engine process takes everything it is sent: 300 requests at once all finish."""
     c = EngineClient(ScriptedEngine, (1,), max_queue=400, startup_timeout=300)
     try:
+        assert (c.num_running, c.num_waiting) == (0, 0) and c.healthy()
         from bole.engine.request import SamplingParams
         done = threading.Semaphore(0)
         handles = [c.submit([1, 2, 3], SamplingParams(max_tokens=1),
@@ -679,3 +703,26 @@ def test_an_api_key_is_asked_for_and_a_template_refusal_is_a_400():
         assert err["message"] == "the last message must be the user's"
         chat["messages"] = [{"role": "user", "content": "x"}]
         assert client.post("/v1/chat/completions", json=chat, headers=key).status_code == 200
+
+
+def test_the_server_batches_at_most_max_batch_requests():
+    """``max_batch`` under the cache's slots: the scheduler runs that many, the rest wait."""
+    engine = ScriptedEngine(max_slots=4)
+    server = BoleServer(engine, NAME, max_batch=2)
+    engine.hold()
+    server.loop.start()
+    try:
+        from bole.engine.request import SamplingParams
+        for _ in range(3):
+            server.scheduler.submit([1, 2], SamplingParams(max_tokens=8))
+        engine.go()
+        wait_until(lambda: server.scheduler.num_running == 2 or server.scheduler.idle)
+        assert server.scheduler.max_batch == 2
+        peak = 0
+        while not server.scheduler.idle:
+            peak = max(peak, server.scheduler.num_running)
+            time.sleep(0.001)
+        assert peak <= 2
+    finally:
+        engine.go()
+        server.loop.stop()

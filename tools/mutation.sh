@@ -7,6 +7,8 @@
 #                                        names, fnmatch patterns, space-separated)
 #   MUTMUT_TESTS="tests/a.py,tests/b.py" ...   these test files instead of the configured ones
 #                                        (a shorter stats run when only some modules are run)
+#   MUTMUT_DESELECT="process" ...        also deselect the tests whose names hold this word
+# Mutants the per-function selection misses, or survivors to rerun: tools/mutation_recheck.sh.
 # Needs the `mutation` extra (pip install -e .[test,mutation]). OMP_NUM_THREADS=1 keeps torch
 # from oversubscribing a small machine (each mutant's tests run in a forked process).
 set -euo pipefail
@@ -15,9 +17,11 @@ work=${1:-$(mktemp -d /tmp/bole-mutation.XXXXXX)}
 mkdir -p "$work"
 git -C "$repo" archive HEAD | tar -x -C "$work"
 cd "$work"
-python - "${MUTMUT_ONLY:-}" "${MUTMUT_TESTS:-}" <<'PY'
+python - "${MUTMUT_ONLY:-}" "${MUTMUT_TESTS:-}" "${MUTMUT_DESELECT:-}" <<'PY'
 import re, sys
 text = open("pyproject.toml").read()
+if sys.argv[3]:                        # one more -k exclusion: "process" -> "... and not process"
+    text = re.sub(r'("not sampled[^"]*)"', rf'\1 and not {sys.argv[3]}"', text, count=1)
 for key, value in (("only_mutate", sys.argv[1]), ("pytest_add_cli_args_test_selection",
                                                     sys.argv[2])):
     if value:

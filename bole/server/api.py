@@ -357,7 +357,6 @@ def create_app(server: BoleServer) -> FastAPI:
         server.text_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="Bole", lifespan=lifespan)
-    app.state.bole = server
     errors.install(app)
     app.add_middleware(Gate, api_key=server.config.api_key,
                        count=lambda route, code: server.metrics.http.labels(route,

@@ -395,13 +395,17 @@ def test_an_unknown_model_or_an_oversized_prompt_is_a_400_naming_the_field():
         assert err["param"] == "messages"                 # 33 characters, 66 bytes
         err = error_of(post(client, "/v1/completions", prompt=PROMPT, max_tokens=250), 400)
         assert err["param"] == "prompt" and "context of 256" in err["message"]
+        assert err["message"].startswith(f"the prompt ({prompt_len(engine)} tokens) plus ")
+        err = error_of(post(client, "/v1/chat/completions", max_tokens=250,
+                            messages=[{"role": "user", "content": "hi"}]), 400)
+        assert err["param"] == "messages" and "context of 256" in err["message"]
         err = error_of(post(client, "/v1/completions", prompt=[PROMPT, "a"], max_tokens=250),
                        400)
         assert "prompt 0" in err["message"]
         assert not server.inflight and engine.cache.num_free == 4      # none was admitted
 
 
-def test_without_max_tokens_a_request_runs_to_its_context():
+def test_without_max_tokens_a_request_runs_to_its_context_or_4096_tokens():
     engine, server = make()
     with TestClient(create_app(server)) as client:
         body = post(client, "/v1/chat/completions",
@@ -409,6 +413,13 @@ def test_without_max_tokens_a_request_runs_to_its_context():
         prompt = body["usage"]["prompt_tokens"]
         assert body["usage"]["completion_tokens"] == 256 - 8 - prompt     # max_len - scratch
         assert body["choices"][0]["finish_reason"] == "length"
+        one_left = post(client, "/v1/completions", prompt=[1] * (256 - 8 - 1),
+                        max_tokens=None).json()
+        assert one_left["usage"]["completion_tokens"] == 1
+    engine = ScriptedEngine(max_len=8192, per_round=1024, round_s=0.0)
+    with TestClient(create_app(BoleServer(engine, NAME))) as client:
+        body = post(client, "/v1/completions", prompt=PROMPT, max_tokens=None).json()
+        assert body["usage"]["completion_tokens"] == 4096
 
 
 def test_a_full_queue_is_a_503_with_retry_after_and_counts_as_rejected():
@@ -489,6 +500,8 @@ def test_abort_all_ends_running_requests_with_abort_and_their_tokens_so_far(live
     threads[1].start()
     wait_until(lambda: server.scheduler.num_waiting == 1)
     assert len(server.live()) == 2
+    # one of the four slots in use
+    assert 'vllm:gpu_cache_usage_perc{model_name="scripted"} 0.25' in client.get("/metrics").text
     assert server.abort_all() == 2
     engine.go()
     for t in threads:
@@ -595,6 +608,11 @@ def test_metrics_count_prompt_tokens_once_per_prompt_and_the_requests(live):
     assert "bole_output_tokens_total 6.0" in text
     assert 'bole_requests_total{status="length"} 3.0' in text
     assert 'bole_http_responses_total{code="200",route="/v1/completions"} 1.0' in text
+    assert f'vllm:prompt_tokens_total{{model_name="{NAME}"}} {float(prompt_len(engine))}' in text
+    # the queue time of each of the three finished requests (the engine's prefill time known)
+    assert "bole_request_queue_time_seconds_count 3.0" in text
+    rounds = [line for line in text.splitlines() if line.startswith("bole_rounds_total ")]
+    assert rounds and float(rounds[0].split()[-1]) >= 1        # the rounds' hook is wired
 
 
 def wait_until(cond, timeout: float = 10.0) -> None:
@@ -670,15 +688,17 @@ def test_live_lists_the_sequences_the_engine_has_not_finished():
 def test_an_engine_process_queues_every_request_its_front_end_takes():
     """The front end bounds the queue (``max_queue``, here over the scheduler's default of
     256); the engine process takes everything it is sent: 300 requests at once all finish."""
-    c = EngineClient(ScriptedEngine, (1,), max_queue=400, startup_timeout=300)
+    # one slot, a round of 10 ms a token: the 300 wait in the engine process together
+    c = EngineClient(ScriptedEngine, (1, 256, 1, (EOS,), 0.01), max_queue=400,
+                     startup_timeout=300)
     try:
         assert (c.num_running, c.num_waiting) == (0, 0) and c.healthy()
         from bole.engine.request import SamplingParams
         done = threading.Semaphore(0)
-        handles = [c.submit([1, 2, 3], SamplingParams(max_tokens=1),
+        handles = [c.submit([1, 2, 3], SamplingParams(max_tokens=2),
                             on_event=lambda h, t, f: f and done.release()) for _ in range(300)]
         for _ in handles:
-            assert done.acquire(timeout=60)
+            assert done.acquire(timeout=120)
         assert all(h.request.result is not None for h in handles)
         assert all(h.request.result.finish_reason == "length" for h in handles)
     finally:

@@ -129,7 +129,7 @@ class EngineClient:
         self.process.start()
         child.close()
         if not self._conn.poll(startup_timeout):
-            self.stop()
+            self.stop(timeout=1.0)                 # still building: it reads no pipe yet
             raise RuntimeError(f"the engine process did not start in {startup_timeout:.0f} s")
         try:
             kind, payload = self._conn.recv()

@@ -97,7 +97,8 @@ def test_the_queue_bound_and_a_bad_request_are_refused_here(client: EngineClient
     with pytest.raises(ValueError, match="max_tokens|context"):
         client.submit([1, 2], SamplingParams(max_tokens=10 ** 6))
     first = [client.submit(prompts()[0], SamplingParams(max_tokens=4)) for _ in range(2)]
-    with pytest.raises(QueueFull):
+    with pytest.raises(QueueFull, match=r"^\d+ requests are waiting \(the most this server "
+                                        r"queues\); retry shortly$"):
         client.submit(prompts()[0], SamplingParams(max_tokens=4))
     for h in first:
         assert h.done.wait(120) and h.request.result is not None

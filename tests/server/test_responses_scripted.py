@@ -7,6 +7,7 @@ status codes) for a known output, each expected value computed here from the tok
 from __future__ import annotations
 
 import asyncio
+import os
 import json
 import threading
 import time
@@ -695,14 +696,23 @@ def test_an_engine_process_queues_every_request_its_front_end_takes():
         assert (c.num_running, c.num_waiting) == (0, 0) and c.healthy()
         from bole.engine.request import SamplingParams
         done = threading.Semaphore(0)
-        handles = [c.submit([1, 2, 3], SamplingParams(max_tokens=2),
-                            on_event=lambda h, t, f: f and done.release()) for _ in range(300)]
+        finals: dict[int, int] = {}
+
+        def on_event(handle, tokens, finished):
+            if finished:
+                finals[id(handle)] = finals.get(id(handle), 0) + 1
+                done.release()
+        handles = [c.submit([1, 2, 3], SamplingParams(max_tokens=2), on_event=on_event)
+                   for _ in range(300)]
         for _ in handles:
             assert done.acquire(timeout=120)
         assert all(h.request.result is not None for h in handles)
         assert all(h.request.result.finish_reason == "length" for h in handles)
     finally:
         c.stop()
+    c._reader.join(10)
+    # the process's end finishes what it held: nothing, here; a request ends once
+    assert sorted(set(finals.values())) == [1] and len(finals) == 300
 
 
 def test_an_api_key_is_asked_for_and_a_template_refusal_is_a_400():
@@ -746,3 +756,14 @@ def test_the_server_batches_at_most_max_batch_requests():
     finally:
         engine.go()
         server.loop.stop()
+
+
+@pytest.mark.parametrize("factory, args, timeout, message", [
+    (int, ("x",), 300, "^the engine could not start: ValueError: invalid literal"),
+    (os._exit, (3,), 300, r"^the engine process exited while starting \(exit code 3\)$"),
+    (time.sleep, (120,), 5, "^the engine process did not start in 5 s$")])
+def test_an_engine_process_that_cannot_start_says_why(factory, args, timeout, message):
+    """A build that raises, a process that exits, one that hangs past ``startup_timeout``:
+    each a RuntimeError saying which."""
+    with pytest.raises(RuntimeError, match=message):
+        EngineClient(factory, args, startup_timeout=timeout)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import json
 import threading
 import time
 
@@ -21,6 +20,7 @@ from bole.server.api import BoleServer, ServerConfig, create_app  # noqa: E402
 from bole.server.engine_process import EngineClient  # noqa: E402
 from bole.server.protocol import choice_seed  # noqa: E402
 from tests.server.scripted import EOS, ScriptedEngine, logprob_of, tokenizer  # noqa: E402
+from tests.server.stream_reading import read_sse  # noqa: E402
 
 NAME = "scripted"
 PROMPT = "def fibonacci(n):"
@@ -70,9 +70,10 @@ def text_of(engine: ScriptedEngine, ids: list[int], stops=()) -> str:
 
 
 def sse(response) -> tuple[list[dict], list[str]]:
-    """The JSON events of a streamed response and its raw ``data:`` payloads, in order."""
-    raw = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
-    return [json.loads(r) for r in raw if r != "[DONE]"], raw
+    """The JSON events of a streamed response and its raw ``data:`` payloads, in order (every
+    non-empty line a ``data:`` line)."""
+    events, lines = read_sse(response)
+    return events, [line[len("data: "):] for line in lines]
 
 
 def post(client, path: str, **body):

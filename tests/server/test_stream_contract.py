@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 
 import pytest
@@ -22,6 +21,7 @@ from bole.models.qwen3_hybrid import HybridModel  # noqa: E402
 from bole.server.api import BoleServer  # noqa: E402
 from tests.engine.test_user_visible import (  # noqa: E402
     PROMPT, check_fit, reference_levels)
+from tests.server.stream_reading import read_sse  # noqa: E402
 from tests.server.test_api import Running  # noqa: E402
 
 NAME = "tiny"
@@ -82,18 +82,10 @@ def plain():
 
 def sse(url: str, body: dict) -> tuple[list[dict], list[str]]:
     """POST with ``stream: true``; the JSON events and every raw non-empty line."""
-    events, lines = [], []
     with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as res:
         assert res.status_code == 200
         assert res.headers["content-type"].startswith("text/event-stream")
-        for line in res.iter_lines():
-            if not line:
-                continue
-            lines.append(line)
-            assert line.startswith("data: "), line
-            if line != "data: [DONE]":
-                events.append(json.loads(line[len("data: "):]))
-    return events, lines
+        return read_sse(res)
 
 
 def text_of(events: list[dict], chat: bool) -> str:

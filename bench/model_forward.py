@@ -207,8 +207,8 @@ def forward_case(runner: ModelRunner, name: str, trees: list[DraftTree], slots: 
     nodes = dense.num_nodes
     # every node multiplies the 2-D weights and, per MoE layer, top-k experts' weights
     merged = any(n.endswith(ALL_GATE_UP) for n in runner.model.w)      # + the shared expert
-    slots = runner.model.config.num_experts_per_tok + merged
-    matmul_params = floor["params"] + slots * expert_params
+    expert_slots = runner.model.config.num_experts_per_tok + merged
+    matmul_params = floor["params"] + expert_slots * expert_params
     for r in records:
         r.update(nodes=nodes, batch=len(slots),
                  weight_floor_ms=floor["weights_ms"] + moe_bytes / floor["bandwidth"] * 1e3,

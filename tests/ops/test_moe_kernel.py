@@ -254,10 +254,10 @@ def test_picked_tiles_are_tl_dot_sized():
 def test_the_down_gemm_takes_its_own_tiles():
     g = torch.Generator().manual_seed(3)
     T, E, H, F, k = 5, 6, 32, 16, 2
-    x = torch.randn(T, H, generator=g)
-    w13 = torch.randn(E, 2 * F, H, generator=g) * 0.2
-    w2 = torch.randn(E, H, F, generator=g) * 0.2
-    tw, ids = route(torch.randn(T, E, generator=g), k)
+    x = torch.randn(T, H, generator=g).to(DEV)
+    w13 = (torch.randn(E, 2 * F, H, generator=g) * 0.2).to(DEV)
+    w2 = (torch.randn(E, H, F, generator=g) * 0.2).to(DEV)
+    tw, ids = route(torch.randn(T, E, generator=g).to(DEV), k)
     down = MoEConfig(block_m=16, block_n=32, block_k=16, num_warps=1, num_stages=1)
     cfg = MoEConfig(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1, down=down)
     got = fused_moe(x, w13, w2, tw, ids, impl="triton", config=cfg)

@@ -34,12 +34,12 @@ class GemvConfig:
     """Tiles of the two kernels: ``block_n`` output columns a program, ``block_k`` of the
     reduced dimension a step (powers of two); warps and pipeline stages."""
 
-    block_n: int = 16
-    block_k: int = 256
+    block_n: int = 8
+    block_k: int = 512
     num_warps: int = 4
     num_stages: int = 3
-    down_block_n: int = 16
-    down_block_k: int = 256
+    down_block_n: int = 8
+    down_block_k: int = 512
     down_num_warps: int = 4
 
 

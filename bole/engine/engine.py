@@ -184,14 +184,17 @@ class Engine:
         for r in requests:
             r.started = t0
             r.slot = self.cache.allocate(len(r.prompt) + r.params.max_tokens + self.scratch)
-        short = [r for r in requests if len(r.prompt) <= PREFILL_BATCH_MAX]
-        groups = [short[i:i + PREFILL_BATCH_ROWS]
-                  for i in range(0, len(short), PREFILL_BATCH_ROWS)] + [
-            [r] for r in requests if len(r.prompt) > PREFILL_BATCH_MAX]
+        groups = []
+        for cached in (False, True):            # short prompts: those the cache takes apart
+            short = [r for r in requests
+                     if len(r.prompt) <= PREFILL_BATCH_MAX and self._cached(r) == cached]
+            groups += [short[i:i + PREFILL_BATCH_ROWS]
+                       for i in range(0, len(short), PREFILL_BATCH_ROWS)]
+        groups += [[r] for r in requests if len(r.prompt) > PREFILL_BATCH_MAX]
         for group in groups:
             prompts = [torch.tensor(r.prompt) for r in group]
             slots, continuations = [r.slot for r in group], [r.continuation for r in group]
-            if self.prefix is not None and all(r.index >= 0 for r in group):
+            if self._cached(group[0]):
                 logits = self.prefix.admit(group)
             elif len(group[0].prompt) <= PREFILL_BATCH_MAX:
                 logits = self.rounds.prefill(slots, prompts, continuations)
@@ -214,6 +217,10 @@ class Engine:
                     lp = [_token_logprob(logits[i], first, r.params.logprobs)]
                 r.prefill_s = time.perf_counter() - t0
                 self._emit(r, [first], rounds=0, logprobs=lp)
+
+    def _cached(self, r: Request) -> bool:
+        """Whether ``r`` is admitted through the prefix cache (a user's request, long enough)."""
+        return self.prefix is not None and r.index >= 0 and self.prefix.takes(r)
 
     def release(self, r: Request) -> None:
         """Free a request's slot (and its drafter state)."""

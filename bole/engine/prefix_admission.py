@@ -38,16 +38,25 @@ class PrefixCacheConfig:
     """``capacity_gib``: device memory the cache may hold (None: :func:`default_capacity_bytes`);
     ``block``: tokens per block (a checkpoint of the recurrent state at each block boundary);
     None: the prefill's chunk (1,024 tokens with fla on a GPU, 64 otherwise), so that a
-    checkpoint costs no chunk the prefill would not run anyway."""
+    checkpoint costs no chunk the prefill would not run anyway. ``min_prompt_tokens``: shorter
+    prompts are admitted as without the cache (no lookup, no checkpoint at admission); None:
+    on a GPU the prompts the batched admission takes (up to 64 tokens), whose one captured
+    forward for many prompts beats a restore and a prefill of the rest request by request, on
+    the CPU, where compute dominates, none (2). A finished request is recorded whatever its
+    prompt's length (a later turn of its chat is longer)."""
 
     capacity_gib: float | None = None
     block: int | None = None
+    min_prompt_tokens: int | None = None
 
     def __post_init__(self):
         if self.capacity_gib is not None and self.capacity_gib < 0:
             raise ValueError(f"prefix cache capacity must be >= 0 GiB, got {self.capacity_gib}")
         if self.block is not None and self.block < 1:
             raise ValueError(f"prefix cache block must be >= 1 token, got {self.block}")
+        if self.min_prompt_tokens is not None and self.min_prompt_tokens < 2:
+            raise ValueError(f"prefix cache min_prompt_tokens must be >= 2 (a prompt of one "
+                             f"token has no prefix to restore), got {self.min_prompt_tokens}")
 
 
 def default_capacity_bytes(device: torch.device) -> int:
@@ -78,6 +87,13 @@ class PrefixAdmission:
         self.block = config.block or (PREFILL_CHUNK_FLA if engine.model.chunked_prefill
                                       else PREFILL_CHUNK_TREE)
         self.store = PrefixCache(pools, capacity, self.block)
+        #: prompts shorter than this are admitted as without the cache
+        self.min_prompt_tokens = config.min_prompt_tokens or (
+            PREFILL_BATCH_MAX + 1 if engine.model.device.type == "cuda" else 2)
+
+    def takes(self, r) -> bool:
+        """Whether request ``r`` is admitted through the cache (its prompt is long enough)."""
+        return len(r.prompt) >= self.min_prompt_tokens
 
     def admit(self, requests: list) -> torch.Tensor:
         """Fill each request's fresh slot with its prompt (restoring what the cache holds);

@@ -1,7 +1,8 @@
 """The prefix cache in the engine: output identical with the cache on and off in every mode
 (greedy and seeded sampling), and the hits a user expects (fp32, CPU, tiny presets with an MTP
 head drafting; 8-token blocks). Prompts longer than the batched admission's 64 tokens leave a
-checkpoint at every block boundary; shorter ones at their last token but one."""
+checkpoint at every block boundary; shorter ones at their last token but one (on the CPU; on a
+GPU they skip the cache by default)."""
 
 import pytest
 import torch
@@ -29,9 +30,12 @@ def spec(mode: str) -> SpecConfig:
         SpecConfig(mode, "mtp", depth=3, topk=2, budget=6)
 
 
-def engine(model, mode, cache=True, capacity_gib=None, slots=4):
+def engine(model, mode, cache=True, capacity_gib=None, slots=4, min_tokens=None):
+    """``min_tokens``: the cache's ``min_prompt_tokens`` (None: its default, 2 on the CPU)."""
+    config = PrefixCacheConfig(capacity_gib, BLOCK) if min_tokens is None else \
+        PrefixCacheConfig(capacity_gib, BLOCK, min_prompt_tokens=min_tokens)
     return Engine(model, spec(mode), max_slots=slots, max_len=128,
-                  prefix_cache=PrefixCacheConfig(capacity_gib, BLOCK) if cache else None)
+                  prefix_cache=config if cache else None)
 
 
 def conversation():
@@ -128,6 +132,31 @@ def test_a_prompt_shorter_than_a_block_hits_when_repeated(model):
     assert again.cached_tokens == 4 and first.token_ids == again.token_ids
 
 
+def test_prompts_under_min_prompt_tokens_skip_the_cache_and_their_next_turn_hits(model,
+                                                                                  monkeypatch):
+    """With ``min_prompt_tokens=65`` (a GPU's default) the prompts the batched admission takes
+    are admitted as without the cache: together, in one batched prefill, no lookup; a finished
+    one is still recorded, so the next turn of its chat (longer) restores the first turn's
+    prompt and answer."""
+    default = engine(model, "bole").prefix.min_prompt_tokens
+    assert default == (65 if model.device.type == "cuda" else 2)
+    e, off = engine(model, "bole", min_tokens=65), engine(model, "bole", cache=False)
+    batched = []
+    prefill = e.rounds.prefill
+    monkeypatch.setattr(e.rounds, "prefill",
+                        lambda slots, *a, **k: batched.append(len(slots)) or prefill(slots, *a, **k))
+    prompts = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [3, 1, 4, 1, 5]]
+    params = SamplingParams(max_tokens=8)
+    on = e.generate(prompts, params, seed=7)
+    assert batched == [3]
+    assert [r.token_ids for r in on] == [r.token_ids for r in off.generate(prompts, params, seed=7)]
+    assert [r.cached_tokens for r in on] == [0, 0, 0] and e.prefix.stats()["query_tokens"] == 0
+    turn = prompts[0] + on[0].token_ids + list(range(20, 80))         # 73 + 8 tokens
+    got = e.generate([turn], params, seed=7)[0]
+    assert got.cached_tokens == len(prompts[0]) + len(on[0].token_ids) - 1
+    assert got.token_ids == off.generate([turn], params, seed=7)[0].token_ids
+
+
 def test_a_prefix_ending_mid_block_hits_its_last_full_block(model):
     e = engine(model, "bole")
     a = list(range(30, 110))                                  # 80 tokens
@@ -176,6 +205,8 @@ def test_bad_prefix_cache_settings_are_named():
         PrefixCacheConfig(capacity_gib=-1)
     with pytest.raises(ValueError, match="block must be >= 1"):
         PrefixCacheConfig(block=0)
+    with pytest.raises(ValueError, match="min_prompt_tokens must be >= 2"):
+        PrefixCacheConfig(min_prompt_tokens=1)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])

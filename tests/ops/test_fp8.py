@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from bole.ops.fp8 import FP8_MAX, Fp8Weight, StackedWeight, fp8_linear, quantize_blockwise
+from bole.ops.fp8.linear import KERNEL_ROWS
 from bole.ops.linear import linear
 
 CUDA = torch.cuda.is_available()
@@ -60,7 +61,7 @@ def test_rows_and_cat_keep_the_blocks():
 
 @pytest.mark.parametrize("M,N,K,block", [(1, 48, 64, (16, 16)), (5, 100, 96, (32, 32)),
                                          (16, 64, 80, (16, 16)), (33, 40, 128, (16, 64)),
-                                         (64, 16, 32, (128, 128))])
+                                         (64, 16, 32, (128, 128)), (130, 24, 32, (16, 16))])
 def test_the_fp8_kernel_equals_the_dequantized_product(M, N, K, block):
     """fp32 inputs: the kernel's product against x @ dequantize(w).T in fp64 (error bound:
     fp32 accumulation, stated as 1e-5 relative to the product's scale)."""
@@ -91,12 +92,12 @@ def test_linear_dispatches_fp8_and_stacked_weights():
     linear(x.reshape(6, 48), StackedWeight([fw, dense]), out=out)
     assert torch.allclose(out, want.reshape(6, 40), atol=1e-5)
     assert torch.allclose(linear(x, fw), x @ fw.dequantize().T, atol=1e-5)
-    with pytest.raises(ValueError, match="at most 64 rows"):
-        fp8_linear(torch.randn(65, 48), fw, kernel=True)
+    with pytest.raises(ValueError, match=f"at most {KERNEL_ROWS} rows"):
+        fp8_linear(torch.randn(KERNEL_ROWS + 1, 48), fw, kernel=True)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
-@pytest.mark.parametrize("M", [1, 8, 32, 64, 200])
+@pytest.mark.parametrize("M", [1, 8, 32, 64, 200, 600])
 def test_bf16_product_on_the_gpu(M):
     """bf16 activations: the kernel against the dequantized bf16 weight in fp32 (relative
     error within bf16's rounding of the output, 1e-2 of its scale)."""

@@ -1,12 +1,14 @@
 """``y = x @ w.T`` with ``w`` held in FP8 with block scales, read as FP8.
 
 At decode and verify widths (at most :data:`KERNEL_ROWS` rows) one program computes
-``BLOCK_N`` (32) output columns: it streams its FP8 rows in ``[BLOCK_N, BLOCK_K]`` tiles, each step
-inside one scale block along K (``BLOCK_K`` divides the block's width), dequantizes the tile
-in fp32 with the step's per-row scales, rounds it to x's dtype (the dequantized weight's own
-values) and multiplies with tensor cores, the rows of x padded to 16. Bytes read: one per
-weight, against two in bf16. Wider inputs (prefill chunks) dequantize the weight into x's dtype
-and run cuBLAS: the product then costs its compute, not its read.
+``BLOCK_N`` (32) output columns of up to 64 rows of x: it streams its FP8 rows in
+``[BLOCK_N, BLOCK_K]`` tiles, each step inside one scale block along K (``BLOCK_K`` divides the
+block's width), dequantizes the tile in fp32 with the step's per-row scales, rounds it to x's
+dtype (the dequantized weight's own values) and multiplies with tensor cores, the rows of x
+padded to 16. Bytes read: one per weight and 64 rows, against two in bf16. Wider inputs
+(prefill chunks) dequantize the weight into x's dtype and run cuBLAS: the product then costs
+its compute, not its read (the dequantization alone moves about 15 bytes a weight, which a
+verify forward of a few hundred rows must not pay).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ __all__ = ["fp8_linear", "stacked_linear", "Fp8Tiles", "KERNEL_ROWS"]
 
 fix_interpreter_scalar_index()
 
-#: the most rows the kernel takes (more: dequantize, then cuBLAS)
-KERNEL_ROWS = 64
+#: the most rows the kernel takes (more: dequantize, then cuBLAS); a program takes up to
+#: ``ROW_TILE`` of them, so the weight is read once per 64 rows
+KERNEL_ROWS = 512
+ROW_TILE = 64
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ def _fp8_linear_kernel(x, q, s, bias, y, M, N, K, stride_xm, stride_qn, stride_s
                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = tl.arange(0, BLOCK_M)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     n_ok = n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -111,12 +115,13 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
         raise ValueError("the FP8 kernel reads q and scale with unit stride along K")
     y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
-        _fp8_linear_kernel[(triton.cdiv(N, tiles.block_n),)](
+        block_m = min(ROW_TILE, max(16, triton.next_power_of_2(M)))
+        _fp8_linear_kernel[(triton.cdiv(N, tiles.block_n), triton.cdiv(M, block_m))](
             rows, w.q, w.scale, bias if bias is not None else rows, y, M, N, rows.shape[1],
             rows.stride(0), w.q.stride(0), w.scale.stride(0), y.stride(0),
             QBN=w.block[0], QBK=w.block[1], HAS_BIAS=bias is not None,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=tiles.block_n,
+            BLOCK_M=block_m, BLOCK_N=tiles.block_n,
             BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
             num_stages=1 if interpreting() else tiles.num_stages)
     return y if out is not None else y.view(*x.shape[:-1], N)

@@ -22,23 +22,32 @@ __all__ = ["TextStream", "respond"]
 
 class TextStream:
     """Incremental detokenisation: the text of the tokens so far, holding back an incomplete
-    UTF-8 sequence and anything that could still become a stop string."""
+    UTF-8 sequence and anything that could still become a stop string. Each call decodes only
+    the tokens since the last complete text and those of the call before (a window, so that a
+    tokenizer that treats a decode's first token apart, a leading space, gives the same text
+    as a whole decode): a stream costs its tokens once, not once per chunk."""
 
     def __init__(self, tokenizer, stops: tuple[str, ...]):
         self.tokenizer, self.stops = tokenizer, stops
-        self.sent = 0
+        self.sent = 0             # characters sent
+        self.text = ""            # the text of ids[:read]
+        self.prefix = 0           # the window's first token
+        self.read = 0             # tokens whose text is in self.text
 
     def delta(self, ids: list[int], final_text: str | None) -> str:
         if final_text is not None:
             text = final_text
         else:
-            text = self.tokenizer.decode_batch([ids])[0]     # lets go of the GIL
-            keep = len(text)
-            if text.endswith("\ufffd"):                       # an incomplete multi-byte char
-                keep = len(text.rstrip("\ufffd"))
+            if len(ids) > self.read:
+                decode = self.tokenizer.decode      # a few tokens: microseconds
+                before, after = decode(ids[self.prefix:self.read]), decode(ids[self.prefix:])
+                if len(after) > len(before) and not after.endswith("\ufffd"):
+                    self.text += after[len(before):]       # complete characters only
+                    self.prefix, self.read = self.read, len(ids)
+            text = self.text
             if self.stops:
-                keep = min(keep, len(text) - (max(len(s) for s in self.stops) - 1))
-            text = text[:max(keep, self.sent)]
+                keep = len(text) - (max(len(s) for s in self.stops) - 1)
+                text = text[:max(keep, self.sent)]
         out = text[self.sent:]
         self.sent = max(self.sent, len(text))
         return out
@@ -108,7 +117,6 @@ async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.
                   chat: bool, options: StreamOptions) -> AsyncIterator[str]:
     """SSE chunks of each choice's text deltas (the echoed prompt first), its finish reason,
     optionally the usage (on the last chunk, or so far on every chunk), then ``[DONE]``."""
-    loop = asyncio.get_running_loop()
     by_index = {s.index: s for s in sequences}
     streams = {s.index: TextStream(server.tokenizer, s.params.stop) for s in sequences}
     first = {s.index: True for s in sequences}
@@ -122,8 +130,10 @@ async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.
         return _sse(body)
 
     def deltas(ready: dict[int, bool]) -> list[tuple[int, str, list[int], bool, dict | None]]:
-        """Text thread: each ready choice's new text and tokens, whether it ended, and the
-        logprobs of its tokens since the last chunk (None unless asked for)."""
+        """Each ready choice's new text and tokens, whether it ended, and the logprobs of its
+        tokens since the last chunk (None unless asked for). On the event loop: a chunk decodes
+        only its new tokens (a thread hop per chunk cost more than the decode, and its thread
+        took the GIL from the engine's rounds)."""
         out = []
         for i, finished in ready.items():
             seq = by_index[i]
@@ -150,8 +160,7 @@ async def _stream(server: BoleServer, sequences: list[Sequence], queue: asyncio.
             while not queue.empty():            # events that piled up: one chunk for all
                 j, f = queue.get_nowait()
                 ready[j] = ready.get(j, False) or f
-            for i, delta, ids, finished, lp in await loop.run_in_executor(server.text_pool,
-                                                                         deltas, ready):
+            for i, delta, ids, finished, lp in deltas(ready):
                 seq = by_index[i]
                 # tokens that add no text (an end-of-sequence token, a stop string's) still
                 # carry their ids and logprobs

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bole.ops.fp8 import FP8_MAX, Fp8Weight, StackedWeight, fp8_linear, quantize_blockwise
-from bole.ops.fp8.linear import KERNEL_ROWS
+from bole.ops.fp8.linear import KERNEL_ROWS, dequantize
 from bole.ops.linear import linear
 
 CUDA = torch.cuda.is_available()
@@ -78,6 +78,25 @@ def test_the_fp8_kernel_equals_the_dequantized_product(M, N, K, block):
     assert torch.equal(fp8_linear(x, fw, bias, kernel=True, out=out), got)
     dense = fp8_linear(x, fw, bias, kernel=False)           # the dequantize-then-linear path
     assert (dense.double() - want).abs().max() <= tol
+
+
+@pytest.mark.parametrize("N,K,block", [(40, 200, (16, 64)), (33, 130, (128, 128)),
+                                       (64, 128, (32, 16))])
+def test_the_dequantize_kernel_gives_the_weights_own_values(N, K, block):
+    """The one-pass kernel (the wide products' path) against the torch expression, bit for bit:
+    the same fp32 product, rounded once (to nearest even; Triton's interpreter truncates to
+    bf16, so there a bf16 value may lie one unit lower); ragged last blocks included."""
+    g = torch.Generator().manual_seed(N + K)
+    fw = quantize_blockwise(torch.randn(N, K, generator=g) * 3, block).to(DEV)
+    assert torch.equal(dequantize(fw, torch.float32), fw.dequantize(torch.float32))
+    got, want = dequantize(fw, torch.bfloat16), fw.dequantize(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    if CUDA:
+        assert torch.equal(got, want)
+    else:
+        exact = fw.dequantize(torch.float32)
+        ulp = 2.0 ** (torch.frexp(exact)[1].float() - 8)
+        assert ((exact - got.float()).abs() < ulp).all() and (got.float().abs() <= exact.abs()).all()
 
 
 def test_linear_dispatches_fp8_and_stacked_weights():

@@ -6,9 +6,8 @@ At decode and verify widths (at most :data:`KERNEL_ROWS` rows) one program compu
 block's width), dequantizes the tile in fp32 with the step's per-row scales, rounds it to x's
 dtype (the dequantized weight's own values) and multiplies with tensor cores, the rows of x
 padded to 16. Bytes read: one per weight and 64 rows, against two in bf16. Wider inputs
-(prefill chunks) dequantize the weight into x's dtype and run cuBLAS: the product then costs
-its compute, not its read (the dequantization alone moves about 15 bytes a weight, which a
-verify forward of a few hundred rows must not pay).
+(prefill chunks) dequantize the weight into x's dtype (:func:`dequantize`, one pass) and run
+cuBLAS: the product then costs its compute, not its read.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import triton.language as tl
 from bole.ops.fp8.blockwise import Fp8Weight, StackedWeight
 from bole.ops.triton_utils import fix_interpreter_scalar_index, interpreting
 
-__all__ = ["fp8_linear", "stacked_linear", "Fp8Tiles", "KERNEL_ROWS"]
+__all__ = ["fp8_linear", "stacked_linear", "dequantize", "Fp8Tiles", "KERNEL_ROWS"]
 
 fix_interpreter_scalar_index()
 
@@ -70,6 +69,37 @@ def _fp8_linear_kernel(x, q, s, bias, y, M, N, K, stride_xm, stride_qn, stride_s
              mask=(m < M)[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _dequantize_kernel(q, s, w, N, K, stride_qn, stride_sn, stride_wn, QBN: tl.constexpr,
+                       QBK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w[n, k] = q[n, k] * s[n // QBN, k // QBK] in fp32, rounded once to w's dtype."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (n < N)[:, None] & (k < K)[None, :]
+    qt = tl.load(q + n[:, None].to(tl.int64) * stride_qn + k[None, :], mask=ok, other=0.0)
+    st = tl.load(s + (n // QBN)[:, None] * stride_sn + (k // QBK)[None, :], mask=ok, other=0.0)
+    tl.store(w + n[:, None].to(tl.int64) * stride_wn + k[None, :],
+             (qt.to(tl.float32) * st).to(w.dtype.element_ty, fp_downcast_rounding="rtne"),
+             mask=ok)
+
+
+def dequantize(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """:meth:`Fp8Weight.dequantize` of a 2-D weight in one pass (one byte read and two written a
+    weight, where the torch expression moves about fifteen): its values exactly (the same fp32
+    product, rounded once). CUDA or the interpreter; otherwise the torch expression."""
+    if w.dim() != 2 or not (w.device.type == "cuda" or interpreting()) or \
+            w.q.stride(-1) != 1 or w.scale.stride(-1) != 1:
+        return w.dequantize(dtype)
+    N, K = w.shape
+    out = torch.empty(N, K, dtype=dtype, device=w.device)
+    if N and K:
+        bn, bk = 32, 128
+        _dequantize_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+            w.q, w.scale, out, N, K, w.q.stride(0), w.scale.stride(0), out.stride(0),
+            QBN=w.block[0], QBK=w.block[1], BLOCK_N=bn, BLOCK_K=bk)
+    return out
+
+
 def _kernel_tiles(w: Fp8Weight, tiles: Fp8Tiles | None = None) -> Fp8Tiles | None:
     """The launch for ``w``'s blocks (``tiles``, default :class:`Fp8Tiles`'s: 32 columns a
     program, since at decode the weight's read is the cost and narrow programs keep every SM
@@ -103,7 +133,7 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     if kernel is None:
         kernel = on_device and tiles is not None and M <= KERNEL_ROWS
     if not kernel:
-        wd = w.dequantize(x.dtype)
+        wd = dequantize(w, x.dtype)
         if out is None:
             return F.linear(x, wd, bias)
         return torch.mm(x, wd.t(), out=out) if bias is None else torch.addmm(bias, x, wd.t(), out=out)

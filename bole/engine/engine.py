@@ -184,13 +184,14 @@ class Engine:
         for r in requests:
             r.started = t0
             r.slot = self.cache.allocate(len(r.prompt) + r.params.max_tokens + self.scratch)
-        groups = []
-        for cached in (False, True):            # short prompts: those the cache takes apart
-            short = [r for r in requests
-                     if len(r.prompt) <= PREFILL_BATCH_MAX and self._cached(r) == cached]
-            groups += [short[i:i + PREFILL_BATCH_ROWS]
-                       for i in range(0, len(short), PREFILL_BATCH_ROWS)]
-        groups += [[r] for r in requests if len(r.prompt) > PREFILL_BATCH_MAX]
+        # the prompts the prefix cache takes together (it batches what it can), the short
+        # others together, long others one by one
+        cached = [r for r in requests if self._cached(r)]
+        short = [r for r in requests if not self._cached(r) and len(r.prompt) <= PREFILL_BATCH_MAX]
+        groups = [part[i:i + PREFILL_BATCH_ROWS] for part in (cached, short)
+                  for i in range(0, len(part), PREFILL_BATCH_ROWS)]
+        groups += [[r] for r in requests
+                   if not self._cached(r) and len(r.prompt) > PREFILL_BATCH_MAX]
         for group in groups:
             prompts = [torch.tensor(r.prompt) for r in group]
             slots, continuations = [r.slot for r in group], [r.continuation for r in group]

@@ -5,9 +5,11 @@ for the requests after it.
     admit     lookup -> restore (KV rows, GDN and conv states, the MTP head's rows and hidden
               state) -> prefill of the suffix, its chunks ending at every block boundary and at
               the prompt's last token but one, where the target's state is taken -> the
-              drafters' upkeep of the suffix -> insert (blocks and checkpoints). Short prompts
-              the cache does not hold keep the batched admission (CUDA graphs) for all but
-              their last tokens, then one forward takes every last token
+              drafters' upkeep of the suffix -> insert (blocks and checkpoints). Requests with
+              at most 64 tokens to prefill go together: all but their last tokens in batched
+              rows (the batched admission's CUDA graphs for prompts the cache does not hold,
+              one eager forward for the rests of hits), then one forward takes every last
+              token
     finish    a request that ends normally leaves a checkpoint at its committed length (a later
               turn of a chat starts with this prompt and its answer)
 
@@ -25,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from bole.engine.prefix_cache import CachePools, MTPPools, PrefixCache
-from bole.engine.runner import PREFILL_BATCH_MAX, PREFILL_CHUNK_FLA, PREFILL_CHUNK_TREE
+from bole.engine.runner import (PREFILL_BATCH_MAX, PREFILL_CHUNK_FLA, PREFILL_CHUNK_TREE,
+                                prefill_bucket)
 from bole.speculative.drafters.mtp import MTPDrafter
 
 __all__ = ["PrefixCacheConfig", "PrefixAdmission", "default_capacity_bytes"]
@@ -98,34 +101,87 @@ class PrefixAdmission:
     def admit(self, requests: list) -> torch.Tensor:
         """Fill each request's fresh slot with its prompt (restoring what the cache holds);
         returns the last prompt tokens' logits ``[R, V]``; sets each ``r.cached_tokens``.
-        Short prompts the cache does not hold go together (:meth:`_admit_short`), the others
-        one by one (:meth:`_admit_one`)."""
-        hits = {id(r): self.store.lookup(list(r.prompt)) for r in requests}
-        short = [r for r in requests if hits[id(r)] is None
-                 and 2 <= len(r.prompt) <= PREFILL_BATCH_MAX]
-        logits = dict(zip(map(id, short), self._admit_short(short))) if short else {}
+        Requests with a long prefill go first, one by one (:meth:`_admit_one`), so that the
+        others can hit what they leave; then those with at most PREFILL_BATCH_MAX tokens left
+        to prefill go together (:meth:`_admit_batched`)."""
+        logits = {}
         for r in requests:
+            if not self._batches(r, self.store.lookup(list(r.prompt), count=False)):
+                logits[id(r)] = self._admit_one(r, self.store.lookup(list(r.prompt)))
+        rest = [r for r in requests if id(r) not in logits]
+        hits = {id(r): self.store.lookup(list(r.prompt)) for r in rest}
+        batched = [r for r in rest if self._batches(r, hits[id(r)])]
+        if batched:
+            logits.update(zip(map(id, batched), self._admit_batched(batched, hits)))
+        for r in rest:                   # an entry evicted meanwhile: a long prefill after all
             if id(r) not in logits:
                 logits[id(r)] = self._admit_one(r, hits[id(r)])
         return torch.stack([logits[id(r)] for r in requests])
 
-    def _admit_short(self, requests: list) -> torch.Tensor:
-        """Prompts of 2 to PREFILL_BATCH_MAX tokens the cache does not hold: all but their last
-        tokens through the batched admission (its CUDA graphs), a checkpoint each, then their
-        last tokens in one forward. Returns their logits ``[R, V]``."""
+    def _batches(self, r, hit) -> bool:
+        """Whether ``r`` is admitted with others: a prompt of 2 to PREFILL_BATCH_MAX tokens the
+        cache does not hold, or a hit with at most PREFILL_BATCH_MAX tokens after it (whose
+        padded rows stay inside the slot)."""
+        n = len(r.prompt)
+        if hit is None:
+            return 2 <= n <= PREFILL_BATCH_MAX
+        rest = n - 1 - hit.length
+        return rest < PREFILL_BATCH_MAX and \
+            (rest == 0 or hit.length + prefill_bucket(rest) < self.engine.cache.max_len)
+
+    def _admit_batched(self, requests: list, hits: dict) -> torch.Tensor:
+        """Requests with at most PREFILL_BATCH_MAX tokens to prefill: the hits restored, then
+        all but every prompt's last token in two forwards (the prompts the cache does not hold
+        through the batched admission and its CUDA graphs, the rest of the hits in one forward
+        of their rows), a checkpoint each at its last token but one, then every last token in
+        one forward. Returns their logits ``[R, V]``."""
         e, rounds = self.engine, self.engine.rounds
-        slots = [r.slot for r in requests]
-        heads = [torch.tensor(list(r.prompt[:-1])) for r in requests]
-        rounds.prefill(slots, heads, [r.continuation for r in requests])
+        fresh = [r for r in requests if hits[id(r)] is None]
+        if fresh:
+            rounds.prefill([r.slot for r in fresh],
+                           [torch.tensor(list(r.prompt[:-1])) for r in fresh],
+                           [r.continuation for r in fresh])
+        start = {id(r): 0 if hits[id(r)] is None else hits[id(r)].length for r in requests}
         for r in requests:
-            r.cached_tokens = 0
-            self._insert(list(r.prompt), r.slot,
-                         {len(r.prompt) - 1: self._safely(lambda: self.store.states(r.slot))})
+            if hits[id(r)] is not None:
+                self.store.restore(hits[id(r)], r.slot)
+        self._prefill_rest([r for r in requests if hits[id(r)] is not None
+                            and start[id(r)] < len(r.prompt) - 1], start)
+        for r in requests:
+            r.cached_tokens = start[id(r)]
+            if start[id(r)] < len(r.prompt) - 1:
+                self._insert(list(r.prompt), r.slot, {
+                    len(r.prompt) - 1: self._safely(lambda: self.store.states(r.slot))})
         tokens = torch.tensor([r.prompt[-1] for r in requests])
-        out = e.runner.decode_output(slots, tokens)
+        out = e.runner.decode_output([r.slot for r in requests], tokens)
         self._continue_drafters(requests, tokens[:, None], out.hidden[:, None],
                                 [len(r.prompt) - 1 for r in requests])
         return out.logits
+
+    def _prefill_rest(self, requests: list, start: dict) -> None:
+        """Restored slots holding ``start[id(r)]`` tokens: commit each prompt's tokens from
+        there up to its last but one in one forward of rows padded to a
+        :func:`~bole.engine.runner.prefill_bucket` width (eager; one forward a width, so
+        that no padded row reaches past its slot), and the MTP head's rows of them."""
+        widths: dict[int, list] = {}
+        for r in requests:
+            widths.setdefault(prefill_bucket(len(r.prompt) - 1 - start[id(r)]), []).append(r)
+        for width, group in widths.items():
+            self._prefill_rows(group, start, width)
+
+    def _prefill_rows(self, requests: list, start: dict, width: int) -> None:
+        e = self.engine
+        rest = [torch.tensor(list(r.prompt[start[id(r)]:-1])) for r in requests]
+        lengths = [int(t.numel()) for t in rest]
+        dev = e.runner.device
+        tokens = e.runner.prefill_tokens(rest, width).to(dev)
+        slots = torch.tensor([r.slot for r in requests], dtype=torch.int32, device=dev)
+        counts = torch.tensor(lengths, device=dev)
+        _, hidden = e.runner.prefill_rows(slots, tokens, counts)
+        e.cache.advance([r.slot for r in requests], lengths)
+        if self.mtp is not None:
+            self.mtp.observe(slots, tokens, hidden,
+                             torch.tensor([start[id(r)] for r in requests], device=dev), counts)
 
     def _admit_one(self, r, hit) -> torch.Tensor:
         """One request: restore ``hit`` (None: nothing), prefill the rest with checkpoints at

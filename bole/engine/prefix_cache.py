@@ -152,11 +152,11 @@ class PrefixCache:
         self.hit_tokens = 0
 
     # ---- lookup and restore ----
-    def lookup(self, tokens: list[int]) -> PrefixHit | None:
+    def lookup(self, tokens: list[int], count: bool = True) -> PrefixHit | None:
         """The deepest checkpoint along ``tokens`` at most ``len(tokens) - 1`` deep, or None.
-        Counts the query (every token but the last) and the hit."""
+        ``count``: count the query (every token but the last) and the hit, and mark the hit's
+        entries used (False: a look that changes nothing)."""
         limit = len(tokens) - 1
-        self.query_tokens += max(limit, 0)
         node, path, best = self.root, [], None
         candidates = [(self.root, ())]
         while node.end + self.block <= limit:
@@ -174,6 +174,9 @@ class PrefixCache:
                 if end <= limit and (best is None or end > best.length) and \
                         tuple(tokens[at.end:end]) == tt:
                     best = PrefixHit(end, above + (tail,))
+        if not count:
+            return best
+        self.query_tokens += max(limit, 0)
         if best is not None:
             self.hit_tokens += best.length
             self._tick += 1

@@ -185,6 +185,43 @@ def test_concurrent_requests_sharing_a_prefix_and_eviction_under_a_tiny_cap(mode
             assert [r.cached_tokens for r in on[:3]] == [0, 64, 64]
 
 
+@pytest.mark.parametrize("mode", ["ar", "bole"])
+def test_hits_with_short_rests_are_admitted_together(model, mode, monkeypatch):
+    """Requests admitted in one step that hit the cache (SYSTEM's 70 tokens, a tail) with 1 to
+    30 tokens left prefill their rests (all but the last token: 0, 4, 11, 29) in one forward
+    per padded width (16: two rows, 32: one) and their last tokens in one more: outputs equal
+    the cache-off run's and each restored slot holds what a full prefill leaves."""
+    e, off = engine(model, mode, slots=4), engine(model, mode, cache=False, slots=4)
+    params = SamplingParams(max_tokens=8)
+    e.generate([SYSTEM + [9]], params)                      # the blocks of SYSTEM
+    rows = []
+    prefill_rows = e.runner.prefill_rows
+    monkeypatch.setattr(e.runner, "prefill_rows",
+                        lambda slots, *a: rows.append(len(slots)) or prefill_rows(slots, *a))
+    prompts = [SYSTEM + list(range(20, 20 + n)) for n in (1, 5, 12, 30)]
+    got = e.generate(prompts, params, seed=3)
+    assert rows == [2, 1] and [r.cached_tokens for r in got] == [len(SYSTEM)] * 4
+    assert [r.token_ids for r in got] == [r.token_ids for r in off.generate(prompts, params,
+                                                                              seed=3)]
+    others = [SYSTEM + list(range(40, 40 + n)) for n in (3, 9, 20, 2)]     # new rests
+    held = [e.new_request(i, p, params) for i, p in enumerate(others)]
+    want = [off.new_request(i, p, params) for i, p in enumerate(others)]
+    e.admit_many(held)
+    off.admit_many(want)
+    assert rows == [2, 1, 3, 1] and all(r.cached_tokens == len(SYSTEM) for r in held)
+    close = dict(atol=1e-5, rtol=1e-4)
+    for a, b, p in zip(held, want, others):
+        s, t, n = a.slot, b.slot, len(p)
+        assert a.out == b.out and e.cache.host_lengths[s] == off.cache.host_lengths[t] == n
+        assert torch.allclose(e.cache.k[:, s, :n], off.cache.k[:, t, :n], **close)
+        assert torch.allclose(e.cache.gdn_state[:, s], off.cache.gdn_state[:, t], **close)
+        assert torch.allclose(e.cache.conv_state[:, s], off.cache.conv_state[:, t], **close)
+        if mode != "ar":
+            m1, m2 = e.rounds.device_drafter, off.rounds.device_drafter
+            assert torch.allclose(m1.k[s, :n - 1], m2.k[t, :n - 1], **close)
+            assert torch.allclose(m1.last_hidden[s], m2.last_hidden[t], **close)
+
+
 def test_a_request_cancelled_mid_prefill_frees_its_slot_and_leaves_the_cache_usable(model):
     e = engine(model, "bole", slots=1)
     scheduler = Scheduler(e)

@@ -48,6 +48,10 @@ def test_an_exact_repeat_restores_rows_and_the_state_before_the_last_token():
     assert torch.equal(cache.gdn_state[:, dst], cps[20][0][0])
     assert torch.equal(cache.conv_state[:, dst], cps[20][0][1])
     assert store.query_tokens == 20 and store.hit_tokens == 20
+    used = [n.used for n in hit.path]
+    assert store.lookup(tokens, count=False) == hit                 # a look changes nothing
+    assert store.query_tokens == 20 and store.hit_tokens == 20
+    assert [n.used for n in hit.path] == used
 
 
 def test_a_prompt_shorter_than_a_block_hits_when_repeated():

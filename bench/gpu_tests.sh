@@ -18,7 +18,10 @@ mkdir -p "$log_dir"
   # a copied working tree may carry an older checkout's .git: the hash of the sources says which
   # files ran (compare: cat $(git ls-files 'bole/*.py' 'tests/*.py') | sha1sum)
   echo "git: $(git log -1 --format='%h %s' 2>/dev/null | cut -c1-100)"
-  echo "sources: $(cat $(git ls-files 'bole/*.py' 'tests/*.py' 2>/dev/null) | sha1sum | cut -c1-12)"
+  # (a copy without .git, as bench/h200_runs.sh's callers send: every .py file, sorted)
+  sources=$(git ls-files 'bole/*.py' 'tests/*.py' 2>/dev/null)
+  [ -n "$sources" ] || sources=$(find bole tests -name '*.py' | LC_ALL=C sort)
+  echo "sources: $(cat $sources | sha1sum | cut -c1-12)"
   date -u
   echo "pytest $* in $shards shards"
 } > "$log_dir/summary.txt"

@@ -148,6 +148,8 @@ def test_fused_greedy_kernel_equals_the_torch_walk(forest, extra, seed, use_forc
         dense.max_depth, None if forced is None else forced.to(dev), EMITTED_PAD)
     got = DeviceAcceptance(accepted, path, path_len, bonus, emitted, path_len)
     for name in ("accepted", "path", "path_len", "bonus", "emitted", "num_emitted"):
+        # int64 too: the engine indexes and gathers with them
+        assert getattr(got, name).dtype == torch.int64, name
         assert torch.equal(getattr(got, name).cpu(), getattr(want, name)), name
 
 
@@ -536,3 +538,130 @@ def test_cuda_graph_capture_without_sync():
         for a, b in zip(captured[:3], eager[:3]):
             assert torch.equal(a.emitted, b.emitted) and torch.equal(a.path, b.path)
         assert torch.equal(captured[3], eager[3])
+
+
+# ---------------------------------------------------------------- (g) edges a user would notice
+
+def test_target_probs_rows_infers_or_checks_the_rows_per_request():
+    """[N, V] logits without nodes_per_request are R requests of N / R rows each (what a caller
+    of the documented default gets); a shape that is not R x T rows is refused, not misread."""
+    gen = torch.Generator().manual_seed(9)
+    params = [SamplingParams(temperature=0.5), SamplingParams(temperature=2.0, top_k=3)]
+    batch = SamplingBatch.from_params(params)
+    R, T, V = 2, 3, 7
+    logits = torch.randn(R, T, V, generator=gen, dtype=torch.float64).float()
+    for r, p in enumerate(params):           # the reference: each request's rows on their own
+        want = target_probs(logits[r], p)
+        assert torch.equal(target_probs_rows(logits.reshape(R * T, V), batch)[r * T:(r + 1) * T],
+                           want)
+        assert torch.equal(target_probs_rows(logits, batch, nodes_per_request=T)[r], want)
+    with pytest.raises(ValueError, match=r"logits \(3, 3, 7\) do not match 2 requests x None"):
+        target_probs_rows(torch.zeros(3, T, V), batch)
+    with pytest.raises(ValueError, match="do not match 2 requests x 2 nodes"):
+        target_probs_rows(logits, batch, nodes_per_request=2)
+    with pytest.raises(ValueError, match="7 rows are not 2 requests x 3 nodes"):
+        target_probs_rows(torch.zeros(7, V), batch)
+    with pytest.raises(ValueError, match="6 rows are not 2 requests x 2 nodes"):
+        target_probs_rows(torch.zeros(6, V), batch, nodes_per_request=2)
+    with pytest.raises(ValueError, match=r"got \(7,\)"):
+        target_probs_rows(torch.zeros(V), batch)
+
+
+def test_sample_rows_never_draws_a_zero_probability_token_when_only_token_0_is_possible():
+    """u at (or rounding to) the top of the CDF, the only positive token first in the row: that
+    token, not a later impossible one."""
+    probs = torch.tensor([[0.7, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.25, 0.0, 0.5, 0.0]])
+    for u in (1.0, float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))):
+        tok = sample_rows(probs, torch.full((3,), u)).tolist()
+        assert tok[0] == 0 and tok[1] == 0 and tok[2] == 2, (u, tok)
+
+
+def test_draw_uniforms_follow_the_generator():
+    """The uniforms are torch.rand of the given generator, in the documented shape: a request's
+    own seeded generator fixes its acceptance draws (its samples)."""
+    got = draw_uniforms(2, 3, 4, torch.Generator().manual_seed(17))
+    want = torch.rand((2, 4, 5), generator=torch.Generator().manual_seed(17))
+    assert got.shape == (2, 4, 5) and got.dtype == torch.float32 and torch.equal(got, want)
+    torch.manual_seed(17)                    # the global generator, seeded alike, is not read
+    other = draw_uniforms(2, 3, 4, torch.Generator().manual_seed(18))
+    assert not torch.equal(other, want)
+
+
+def test_a_zero_probability_draft_is_never_accepted_even_at_a_zero_uniform():
+    """u = 0 (torch.rand can return it) against p(x) = 0: the ratio test is strict, so the
+    impossible token is rejected and the bonus is drawn from the residual."""
+    probs = torch.tensor([[[0.0, 0.6, 0.4], [0.2, 0.3, 0.5]]])          # token 0 impossible
+    dense = DenseForest.from_parents(torch.tensor([[-1, 0]]), torch.ones(1, 2, dtype=torch.bool), 1)
+    uniforms = torch.zeros(1, 2, 2)
+    acc = accept_sampled(probs, torch.tensor([[7, 0]]), dense, uniforms)
+    assert int(acc.accepted[0]) == 0 and int(acc.num_emitted[0]) == 1
+    assert float(probs[0, 0, int(acc.bonus[0])]) > 0
+
+
+@pytest.mark.parametrize("max_depth", [0, 1])
+def test_sampled_acceptance_of_roots_alone_is_plain_sampling(max_depth):
+    """Trees of one node (plain decoding through the acceptance, as `ar` runs it: T = 1): the
+    emitted token is the inverse-CDF draw of the root's target with the bonus uniform."""
+    gen = torch.Generator().manual_seed(21)
+    R, V, K = 64, 5, 1
+    probs = torch.softmax(torch.randn(R, 1, V, generator=gen, dtype=torch.float64), -1).float()
+    dense = DenseForest.from_parents(torch.full((R, 1), -1), torch.ones(R, 1, dtype=torch.bool),
+                                     max_depth)
+    uniforms = draw_uniforms(R, max_depth, K, gen)
+    acc = accept_sampled(probs, torch.randint(0, V, (R, 1), generator=gen), dense, uniforms)
+    for r in range(R):
+        check_layout(acc, dense, r, [0], [reference_sample(probs[r, 0].double(),
+                                                           uniforms[r, 0, K].double())])
+
+
+def test_uniforms_of_the_wrong_shape_are_refused():
+    dense = DenseForest.from_parents(torch.tensor([[-1, 0, 0]] * 2),
+                                     torch.ones(2, 3, dtype=torch.bool), 1)
+    probs, tokens = torch.full((2, 3, 4), 0.25), torch.zeros(2, 3, dtype=torch.int64)
+    for shape in ((3, 2, 3), (2, 3, 3), (2, 2)):
+        with pytest.raises(ValueError, match=r"uniforms \(.*\) must be \[2, 2, max_children"):
+            accept_sampled(probs, tokens, dense, torch.zeros(shape))
+    with pytest.raises(ValueError, match=r"uniforms \(2, 2, 3\) are drawn for 2 children per "
+                                         "node, not max_children=1"):
+        accept_sampled(probs, tokens, dense, torch.zeros(2, 2, 3), max_children=1)
+    acc = accept_sampled(probs, tokens, dense, torch.zeros(2, 2, 3), max_children=2)
+    assert acc.accepted.tolist() == [1, 1]   # u = 0 < 1/4: the first child, token 0, accepted
+
+
+def test_sample_tokens_is_argmax_or_the_inverse_cdf_draw_row_by_row():
+    gen = torch.Generator().manual_seed(23)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=4),
+              SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=0)]
+    logits = torch.randn(4, 9, generator=gen)
+    logits[0, 2] = logits[0, 6] = logits[0].max() + 1                    # a tie: the first
+    u = torch.rand(4, generator=gen)
+    from bole.speculative.accept_device import sample_tokens
+    got = sample_tokens(logits, SamplingBatch.from_params(params), u).tolist()
+    want = [2 if p.greedy and r == 0 else int(logits[r].argmax()) if p.greedy else
+            reference_sample(target_probs(logits[r], p).double(), u[r].double())
+            for r, p in enumerate(params)]
+    assert got == want
+    only_sampled = SamplingBatch.from_params(params[1:3])
+    assert sample_tokens(logits[1:3], only_sampled, u[1:3]).tolist() == want[1:3]
+    assert sample_tokens(logits[[0, 3]], SamplingBatch.from_params([params[0]] * 2),
+                         u[:2]).tolist() == [want[0], want[3]]
+
+
+def test_fused_greedy_kernel_reads_only_its_rows_slots():
+    """The engine's buffers are slices of larger ones: what lies past a row's T slots (here a
+    node that would match the root's argmax) is never walked into, for T below and at a power
+    of two (the kernel's lanes past T are masked)."""
+    from bole.ops.accept.kernel import greedy_accept_fused
+    for T in (5, 8):
+        R = 3
+        parents = torch.tensor([[-1] + [0] * (T - 1)] * (R + 1))
+        valid = torch.ones(R + 1, T, dtype=torch.bool)
+        argmax = torch.full((R + 1, T), 3)
+        tokens = torch.full((R + 1, T), 1)               # no child matches inside the rows
+        parents[R, 0], tokens[R, 0] = 0, 3               # past the last row: a matching "child"
+        got = greedy_accept_fused(argmax[:R], tokens[:R], parents[:R], valid[:R], 1, None,
+                                  EMITTED_PAD)
+        want = accept_greedy(argmax[:R], tokens[:R], DenseForest.from_parents(
+            parents[:R], valid[:R], 1))
+        assert got[0].tolist() == want.accepted.tolist() == [0] * R
+        assert got[4].tolist() == want.emitted.tolist() == [[3, EMITTED_PAD]] * R

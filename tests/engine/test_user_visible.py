@@ -302,6 +302,11 @@ def test_result_text_cuts_before_the_first_of_several_matches():
     assert result_text(Cut(), GenerationResult([1], "stop"), SamplingParams()) == \
         "\ufffdab\ufffd"
 
+    class CutAfterX:                # only U+FFFD is left out, not the text before it
+        def decode(self, ids):
+            return "abX\ufffd"
+    assert result_text(CutAfterX(), GenerationResult([1], "length"), SamplingParams()) == "abX"
+
 
 # ---------------------------------------------------------------- scheduling
 

@@ -665,3 +665,65 @@ def test_fused_greedy_kernel_reads_only_its_rows_slots():
             parents[:R], valid[:R], 1))
         assert got[0].tolist() == want.accepted.tolist() == [0] * R
         assert got[4].tolist() == want.emitted.tolist() == [[3, EMITTED_PAD]] * R
+
+
+def test_sampling_batch_fields_against_their_definition():
+    """inv_temperature is the double 1 / temperature rounded once to float32 (1 for greedy
+    rows: what CUDA multiplies by); the flags describe the sampled rows (any_penalty every
+    row); a batch whose only top-k is 1 samples the argmax alone."""
+    temps = [0.0, 0.7, 1.0, 1.3, 3.0]
+    b = SamplingBatch.from_params([SamplingParams(temperature=t) for t in temps])
+    want = torch.tensor([1.0 / t if t > 0 else 1.0 for t in temps], dtype=torch.float64)
+    assert b.inv_temperature.dtype == torch.float32
+    assert torch.equal(b.inv_temperature, want.float())
+    assert (b.all_greedy, b.any_greedy, b.any_top_k, b.any_top_p, b.max_top_k, b.any_penalty) \
+        == (False, True, False, False, 0, False)
+    sampled = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=1),
+                                         SamplingParams(temperature=0.5, presence_penalty=0.5)])
+    assert (sampled.any_greedy, sampled.any_top_k, sampled.max_top_k, sampled.any_penalty) == \
+        (False, True, 1, True)
+    assert SamplingBatch.from_params([SamplingParams(temperature=0,
+                                                     repetition_penalty=1.2)]).any_penalty
+    logits = torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(4))
+    probs = target_probs_rows(logits, sampled)
+    assert torch.equal(probs[0], torch.nn.functional.one_hot(logits[0].argmax(-1), 11).float())
+    with pytest.raises(ValueError, match="at least one request"):
+        SamplingBatch.from_params([])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_accept_is_the_greedy_or_the_sampled_rule_row_by_row(device):
+    """accept() on an all-greedy batch (on CUDA the fused kernel) and on a mixed one equals
+    accept_greedy on the argmax and accept_sampled on target_probs_rows, request by request;
+    forced targets (token 0 included) replace the argmax of greedy rows."""
+    logits, tokens, dense, batch, uniforms = mixed_round(device, R=8, seed=3)
+    greedy = accept_greedy(logits.argmax(-1), tokens, dense)
+    sampled = accept_sampled(target_probs_rows(logits, batch), tokens, dense, uniforms)
+    all_greedy = SamplingBatch.from_params([SamplingParams(temperature=0)] * 8, device)
+    for got, rows in ((accept(logits, tokens, dense, all_greedy), torch.ones(8, dtype=torch.bool)),
+                      (accept(logits, tokens, dense, batch, uniforms), batch.greedy)):
+        for field in ("accepted", "path", "path_len", "bonus", "emitted", "num_emitted"):
+            a, g, s = getattr(got, field), getattr(greedy, field), getattr(sampled, field)
+            want = torch.where(rows.view(-1, *[1] * (a.dim() - 1)), g, s)
+            assert a.dtype == torch.int64 and torch.equal(a, want), field
+    forced = torch.full(tokens.shape, -1, device=device)
+    forced[:, 0] = 0                                   # the root's target is token 0
+    tokens[:, 1] = 0
+    acc = accept(logits, tokens, dense, all_greedy, forced=forced)
+    want = accept_greedy(torch.where(forced >= 0, forced, logits.argmax(-1)), tokens, dense)
+    assert torch.equal(acc.emitted, want.emitted)
+    first_child = (dense.parents[:, 1] == 0) & dense.valid[:, 1]
+    assert (acc.emitted[first_child, 0] == 0).all() and first_child.any()
+
+
+def test_accept_refuses_mismatched_inputs():
+    logits, tokens, dense, batch, uniforms = mixed_round("cpu", R=2, seed=1)
+    with pytest.raises(ValueError, match="3 sampling parameters for 2 requests"):
+        accept(logits, tokens, dense,
+               SamplingBatch.from_params([SamplingParams(temperature=0)] * 3))
+    with pytest.raises(ValueError, match=r"forced must be \[R, T\] = \[2, 10\], got \(10,\)"):
+        accept(logits, tokens, dense, batch, uniforms, forced=torch.zeros(10))
+    with pytest.raises(ValueError, match="sampled requests need pre-drawn uniforms"):
+        accept(logits, tokens, dense, batch)
+    with pytest.raises(ValueError, match="not max_children=2"):
+        accept(logits, tokens, dense, batch, uniforms, max_children=2)

@@ -14,10 +14,12 @@ import math
 from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "SEED_MIN", "SEED_END", "SamplingParams"]
 
 #: the most alternatives a request can ask log-probabilities of at each token (OpenAI's limit)
 MAX_LOGPROBS = 20
+#: the seeds a torch generator takes: [SEED_MIN, SEED_END)
+SEED_MIN, SEED_END = -(1 << 63), 1 << 64
 
 
 def _number(value) -> bool:
@@ -40,7 +42,7 @@ class SamplingParams:
       and top-p (greedy takes the argmax of the penalised logits), as vLLM does; see
       :func:`bole.speculative.sampling.apply_penalties`.
     * ``seed``: seeds this request's draws (random when None), so that a seeded request samples
-      the same tokens whatever else runs in its batch.
+      the same tokens whatever else runs in its batch; an integer in [-2**63, 2**64).
 
     Stopping:
 
@@ -112,8 +114,10 @@ class SamplingParams:
         rep = self.repetition_penalty
         if not (_number(rep) and math.isfinite(rep) and rep > 0):
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        seed = self.seed
+        if seed is not None and not (isinstance(seed, int) and SEED_MIN <= seed < SEED_END):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64) (a torch "
+                             f"generator's seeds), got {seed!r}")
 
     def _validate_stopping(self) -> None:
         mt = self.max_tokens

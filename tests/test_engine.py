@@ -1,5 +1,8 @@
 """The engine: every mode's greedy output equals plain decoding; batching, stops and bad requests."""
 
+import time
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -233,3 +236,75 @@ def test_replay_drafter_through_the_engine_equals_ar_and_accepts():
         assert sum(r.mean_accepted_tokens for r in res) / 2 > 2.0, mode
     with pytest.raises(ValueError, match="acceptance profile"):
         Engine(m, SpecConfig(drafter="replay"))
+
+
+def test_request_errors_name_the_prompt_and_count_the_parameter_sets(model):
+    """The messages a caller reads: the engine's own check says "the prompt", ``generate``
+    names the prompt by its index, and a parameter list of the wrong length says both counts."""
+    e = Engine(model, SpecConfig(mode="ar"), max_len=256)
+    with pytest.raises(ValueError) as err:
+        e.check_request([], SamplingParams())
+    assert str(err.value) == "the prompt is empty; give at least one token"
+    with pytest.raises(ValueError) as err:
+        e.generate([[1, 2], []], SamplingParams())
+    assert str(err.value) == "prompt 1 is empty; give at least one token"
+    with pytest.raises(ValueError) as err:
+        e.generate([[1, 2]], [SamplingParams(), SamplingParams()])
+    assert str(err.value) == "2 parameter sets for 1 prompts"
+    assert e.cache.num_free == 8
+
+
+def test_a_result_times_its_prefill_and_decode_within_the_call_and_has_no_unasked_logprobs(model):
+    e = Engine(model, SpecConfig(depth=3, topk=2, budget=8))
+    t0 = time.perf_counter()
+    (res,) = e.generate([prompts()[0]], SamplingParams(max_tokens=12))
+    wall = time.perf_counter() - t0
+    assert res.prefill_s > 0 and res.decode_s > 0
+    assert res.prefill_s + res.decode_s <= wall
+    assert res.logprobs is None and res.cached_tokens == 0
+    assert res.rounds == len(res.accepted) and sum(res.accepted) == 11   # the first from prefill
+
+
+def test_generate_takes_more_prompts_than_a_schedulers_default_queue(model):
+    e = Engine(model, SpecConfig(mode="ar"), max_slots=8, max_len=32)
+    res = e.generate([[t % 100 + 1] for t in range(300)], SamplingParams(max_tokens=1))
+    assert len(res) == 300 and all(len(r.token_ids) == 1 for r in res)
+    assert e.cache.num_free == 8
+
+
+def test_a_failed_admission_leaves_the_running_requests_their_slots(model):
+    """A request let in unchecked that cannot fit fails its admission; the requests already
+    running keep their slots and finish with the output they get alone."""
+    from bole.cache import CacheFull
+    from bole.engine.scheduler import Scheduler
+    alone = Engine(model, SpecConfig(mode="ar"), max_len=64).generate(
+        prompts()[:2], SamplingParams(max_tokens=10))
+    e = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=3, max_len=64)
+    scheduler = Scheduler(e)
+    running = [scheduler.submit(p, SamplingParams(max_tokens=10)) for p in prompts()[:2]]
+    scheduler.step()
+    bad = scheduler.submit([1] * 60, SamplingParams(max_tokens=30), checked=True)
+    with pytest.raises(CacheFull):
+        scheduler.step()
+    assert bad.done.is_set() and e.cache.num_free == 1
+    assert sorted(e.cache.used_slots) == sorted(h.request.slot for h in running)
+    scheduler.run_until_idle()
+    assert [h.result.token_ids for h in running] == [r.token_ids for r in alone]
+    assert e.cache.num_free == 3
+
+
+def test_any_generate_seed_and_any_request_seed_in_torchs_range_samples(model):
+    """``generate(seed=)`` derives each request's seed from it (``bole generate --seed``): a
+    large one (its derived seeds past 2**64) samples, reproducibly, as a request seed at either
+    end of a torch generator's range does; one past the range is refused by name."""
+    e = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_len=64)
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    big = [e.generate(prompts()[:2], params, seed=1 << 45) for _ in range(2)]
+    assert [r.token_ids for r in big[0]] == [r.token_ids for r in big[1]]
+    assert all(len(r.token_ids) == 6 for r in big[0])
+    for seed in (-(1 << 63), (1 << 64) - 1):
+        runs = [e.generate(prompts()[:1], replace(params, seed=seed))[0] for _ in range(2)]
+        assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == 6
+    with pytest.raises(ValueError, match=r"^seed must be None or an integer in \[-2\*\*63"):
+        e.generate(prompts()[:1], replace(params, seed=1 << 64))
+    assert e.cache.num_free == 8

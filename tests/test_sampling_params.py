@@ -57,7 +57,8 @@ def test_validate_names_the_field(kw, match):
     dict(top_p=1), dict(top_p=1e-9), dict(top_k=0), dict(top_k=1),
     dict(presence_penalty=-2), dict(presence_penalty=2.0), dict(frequency_penalty=-2.0),
     dict(frequency_penalty=2), dict(repetition_penalty=1e-6), dict(repetition_penalty=5),
-    dict(seed=0), dict(seed=-3), dict(max_tokens=1), dict(stop=("a", "bc")),
+    dict(seed=0), dict(seed=-3), dict(seed=-(1 << 63)), dict(seed=(1 << 64) - 1),
+    dict(max_tokens=1), dict(stop=("a", "bc")),
     dict(stop_token_ids=(0, 7)), dict(logprobs=0), dict(logprobs=MAX_LOGPROBS),
 ])
 def test_validate_takes_every_value_at_the_edges_of_its_range(kw):
@@ -81,7 +82,12 @@ OUTSIDE = [
     (dict(repetition_penalty=float("inf")),
      "repetition_penalty must be a finite number > 0, got inf"),
     (dict(repetition_penalty=True), "repetition_penalty must be a finite number > 0, got True"),
-    (dict(seed=1.5), "seed must be an integer or None, got 1.5"),
+    (dict(seed=1.5), "seed must be None or an integer in [-2**63, 2**64) (a torch generator's "
+                     "seeds), got 1.5"),
+    (dict(seed=1 << 64), "seed must be None or an integer in [-2**63, 2**64) (a torch "
+                         f"generator's seeds), got {1 << 64}"),
+    (dict(seed=-(1 << 63) - 1), "seed must be None or an integer in [-2**63, 2**64) (a torch "
+                                f"generator's seeds), got {-(1 << 63) - 1}"),
     (dict(max_tokens=2.0), "max_tokens must be an integer >= 1, got 2.0"),
     (dict(max_tokens=-1), "max_tokens must be an integer >= 1, got -1"),
     (dict(stop=["a", ""]),

@@ -34,7 +34,7 @@ from bole.models.qwen3_hybrid import HybridModel
 from bole.speculative.accept_device import sample_rows
 from bole.speculative.budget.registry import policy_info
 from bole.speculative.drafters import registry as drafters
-from bole.sampling_params import MAX_LOGPROBS
+from bole.sampling_params import MAX_LOGPROBS, SEED_END, SEED_MIN
 from bole.speculative.sampling import penalize_params, target_probs
 
 __all__ = ["Engine"]
@@ -143,7 +143,7 @@ class Engine:
             seed = self.model.tp.broadcast_int(random.randrange(2 ** 31))
         scheduler = Scheduler(self, max_queue=max(1, len(prompts)))
         handles = [scheduler.submit(p, q if seed is None or q.seed is not None else
-                                    replace(q, seed=seed * 1_000_003 + i), checked=True)
+                                    replace(q, seed=_derived_seed(seed, i)), checked=True)
                    for i, (p, q) in enumerate(zip(prompts, params))]
         for h, cont in zip(handles, continuations or []):
             h.request.continuation = [int(t) for t in cont]
@@ -298,6 +298,13 @@ class Engine:
     def text(self, result: GenerationResult, params: SamplingParams) -> str:
         """Decoded output (:func:`result_text`)."""
         return result_text(self.tokenizer, result, params)
+
+
+def _derived_seed(seed: int, i: int) -> int:
+    """Request ``i``'s seed from ``generate``'s ``seed``: ``seed * 1_000_003 + i``, wrapped into
+    a torch generator's seeds when it falls outside them (a large ``--seed``), else as it is."""
+    derived = seed * 1_000_003 + i
+    return derived if SEED_MIN <= derived < SEED_END else derived % SEED_END
 
 
 def _token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

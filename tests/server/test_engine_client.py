@@ -91,6 +91,18 @@ def test_a_cancel_ends_the_request_without_a_result(client: EngineClient):
     assert events.by_handle[id(h)][-1] == ([], True)
 
 
+def test_a_cancel_that_comes_after_its_request_finished_changes_nothing(client: EngineClient):
+    """A client that goes away as its request finishes cancels a request the engine process
+    no longer holds: the process goes on serving, the next request gets its whole output."""
+    done = client.submit(prompts()[2], SamplingParams(max_tokens=3))
+    assert done.done.wait(120) and done.request.result is not None
+    client.cancel(done)
+    nxt = client.submit(prompts()[2], SamplingParams(max_tokens=3))
+    assert nxt.done.wait(120) and nxt.request.result is not None
+    assert nxt.request.result.token_ids == done.request.result.token_ids
+    assert client.healthy()
+
+
 def test_the_queue_bound_and_a_bad_request_are_refused_here(client: EngineClient):
     """More waiting requests than ``max_queue`` is a QueueFull at once; a request the engine
     cannot take is a ValueError before anything is sent."""

@@ -617,6 +617,22 @@ def test_metrics_count_prompt_tokens_once_per_prompt_and_the_requests(live):
     assert rounds and float(rounds[0].split()[-1]) >= 1        # the rounds' hook is wired
 
 
+def rounds_total(client) -> float:
+    text = client.get("/metrics").text
+    return float(next(line for line in text.splitlines()
+                      if line.startswith("bole_rounds_total ")).split()[-1])
+
+
+def test_an_engine_process_reports_its_rounds_to_the_metrics(in_process):
+    """The engine process sends each round's report with its events: /metrics counts the
+    rounds it ran (7 tokens at 3 a round: the first at admission, then 2 rounds)."""
+    engine, server, client = in_process
+    before = rounds_total(client)
+    body = post(client, "/v1/completions", prompt=PROMPT, max_tokens=7).json()
+    assert body["usage"]["completion_tokens"] == 7
+    wait_until(lambda: rounds_total(client) >= before + 2)
+
+
 def wait_until(cond, timeout: float = 10.0) -> None:
     deadline = time.time() + timeout
     while not cond():

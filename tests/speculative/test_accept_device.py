@@ -626,6 +626,8 @@ def test_uniforms_of_the_wrong_shape_are_refused():
         accept_sampled(probs, tokens, dense, torch.zeros(2, 2, 3), max_children=1)
     acc = accept_sampled(probs, tokens, dense, torch.zeros(2, 2, 3), max_children=2)
     assert acc.accepted.tolist() == [1, 1]   # u = 0 < 1/4: the first child, token 0, accepted
+    with pytest.raises(ValueError, match=r"tokens \(2, 2\) do not match a forest of 2 x 3 slots"):
+        accept_greedy(torch.zeros(2, 3), tokens[:, :2], dense)
 
 
 def test_sample_tokens_is_argmax_or_the_inverse_cdf_draw_row_by_row():

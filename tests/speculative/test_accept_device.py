@@ -725,7 +725,8 @@ def test_accept_refuses_mismatched_inputs():
                SamplingBatch.from_params([SamplingParams(temperature=0)] * 3))
     with pytest.raises(ValueError, match=r"forced must be \[R, T\] = \[2, 10\], got \(10,\)"):
         accept(logits, tokens, dense, batch, uniforms, forced=torch.zeros(10))
-    with pytest.raises(ValueError, match="sampled requests need pre-drawn uniforms"):
+    with pytest.raises(ValueError,
+                       match=r"^sampled requests need pre-drawn uniforms \(draw_uniforms\)$"):
         accept(logits, tokens, dense, batch)
     with pytest.raises(ValueError, match="not max_children=2"):
         accept(logits, tokens, dense, batch, uniforms, max_children=2)

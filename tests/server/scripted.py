@@ -24,6 +24,9 @@ from bole.engine.spec import SpecConfig
 TEXT = (" The quick brown fox jumps over the lazy dog. Caf\u00e9 \U0001F642 and more words to "
         "read here.")
 EOS = 0
+#: a round that runs a request of this prompt raises (the engine process's round failure, which
+#: ``fail_next`` set in the test's process cannot reach)
+FAILING_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
 
 def tokenizer():
@@ -50,7 +53,7 @@ class Slots:
 class ScriptedEngine:
     """The scheduler's engine (``SteppedEngine``) with scripted tokens. ``hold()``: rounds wait
     until ``go()`` (a test's window to cancel, abort or drain); ``fail_next``: the next round
-    raises."""
+    raises, as does every round that runs a request of :data:`FAILING_PROMPT`."""
 
     _emit = Engine._emit
     _stop_string_cut = Engine._stop_string_cut
@@ -105,7 +108,7 @@ class ScriptedEngine:
     def step(self, running: list[Request], prelaunch: bool = False) -> dict:
         self._go.wait(timeout=30)
         time.sleep(self.round_s)
-        if self.fail_next:
+        if self.fail_next or any(r.prompt == FAILING_PROMPT for r in running):
             self.fail_next = False
             raise RuntimeError("scripted round failure")
         self.rounds += 1

@@ -19,7 +19,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from bole.server.api import BoleServer, ServerConfig, create_app  # noqa: E402
 from bole.server.engine_process import EngineClient  # noqa: E402
 from bole.server.protocol import choice_seed  # noqa: E402
-from tests.server.scripted import EOS, ScriptedEngine, logprob_of, tokenizer  # noqa: E402
+from tests.server.scripted import (EOS, FAILING_PROMPT, ScriptedEngine, logprob_of,  # noqa: E402
+                                   tokenizer)
 from tests.server.stream_reading import read_sse  # noqa: E402
 
 NAME = "scripted"
@@ -478,6 +479,18 @@ def test_a_failed_round_is_a_500_for_its_request_and_the_next_one_is_served(live
     assert body["choices"][0]["finish_reason"] == "length"
     assert not server.inflight
     wait_until(lambda: engine.cache.num_free == 4)
+
+
+def test_a_failed_round_in_an_engine_process_is_a_500_and_the_process_goes_on(in_process):
+    """A round that raises inside the engine process fails the requests it ran (a 500 each)
+    and the one waiting behind them; the process goes on serving the next request."""
+    engine, server, client = in_process
+    err = error_of(post(client, "/v1/completions", prompt=FAILING_PROMPT, max_tokens=6), 500)
+    assert err["message"] == "the request was cancelled by the server"
+    body = post(client, "/v1/completions", prompt=PROMPT, max_tokens=6).json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["choices"][0]["text"] == text_of(engine, engine.expected(None, 6))
+    assert client.get("/health").json()["status"] == "ok"
 
 
 def test_abort_all_ends_running_requests_with_abort_and_their_tokens_so_far(live):

@@ -287,6 +287,35 @@ def test_stop_strings_cut_at_the_first_match_across_tokens_and_strings(greedy_mo
     assert out4 == text and res4.finish_reason == "length" and res4.token_ids == free.token_ids
 
 
+class _Finisher:
+    """The engine's finishing rules (``Engine._emit``) over a tokenizer, without a model."""
+
+    tokenizer = PairTokenizer()
+    _emit = Engine._emit
+    _stop_string_cut = Engine._stop_string_cut
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_a_stop_string_completed_at_any_token_of_a_round_ends_the_output_there(k):
+    """A round of four tokens whose k-th completes a stop string (it starts in the token
+    before): the output keeps the tokens up to that one, the round counts them, and it
+    finishes with stop; its text is cut before the string."""
+    from bole.engine.request import Request
+    tok = PairTokenizer()
+    first, new = 5, [17, 33, 2, 40]
+    text = tok.decode([first] + new)
+    stop = text[2 * k + 1:2 * k + 3]                   # the second letter of token k, and k+1's first
+    assert text.find(stop) == 2 * k + 1
+    r = Request(0, [1, 2], SamplingParams(max_tokens=20, stop=(stop,)), slot=0)
+    host = _Finisher()
+    host._emit(r, [first], rounds=0)
+    assert r.result is None
+    host._emit(r, new, rounds=1)
+    assert r.out == ([first] + new)[:k + 2] and r.accepted == [k + 1]
+    assert r.result.finish_reason == "stop" and r.result.token_ids == r.out
+    assert result_text(tok, r.result, r.params) == text[:2 * k + 1]
+
+
 def test_result_text_cuts_before_the_first_of_several_matches():
     tok = PairTokenizer()
     ids = [0, 1, 0, 1, 2]                                  # "AaBaAaBaCa"

@@ -71,3 +71,31 @@ def test_a_request_joining_a_bucket_with_a_free_row_decodes_its_prompt(model, sp
         assert all(len(r.out) > n for r, n in zip(running, before)), step
     for prompt, r in zip(PROMPTS, reqs):
         assert r.result is not None and r.result.token_ids == plain_greedy(model, prompt, 8)
+
+
+def test_a_host_drafter_drafts_no_deeper_than_the_tokens_left(model, monkeypatch):
+    """A request r tokens from its limit drafts min(depth, r - 1) levels: a round emits at most
+    r tokens, and a shallower tree near the limit costs rounds (GenerationResult.rounds)."""
+    import bole.engine.round as round_module
+    asked = []
+    real = round_module.build_draft_trees
+
+    def spy(roots, expand, *, depths, **kwargs):
+        asked.append(list(depths))
+        return real(roots, expand, depths=depths, **kwargs)
+    monkeypatch.setattr(round_module, "build_draft_trees", spy)
+    D = 3
+    engine = Engine(model, SpecConfig(mode="bole", drafter="ngram", depth=D, topk=2, budget=8),
+                    max_slots=2, max_len=64)
+    reqs = [engine.new_request(i, p, SamplingParams(temperature=0, max_tokens=n))
+            for i, (p, n) in enumerate(zip(PROMPTS[:2], (7, 3)))]
+    for r in reqs:
+        engine.admit(r)
+    want = []
+    for _ in range(20):
+        running = [r for r in reqs if r.result is None]
+        if not running:
+            break
+        want.append([min(D, r.params.max_tokens - len(r.out) - 1) for r in running])
+        engine.step(running)
+    assert asked == want and any(0 < d < D for row in want for d in row)

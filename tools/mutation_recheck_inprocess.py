@@ -6,7 +6,8 @@ each pytest.main is a new session). Run in the mutants/ folder of a work directo
 tools/mutation.sh made, after copying the new test files there:
 
     cd /tmp/m-accept/mutants && TRITON_INTERPRET=1 \\
-      python /work/main/tools/mutation_recheck_inprocess.py NAMES_FILE OUT_FILE tests/speculative/test_accept_device.py -k "not fused_greedy"
+      python /work/main/tools/mutation_recheck_inprocess.py NAMES_FILE OUT_FILE \\
+      tests/speculative/test_accept_device.py -k "not fused_greedy"
 
 NAMES_FILE: one mutant name a line; OUT_FILE gets "<name> killed|survived|error<rc>" appended.
 Mind -k: it matches substrings ("not fused" also drops "..._are_refused")."""

@@ -10,12 +10,12 @@ recorded as ``crash:process`` only if it kills a fresh process too.
         tests.speculative.test_accept_device test_fused_greedy_kernel_equals_the_torch_walk \\
         /tmp/m-kernel.tsv
 
-MUTATION_RANGE=a-b runs only mutants a..b. Writes one line a mutant: ``index  status  original
--> mutated``; status is ``killed`` (an assertion failed), ``crash:<error>`` (the mutant did not run: a compile or interpreter error, a
-killed process) or ``survived``. Run it from the root of a copy of the tree (``git archive HEAD
-| tar -x -C /tmp/m-kernel``, as tools/mutation.sh does): it writes the mutants to
-``mutation_triton/`` there. Hypothesis does not shrink (a failure is enough). Needs the
-``mutation`` extra."""
+MUTATION_RANGE=a-b runs only mutants a..b. Writes one line a mutant, ``index  status
+original -> mutated``: status ``killed`` (an assertion failed), ``crash:<error>`` (the mutant
+did not run: a compile or interpreter error, a killed process) or ``survived``. Run it from the
+root of a copy of the tree (``git archive HEAD | tar -x -C /tmp/m-kernel``, as
+tools/mutation.sh does): it writes the mutants to ``mutation_triton/`` there. Hypothesis does
+not shrink (a failure is enough). Needs the ``mutation`` extra."""
 
 from __future__ import annotations
 

@@ -308,3 +308,16 @@ def test_any_generate_seed_and_any_request_seed_in_torchs_range_samples(model):
     with pytest.raises(ValueError, match=r"^seed must be None or an integer in \[-2\*\*63"):
         e.generate(prompts()[:1], replace(params, seed=1 << 64))
     assert e.cache.num_free == 8
+
+
+def test_a_long_prompt_reports_its_prefill_progress_up_to_its_length(model):
+    """``on_prefill_chunk(done, total)`` (``bole generate``'s progress of a long prompt): called
+    for a prompt past the batched prefill's 64 tokens, ending at its whole length."""
+    e = Engine(model, SpecConfig(mode="ar"), max_slots=2, max_len=256)
+    seen = []
+    e.on_prefill_chunk = lambda done, total: seen.append((done, total))
+    prompt = [(7 * i) % 100 + 1 for i in range(100)]
+    (res,) = e.generate([prompt], SamplingParams(max_tokens=2))
+    assert seen and seen[-1] == (100, 100) and all(t == 100 for _, t in seen)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert len(res.token_ids) == 2

@@ -108,6 +108,11 @@ def test_bad_spec_config(model):
         Engine(model, SpecConfig(drafter="mtp"))
     with pytest.raises(ValueError, match="drafter must be one of"):
         Engine(model, SpecConfig(drafter="draft-model"))
+    with pytest.raises(ValueError) as err:
+        Engine(model, SpecConfig(drafter="draft"))
+    assert str(err.value) == "the draft drafter needs a draft_model (--draft-model)"
+    Engine(model, SpecConfig(drafter="draft"), draft_model=model)      # given: built
+    Engine(model, SpecConfig(mode="ar", drafter="draft"))             # ar drafts nothing
 
 
 def test_bole_bench_command(tmp_path, capsys):

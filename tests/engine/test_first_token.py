@@ -12,19 +12,13 @@ import torch
 
 from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.engine.runner import ModelRunner
-from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
-
-PROMPT = [5, 9, 17, 33, 2] * 4
+from tests.engine.sampled_model import PROMPT, peaked_tiny_model
 
 
 @pytest.fixture(scope="module")
 def model() -> HybridModel:
-    """The tiny preset with logits scaled so that a few dozen tokens are likely."""
-    m = HybridModel.random(preset_config("tiny"), dtype=torch.float32, seed=3, gdn_backend="torch")
-    tensors = dict(m.w)
-    tensors["lm_head.weight"] = tensors["lm_head.weight"] * 8
-    return HybridModel(m.config, tensors, gdn_backend="torch")
+    return peaked_tiny_model()
 
 
 def last_logits(model: HybridModel, prompt: list[int]) -> torch.Tensor:

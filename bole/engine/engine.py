@@ -186,12 +186,13 @@ class Engine:
             r.slot = self.cache.allocate(len(r.prompt) + r.params.max_tokens + self.scratch)
         # the prompts the prefix cache takes together (it batches what it can), the short
         # others together, long others one by one
-        cached = [r for r in requests if self._cached(r)]
-        short = [r for r in requests if not self._cached(r) and len(r.prompt) <= PREFILL_BATCH_MAX]
+        through_cache = [self._cached(r) for r in requests]
+        cached = [r for r, c in zip(requests, through_cache) if c]
+        others = [r for r, c in zip(requests, through_cache) if not c]
+        short = [r for r in others if len(r.prompt) <= PREFILL_BATCH_MAX]
         groups = [part[i:i + PREFILL_BATCH_ROWS] for part in (cached, short)
                   for i in range(0, len(part), PREFILL_BATCH_ROWS)]
-        groups += [[r] for r in requests
-                   if not self._cached(r) and len(r.prompt) > PREFILL_BATCH_MAX]
+        groups += [[r] for r in others if len(r.prompt) > PREFILL_BATCH_MAX]
         for group in groups:
             prompts = [torch.tensor(r.prompt) for r in group]
             slots, continuations = [r.slot for r in group], [r.continuation for r in group]

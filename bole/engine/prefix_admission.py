@@ -106,8 +106,10 @@ class PrefixAdmission:
         to prefill go together (:meth:`_admit_batched`)."""
         logits = {}
         for r in requests:
-            if not self._batches(r, self.store.lookup(list(r.prompt), count=False)):
-                logits[id(r)] = self._admit_one(r, self.store.lookup(list(r.prompt)))
+            hit = self.store.lookup(list(r.prompt), count=False)
+            if not self._batches(r, hit):
+                self.store.record(list(r.prompt), hit)
+                logits[id(r)] = self._admit_one(r, hit)
         rest = [r for r in requests if id(r) not in logits]
         hits = {id(r): self.store.lookup(list(r.prompt)) for r in rest}
         batched = [r for r in rest if self._batches(r, hits[id(r)])]

@@ -154,8 +154,7 @@ class PrefixCache:
     # ---- lookup and restore ----
     def lookup(self, tokens: list[int], count: bool = True) -> PrefixHit | None:
         """The deepest checkpoint along ``tokens`` at most ``len(tokens) - 1`` deep, or None.
-        ``count``: count the query (every token but the last) and the hit, and mark the hit's
-        entries used (False: a look that changes nothing)."""
+        ``count``: :meth:`record` the query and the hit (False: a look that changes nothing)."""
         limit = len(tokens) - 1
         node, path, best = self.root, [], None
         candidates = [(self.root, ())]
@@ -174,15 +173,19 @@ class PrefixCache:
                 if end <= limit and (best is None or end > best.length) and \
                         tuple(tokens[at.end:end]) == tt:
                     best = PrefixHit(end, above + (tail,))
-        if not count:
-            return best
-        self.query_tokens += max(limit, 0)
-        if best is not None:
-            self.hit_tokens += best.length
-            self._tick += 1
-            for n in best.path:
-                n.used = self._tick
+        if count:
+            self.record(tokens, best)
         return best
+
+    def record(self, tokens: list[int], hit: PrefixHit | None) -> None:
+        """Count the query of ``tokens`` (every token but the last) and its ``hit`` (a
+        :meth:`lookup` without counting), and mark the hit's entries used."""
+        self.query_tokens += max(len(tokens) - 1, 0)
+        if hit is not None:
+            self.hit_tokens += hit.length
+            self._tick += 1
+            for n in hit.path:
+                n.used = self._tick
 
     def restore(self, hit: PrefixHit, slot: int) -> None:
         """Copy a hit's rows and state into ``slot`` (a fresh one), which then holds

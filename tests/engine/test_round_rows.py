@@ -99,3 +99,30 @@ def test_a_host_drafter_drafts_no_deeper_than_the_tokens_left(model, monkeypatch
         want.append([min(D, r.params.max_tokens - len(r.out) - 1) for r in running])
         engine.step(running)
     assert asked == want and any(0 < d < D for row in want for d in row)
+
+
+def test_a_queued_draft_is_dropped_when_a_request_leaves_the_middle_of_its_bucket(model):
+    """Four requests fill the bucket of four rows and each round queues the next round's draft;
+    the second is cancelled: the other three move up a row, still in the same bucket, so the
+    queued trees (grown from the old rows' roots and slots) belong to other requests. The round
+    must rewrite the rows and draft again: every request still decodes its own prompt (a round
+    that verified the stale trees feeds another request's root into each moved row)."""
+    spec = SpecConfig(mode="bole", drafter="mtp", depth=2, topk=2, budget=6)
+    engine = Engine(model, spec, max_slots=4, max_len=64)
+    n = 14
+    reqs = [engine.new_request(i, p, SamplingParams(temperature=0, max_tokens=n))
+            for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        engine.admit(r)
+    running = list(reqs)
+    for step in range(40):
+        if step == 2:
+            assert engine.rounds._pending is not None       # a draft is queued for 4 rows
+            engine.release(reqs[1])
+            running = [r for r in running if r is not reqs[1]]
+        running = [r for r in running if r.result is None]
+        if not running:
+            break
+        engine.step(running, prelaunch=True)
+    for i in (0, 2, 3):
+        assert reqs[i].result.token_ids == plain_greedy(model, PROMPTS[i], n), i

@@ -47,6 +47,13 @@ def oracle(hf, ids):
         return hf(input_ids=torch.tensor([list(ids)])).logits[0].float()
 
 
+def raises(msg, fn, *args, **kw):
+    """``fn`` raises a ValueError whose message is exactly ``msg``."""
+    with pytest.raises(ValueError) as e:
+        fn(*args, **kw)
+    assert str(e.value) == msg
+
+
 def ids_of(gen, n):
     return torch.randint(0, V, (n,), generator=gen)
 
@@ -117,9 +124,8 @@ def test_prefill_default_chunk_and_the_cache_limit(pair):
     assert rel(last, want[-1]) <= TOL and rel(model.lm_head(hidden), want) <= TOL
     other = runner.cache.allocate(70)
     runner.prefill(other, prompt[:60])
-    msg = "the prompt would reach position 70, past the cache's 70 tokens per slot"
-    with pytest.raises(ValueError, match=re.escape(msg)):
-        runner.prefill(other, prompt[:11])
+    raises("the prompt would reach position 70, past the cache's 70 tokens per slot",
+           runner.prefill, other, prompt[:11])
     assert runner.cache.host_lengths[other] == 60
     last, _ = runner.prefill(other, prompt[60:])                # exactly to the end
     assert rel(last, want[-1]) <= TOL
@@ -132,8 +138,7 @@ def test_prefill_refuses_bad_prompts_and_token_ids(pair):
     slot = runner.cache.allocate(16)
     msg = "prompt must be a non-empty 1-D tensor of token ids"
     for bad in (torch.zeros(0, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64)):
-        with pytest.raises(ValueError, match=re.escape(msg)):
-            runner.prefill(slot, bad)
+        raises(msg, runner.prefill, slot, bad)
     for bad in ([-1], [V], [3, V + 5]):
         with pytest.raises(ValueError, match=re.escape(f"token ids must lie in [0, {V})")):
             runner.prefill(slot, torch.tensor(bad))
@@ -150,8 +155,7 @@ def test_prefill_refuses_bad_prompts_and_token_ids(pair):
 def test_backend_names(pair, monkeypatch):
     _, model = pair
     cache = model.new_cache(1, 8)
-    with pytest.raises(ValueError, match=re.escape(f"gdn must be one of {BACKENDS}, got 'nope'")):
-        ModelRunner(model, cache, "nope")
+    raises(f"gdn must be one of {BACKENDS}, got 'nope'", ModelRunner, model, cache, "nope")
     monkeypatch.setenv("TRITON_INTERPRET", "0")                 # compiled Triton: CUDA only
     with pytest.raises(ValueError, match=re.escape("gdn='triton-serial' got tensors on cpu")):
         ModelRunner(model, cache, "triton-serial")
@@ -216,19 +220,15 @@ def test_prefill_batch_refusals(pair):
     runner = ModelRunner(model, model.new_cache(2, 128), "torch")
     s, s2 = runner.cache.allocate(100), runner.cache.allocate(100)
     one = torch.tensor([3])
-    with pytest.raises(ValueError, match=re.escape("0 prompts for 0 slots")):
-        runner.prefill_batch([], [])
-    with pytest.raises(ValueError, match=re.escape("2 prompts for 1 slots")):
-        runner.prefill_batch([s], [one, one])
+    raises("0 prompts for 0 slots", runner.prefill_batch, [], [])
+    raises("2 prompts for 1 slots", runner.prefill_batch, [s], [one, one])
     for n in (0, PREFILL_BATCH_MAX + 1):
-        with pytest.raises(ValueError, match=re.escape(
-                f"prefill_batch takes prompts of 1 to 64 tokens, got lengths [2, {n}]")):
-            runner.prefill_batch([s, s2],
-                                 [torch.tensor([1, 2]), torch.ones(n, dtype=torch.int64)])
+        raises(f"prefill_batch takes prompts of 1 to 64 tokens, got lengths [2, {n}]",
+               runner.prefill_batch, [s, s2], [torch.tensor([1, 2]), torch.ones(n, dtype=torch.int64)])
     runner.prefill_batch([s], [torch.ones(PREFILL_BATCH_MAX, dtype=torch.int64)])
     assert runner.cache.host_lengths[s] == 64
-    with pytest.raises(ValueError, match=re.escape("prefill_batch fills fresh slots")):
-        runner.prefill_batch([s], [one])
+    raises("prefill_batch fills fresh slots (no committed tokens)", runner.prefill_batch, [s],
+           [one])
 
 
 def test_verify_commit_accepted_then_decode(pair):
@@ -279,8 +279,76 @@ def test_verify_refuses_trees_past_the_slot(pair):
         runner.verify([s], chain, torch.tensor([1, 2, V, 3]))
     runner.verify([s], chain, torch.tensor([1, 2, 3, 4]))        # no commit: the slot stays
     msg = "the trees would reach position 12, past the cache's 12 tokens per slot"
-    with pytest.raises(ValueError, match=re.escape(msg)):
-        runner.verify([s], chain, torch.tensor([1, 2, 3, 4]), nodes_per_request=5)
+    raises(msg, runner.verify, [s], chain, torch.tensor([1, 2, 3, 4]), nodes_per_request=5)
     runner.prefill(s, torch.tensor([1]))
-    with pytest.raises(ValueError, match=re.escape(msg)):
-        runner.verify([s], chain, torch.tensor([1, 2, 3, 4]))
+    raises(msg, runner.verify, [s], chain, torch.tensor([1, 2, 3, 4]))
+
+
+def test_prefill_projects_only_the_last_token_onto_the_vocabulary(pair, monkeypatch):
+    """A prefill's logits are the last token's (``[V]``, a row per prompt when batched): the
+    vocabulary projection never runs over a whole prompt (``[P, V]`` would not fit for long
+    prompts)."""
+    _, model = pair
+    rows = []
+    head = model.lm_head
+
+    def counted(hidden):
+        rows.append(hidden.shape[0])
+        return head(hidden)
+    monkeypatch.setattr(model, "lm_head", counted)
+    runner = ModelRunner(model, model.new_cache(3, 80), "torch")
+    s = runner.cache.allocate(80)
+    runner.prefill(s, torch.arange(70) % V)
+    assert rows == [1]
+    rows.clear()
+    runner.prefill_batch([runner.cache.allocate(80), runner.cache.allocate(80)],
+                         [torch.arange(5), torch.arange(20)])
+    assert rows == [2]
+
+
+def test_prefill_with_a_chunked_kernel_takes_long_chunks(pair):
+    """Where the linear-attention layers have a chunked prefill kernel (fla's on a GPU; here a
+    stand-in with its signature), prompts go in chunks of 1024: 70 tokens in one, with the
+    oracle's logits; a checkpoint still cuts its chunk."""
+    from bole.ops.gdn.reference import chain_gdn_recurrent
+    hf, model = pair
+
+    def fake_fla(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        return chain_gdn_recurrent(q, k, v, g, beta, initial_state=initial_state,
+                                   use_qk_l2norm_in_kernel=True)
+
+    gdn = model.linear["linear_attention"]
+    saved = gdn.prefill_kernel
+    gdn.prefill_kernel = fake_fla
+    try:
+        assert model.chunked_prefill
+        prompt = ids_of(torch.Generator().manual_seed(6), 70)
+        runner = ModelRunner(model, model.new_cache(2, 80), "torch")
+        chunks = []
+        last, _ = runner.prefill(runner.cache.allocate(80), prompt,
+                                 on_chunk=lambda d, t: chunks.append(d))
+        assert chunks == [70]
+        chunks.clear()
+        runner.prefill(runner.cache.allocate(80), prompt, checkpoints=(64,),
+                       on_chunk=lambda d, t: chunks.append(d))
+        assert chunks == [64, 70]
+    finally:
+        gdn.prefill_kernel = saved
+    assert rel(last, oracle(hf, prompt.tolist())[-1]) <= TOL
+
+
+def test_batched_prefill_of_rows_as_wide_as_the_bucket(pair):
+    """Prompts of exactly the bucket's width (16, 32, 64 tokens: the chain's deepest node at the
+    last slot) give the oracle's logits and hidden states, and the state a decode reads."""
+    hf, model = pair
+    gen = torch.Generator().manual_seed(7)
+    for n in (16, 32, 64):
+        prompts = [ids_of(gen, n), ids_of(gen, 3)]
+        runner = ModelRunner(model, model.new_cache(2, 80), "torch")
+        slots = [runner.cache.allocate(80) for _ in prompts]
+        assert runner.prefill_tokens(prompts).shape == (2, n)
+        logits, hidden = runner.prefill_batch(slots, prompts)
+        want = oracle(hf, prompts[0].tolist() + [1])
+        assert rel(logits[0], want[n - 1]) <= TOL and rel(model.lm_head(hidden[0]), want[:n]) <= TOL
+        assert rel(logits[1], oracle(hf, prompts[1].tolist())[-1]) <= TOL
+        assert rel(runner.decode(slots, torch.tensor([1, 2]))[0], want[n]) <= TOL

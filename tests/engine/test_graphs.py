@@ -1,0 +1,63 @@
+"""GraphRunner (bole/engine/graphs.py) on the CPU: graphs are off whatever is asked, every run is
+eager and not counted as a fallback, and capture refuses. The bookkeeping of replays and counted
+fallbacks, which the engine reports, is checked with a stand-in graph; capture itself needs CUDA
+(tests/test_round_cuda.py)."""
+
+import logging
+
+import pytest
+import torch
+
+from bole.engine.graphs import GraphRunner
+
+STATS = dict(graph_replays=0, eager_fallbacks=0, captures=0, capture_s=0.0)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_on_the_cpu_every_run_is_eager_and_nothing_is_captured(enabled, caplog):
+    g = GraphRunner("cpu", enabled=enabled)
+    assert g.device == torch.device("cpu") and g.enabled is False and g.pool is None
+    assert g.graphs == {} and g.results == {} and g.stats == STATS
+    calls = []
+    with caplog.at_level(logging.WARNING, logger="bole.graphs"):
+        assert g.run("k", lambda: calls.append(1) or "out") == "out"
+        assert g.run("k", lambda: calls.append(2) or "again") == "again"
+    assert calls == [1, 2] and not g.has("k") and g.stats == STATS and not caplog.records
+    with pytest.raises(RuntimeError) as e:
+        g.capture("k", lambda: None)
+    assert str(e.value) == "CUDA graphs are off (CPU or disabled): nothing to capture"
+    assert g.graphs == {} and g.stats == STATS
+
+
+def test_the_default_is_on_where_there_is_cuda():
+    assert GraphRunner("cpu").enabled is False
+    if torch.cuda.is_available():
+        assert GraphRunner("cuda").enabled is True
+        assert GraphRunner("cuda", enabled=False).enabled is False
+
+
+class _Graph:
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def test_a_captured_key_replays_and_returns_its_capture_result_and_others_fall_back(caplog):
+    """With graphs on, a key with a graph replays it (the function is not called) and returns
+    what its capture returned; a key without one runs eagerly, counted and logged."""
+    g = GraphRunner("cpu")
+    g.enabled = True                               # as on a GPU: only the bookkeeping runs here
+    graph, kept = _Graph(), torch.zeros(2)
+    g.graphs[(4, "x")], g.results[(4, "x")] = graph, kept
+    assert g.has((4, "x")) and not g.has((8, "x"))
+    called = []
+    for _ in range(3):
+        assert g.run((4, "x"), lambda: called.append("eager")) is kept
+    assert graph.replays == 3 and called == []
+    with caplog.at_level(logging.WARNING, logger="bole.graphs"):
+        assert g.run((8, "x"), lambda: called.append("eager") or 7) == 7
+    assert called == ["eager"]
+    assert g.stats == dict(STATS, graph_replays=3, eager_fallbacks=1)
+    assert [r.getMessage() for r in caplog.records] == ["no CUDA graph for (8, 'x'): running eagerly"]

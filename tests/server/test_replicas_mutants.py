@@ -11,6 +11,7 @@ it (``pip install "bole[ray]"``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -514,12 +515,58 @@ def test_all_metrics_merges_the_replicas_that_answered_and_the_ingress():
     assert apart[("bole_resent_requests_total", (("replica", "ingress"),))] == 2.0
 
 
+def test_the_ingress_counters_help_is_the_engines():
+    """The ingress's HTTP counter is the engines' family (one HELP line whichever page the merge
+    reads first); its re-send counter says what it counts."""
+    from bole.server.metrics import ServerMetrics
+
+    class Queue:
+        num_running = num_waiting = 0
+
+    def helps(page: bytes) -> dict:
+        return {f.name: f.documentation
+                for f in text_string_to_metric_families(page.decode())}
+    engine_page = ServerMetrics(Queue(), "m", slots=4).render()
+    ingress = BoleIngress(FakeEngine(metrics=[("r1", engine_page)]))
+    ingress.http.labels("/health", "200").inc()
+    ingress_help = helps(_run(ingress.all_metrics(False)))
+    assert ingress_help["bole_http_responses"] == helps(engine_page)["bole_http_responses"]
+    assert ingress_help["bole_resent_requests"] == (
+        "Requests sent again because their replica died before their first byte")
+
+
 def test_all_metrics_without_an_answer_in_time_is_the_ingress_page_alone():
     engine = FakeEngine(metrics=TimeoutError())
     ingress = BoleIngress(engine)
     ingress.resent.inc()
     s = _samples(_run(ingress.all_metrics(False)))
     assert s[("bole_replicas", ())] == 0.0 and s[("bole_resent_requests_total", ())] == 1.0
+
+
+@contextlib.contextmanager
+def bare_root():
+    """The root logger as a fresh process has it (no handler, WARNING), put back after (in the
+    test's body: pytest adds its handlers to the root logger after the fixtures' set-up)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    root.handlers = []
+    root.setLevel(logging.WARNING)
+    try:
+        yield root
+    finally:
+        root.handlers = handlers
+        root.setLevel(level)
+
+
+def _log_lines(root) -> tuple[int, list[str]]:
+    record = logging.makeLogRecord({"msg": "hello %s", "args": ("there",)})
+    return root.level, [h.format(record) for h in root.handlers]
+
+
+def test_the_ingress_logs_its_info_lines_marked_as_its_own():
+    with bare_root() as root:
+        BoleIngress(FakeEngine())
+        assert _log_lines(root) == (logging.INFO, ["[bole ingress] hello there"])
 
 
 # ---- the ingress's app, in-process ----
@@ -537,6 +584,11 @@ def app_of():
             ingress.generate = generate
         return ingress, TestClient(ingress.__serve_build_asgi_app__())
     return make
+
+
+def test_app_is_titled_as_the_single_servers(app_of):
+    _, client = app_of(FakeEngine())
+    assert client.get("/openapi.json").json()["info"]["title"] == "Bole"
 
 
 def test_app_health_is_the_engines(app_of):
@@ -683,6 +735,31 @@ def test_a_replica_sets_torchs_threads_when_told():
         sys.setswitchinterval(interval)
 
 
+def test_a_replica_logs_its_info_lines_marked_as_its_own():
+    from bole.server.replicas import BoleReplica
+
+    class Loop:
+        def start(self):
+            pass
+
+    class Server:
+        loop = Loop()
+    interval = sys.getswitchinterval()
+    try:
+        with bare_root() as root:
+            rep = BoleReplica(lambda: Server())
+            assert _log_lines(root) == (logging.INFO, ["[bole replica] hello there"])
+        rep.server = None
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_a_replica_whose_build_failed_goes_away_quietly():
+    """Ray Serve collects a replica whose constructor raised: nothing to stop, no error."""
+    from bole.server.replicas import BoleReplica
+    BoleReplica.__new__(BoleReplica).__del__()
+
+
 def _collect(replica, body: dict, chat: bool, take: int | None = None) -> list:
     async def go():
         gen = replica.generate(json.dumps(body).encode(), chat)
@@ -705,6 +782,23 @@ def test_a_replica_answers_a_whole_completion_as_status_headers_then_body(replic
     assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 4
     assert dict(headers)["content-length"] == str(len(items[1]))
     assert replica.server.event_loop is not None
+
+
+def test_a_whole_response_outlasting_the_disconnect_poll_completes(replica):
+    """Under Ray Serve a client gone away cancels the call: the replica's connection stand-in
+    never says it went away, however long the response takes (here held for 0.3 s, three of
+    respond's 0.1 s polls)."""
+    import threading
+    engine = replica.server.engine
+    engine.hold()
+    timer = threading.Timer(0.3, engine.go)
+    timer.start()
+    try:
+        items = _collect(replica, {"model": "scripted", "prompt": "hi", "max_tokens": 4}, False)
+    finally:
+        timer.cancel()
+        engine.go()
+    assert items[0][0] == 200 and json.loads(items[1])["usage"]["completion_tokens"] == 4
 
 
 def test_a_replica_streams_a_chat_as_sse_chunks(replica):
@@ -884,7 +978,8 @@ def _mark(signum, frame):
 
 
 @ray_only
-def test_serve_replicas_runs_until_interrupted_then_stops_the_cluster(monkeypatch, handlers):
+def test_serve_replicas_runs_until_interrupted_then_stops_the_cluster(monkeypatch, handlers,
+                                                                     caplog):
     import time
 
     from ray import serve
@@ -909,7 +1004,10 @@ def test_serve_replicas_runs_until_interrupted_then_stops_the_cluster(monkeypatc
     monkeypatch.setattr(time, "sleep", sleep)
     cluster = FakeCluster()
     o = ReplicaOptions(2, name="appname")
-    replicas.serve_replicas(o, "build", ("a",), cluster, "h", 9, api_key="k")
+    with caplog.at_level(logging.INFO, logger="bole.server"):
+        replicas.serve_replicas(o, "build", ("a",), cluster, "h", 9, api_key="k")
+    assert [r.getMessage() for r in caplog.records if r.name == "bole.server"] == [
+        "serving 2 replicas on http://h:9", "stopping the replicas"]
     assert seen["run"] == (("app", (o, "build", ("a",), "k")), "appname", "/")
     assert slept == [1.0, 1.0, 1.0]
     assert cluster.events == [("start", "h", 9),
@@ -994,3 +1092,102 @@ def test_stopping_a_cluster_that_never_started_does_nothing():
     assert not ray.is_initialized()
     RayCluster().stop("bole")
     assert not ray.is_initialized()
+
+
+def _child_with_grandchild():
+    """A child process (a shell) and the pid of its own child (a sleep)."""
+    import subprocess
+    child = subprocess.Popen(["sh", "-c", "sleep 30 & echo $!; wait"], stdout=subprocess.PIPE,
+                             text=True)
+    return child, int(child.stdout.readline())
+
+
+def _kill(child, grandchild):
+    import os
+    try:
+        os.kill(grandchild, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.kill()
+    child.wait()
+    child.stdout.close()
+
+
+@ray_only
+def test_a_ray_cluster_starts_its_own_instance_or_joins_one(monkeypatch):
+    import ray
+    from ray import serve
+
+    from bole.server.replicas import RayCluster
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(("init", kw)))
+    monkeypatch.setattr(serve, "start", lambda **kw: calls.append(("serve", kw)))
+    child, grandchild = _child_with_grandchild()
+    try:
+        own = RayCluster(num_cpus=3, num_gpus=1)
+        own.start("h", 9)
+        assert {child.pid, grandchild} <= own._before      # not Ray's: left alone at stop
+        assert calls == [("init", dict(address="local", num_cpus=3, num_gpus=1,
+                                       include_dashboard=False, log_to_driver=True)),
+                         ("serve", dict(http_options={"host": "h", "port": 9}))]
+        calls.clear()
+        RayCluster(address="auto").start("0.0.0.0", 8)
+        assert calls == [("init", dict(address="auto", log_to_driver=True)),
+                         ("serve", dict(http_options={"host": "0.0.0.0", "port": 8}))]
+    finally:
+        _kill(child, grandchild)
+
+
+@ray_only
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_ray_cluster_of_its_own_stops_serve_then_ray_then_its_processes(monkeypatch, fails):
+    import ray
+    from ray import serve
+
+    from bole.server import replicas
+    calls = []
+
+    def serve_shutdown():
+        calls.append("serve.shutdown")
+        if fails:
+            raise RuntimeError("controller gone")
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    monkeypatch.setattr(serve, "shutdown", serve_shutdown)
+    monkeypatch.setattr(serve, "delete", lambda name: calls.append(("delete", name)))
+    monkeypatch.setattr(replicas, "_end",
+                        lambda procs: calls.append(("end", sorted(p.pid for p in procs))))
+    before = _child_with_grandchild()
+    cluster = replicas.RayCluster(_before={before[0].pid, before[1]})
+    after = _child_with_grandchild()
+    try:
+        if fails:
+            with pytest.raises(RuntimeError, match="controller gone"):
+                cluster.stop("bole")
+        else:
+            cluster.stop("bole")
+        assert calls == ["serve.shutdown", "ray.shutdown",
+                         ("end", sorted([after[0].pid, after[1]]))]
+    finally:
+        _kill(*before)
+        _kill(*after)
+
+
+@ray_only
+def test_a_joined_ray_cluster_deletes_only_its_application(monkeypatch):
+    import ray
+    from ray import serve
+
+    from bole.server import replicas
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(serve, "delete", lambda name: calls.append(("delete", name)))
+    monkeypatch.setattr(replicas, "_end", lambda procs: calls.append(("end", list(procs))))
+    child = _child_with_grandchild()
+    try:
+        replicas.RayCluster(address="auto").stop("myapp")
+    finally:
+        _kill(*child)
+    assert calls == [("delete", "myapp"), "ray.shutdown", ("end", [])]

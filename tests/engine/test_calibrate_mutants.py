@@ -134,7 +134,7 @@ def test_calibrate_model_grid_arguments_and_progress(model, monkeypatch, tmp_pat
     got = {}
 
     def fake_calibrate(time_fn, batches, grid, eps, **kw):
-        got.update(batches=batches, grid=grid, eps=eps, **kw)
+        got.update(time_fn=time_fn, batches=batches, grid=grid, eps=eps, **kw)
         kw["progress"](3, 10)
         kw["progress"](10, 10)
         return _Saved(tmp_path / "budget.json")
@@ -145,8 +145,10 @@ def test_calibrate_model_grid_arguments_and_progress(model, monkeypatch, tmp_pat
         forward=(m, spec, b, kw)) or "time_fn")
     monkeypatch.setattr(cal, "selection_time_fn", lambda spec, device, **kw: made.update(
         select=(spec, device, kw)) or "select_fn")
+    monkeypatch.setattr(cal, "time", SimpleNamespace(perf_counter=lambda: 100.0))
     profile = cal.calibrate_model(model, SPEC, [2, 1, 2], node_grid=(1, 2, 4, 8, 14, 16, 32),
                                   eps=0.25, context=20, reps=3)
+    assert got["time_fn"] == "time_fn"
     assert profile.path == tmp_path / "budget.json"
     assert got["batches"] == [1, 2] and got["grid"] == [1, 2, 4, 8, 14]   # up to 2 x 7 nodes
     assert got["eps"] == 0.25 and got["tree_nodes"] == 8
@@ -160,10 +162,12 @@ def test_calibrate_model_grid_arguments_and_progress(model, monkeypatch, tmp_pat
     bar = ("\r[bole] calibrating [" + "#" * 9 + "." * 21 + "] 3/10"
            "\r[bole] calibrating [" + "#" * 30 + "] 10/10\n")
     assert err.startswith(bar)
-    rest = err[len(bar):]
-    assert rest.startswith("[bole] calibrated in ") and rest.endswith(f" s: {profile.path}\n")
+    assert err[len(bar):] == f"[bole] calibrated in 0 s: {profile.path}\n"
     cal.calibrate_model(model, SPEC, [3], node_grid=(1, 21, 30), progress=False)
     assert got["grid"] == [1, 21] and got["batches"] == [3] and got["eps"] == 0.1
+    # what an engine's first use measures: a 1024-token context, the median of 10 replays
+    assert made["forward"] == (model, SPEC, 3, dict(context=1024, reps=10))
+    assert made["select"] == (SPEC, model.device, dict(reps=10))
     assert capsys.readouterr().err == ""
 
 

@@ -171,6 +171,7 @@ def test_the_channel_over_one_gloo_rank(monkeypatch, caplog):
         ch = Channel(SimpleNamespace(rank=0))
         assert ch.rank == 0 and ch.closed is False and ch.group is not None
         ch.send(StepEvents(cancelled=(3,)))
+        assert ch.recv() is None              # rank 0 is the source: its own box, unchanged
         box = []
         monkeypatch.setattr(lockstep.dist, "broadcast_object_list",
                             lambda objs, src, group: box.append((list(objs), src, group)))

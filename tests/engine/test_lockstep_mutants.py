@@ -8,9 +8,11 @@ tests/server/test_serve_tp.py."""
 
 import logging
 from dataclasses import replace
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import bole.engine.lockstep as lockstep
 from bole.engine.lockstep import Channel, LockstepScheduler, StepEvents, Submission
@@ -170,6 +172,10 @@ def test_the_channel_over_one_gloo_rank(monkeypatch, caplog):
     try:
         ch = Channel(SimpleNamespace(rank=0))
         assert ch.rank == 0 and ch.closed is False and ch.group is not None
+        # followers wait for the next step as long as the server idles (gloo's default: 30 min)
+        assert dist.get_backend(ch.group) == "gloo"
+        assert ch.group._get_backend(torch.device("cpu")).options._timeout == lockstep.IDLE_TIMEOUT
+        assert lockstep.IDLE_TIMEOUT >= timedelta(days=1)
         ch.send(StepEvents(cancelled=(3,)))
         assert ch.recv() is None              # rank 0 is the source: its own box, unchanged
         box = []

@@ -18,7 +18,7 @@ def model():
 
 
 @pytest.mark.parametrize("cache", [None, PrefixCacheConfig(block=16)], ids=["plain", "cached"])
-def test_forced_replay_follows_the_continuation_for_short_and_long_prompts(model, cache):
+def test_forced_replay_emits_the_given_continuation_for_short_and_long_prompts(model, cache):
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 128, (n,), generator=gen).tolist() for n in (9, 70, 130)]
     params = SamplingParams(max_tokens=12)

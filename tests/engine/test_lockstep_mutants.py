@@ -179,8 +179,10 @@ def test_the_channel_over_one_gloo_rank(monkeypatch, caplog):
         ch.send(StepEvents(cancelled=(3,)))
         assert ch.recv() is None              # rank 0 is the source: its own box, unchanged
         box = []
-        monkeypatch.setattr(lockstep.dist, "broadcast_object_list",
-                            lambda objs, src, group: box.append((list(objs), src, group)))
+
+        def record(objs, src=None, group=None):          # torch's defaults: rank 0, the world
+            box.append((list(objs), 0 if src is None else src, group))
+        monkeypatch.setattr(lockstep.dist, "broadcast_object_list", record)
         ch.send(StepEvents(cancelled=(4,)))
         assert box == [([StepEvents(cancelled=(4,))], 0, ch.group)]
         ch.close()
@@ -193,11 +195,16 @@ def test_the_channel_over_one_gloo_rank(monkeypatch, caplog):
         assert str(e.value) == "only rank 0 sends step events"
         follower.close()                                        # a follower sends nothing
         assert len(box) == 2 and follower.closed is False
-        monkeypatch.setattr(lockstep.dist, "broadcast_object_list",
-                            lambda objs, src, group: objs.__setitem__(0, StepEvents(stop=True)))
-        assert follower.recv() == StepEvents(stop=True)
+        heard = []
 
-        def gone(objs, src, group):
+        def deliver(objs, src=None, group=None):
+            heard.append((0 if src is None else src, group))
+            objs[0] = StepEvents(stop=True)
+        monkeypatch.setattr(lockstep.dist, "broadcast_object_list", deliver)
+        assert follower.recv() == StepEvents(stop=True)
+        assert heard == [(0, ch.group)]                  # from rank 0, over the channel's group
+
+        def gone(objs, src=None, group=None):
             raise RuntimeError("peer closed")
         monkeypatch.setattr(lockstep.dist, "broadcast_object_list", gone)
         other = Channel.__new__(Channel)

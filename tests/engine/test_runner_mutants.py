@@ -90,7 +90,8 @@ def test_chunked_prefill_after_committed_tokens_with_checkpoints(pair):
         cache.copy_slot(slot, spare[len(points)])
         points.append(length)
 
-    last, hidden = runner.prefill(slot, second, chunk=4, on_chunk=lambda d, t: chunks.append((d, t)),
+    last, hidden = runner.prefill(slot, second, chunk=4,
+                                  on_chunk=lambda d, t: chunks.append((d, t)),
                                   checkpoints=(3, 5, 8, 13, 16, 40), on_checkpoint=on_checkpoint)
     # cuts at 4 and 8 (the chunk) and 3 (checkpoint 8 = 5 + 3; 13 = 5 + 8 is a chunk's end too)
     assert chunks == [(3, 11), (4, 11), (8, 11), (11, 11)]
@@ -224,7 +225,8 @@ def test_prefill_batch_refusals(pair):
     raises("2 prompts for 1 slots", runner.prefill_batch, [s], [one, one])
     for n in (0, PREFILL_BATCH_MAX + 1):
         raises(f"prefill_batch takes prompts of 1 to 64 tokens, got lengths [2, {n}]",
-               runner.prefill_batch, [s, s2], [torch.tensor([1, 2]), torch.ones(n, dtype=torch.int64)])
+               runner.prefill_batch, [s, s2],
+               [torch.tensor([1, 2]), torch.ones(n, dtype=torch.int64)])
     runner.prefill_batch([s], [torch.ones(PREFILL_BATCH_MAX, dtype=torch.int64)])
     assert runner.cache.host_lengths[s] == 64
     raises("prefill_batch fills fresh slots (no committed tokens)", runner.prefill_batch, [s],
@@ -264,7 +266,8 @@ def test_verify_commit_accepted_then_decode(pair):
         lo = int(forest.cu_nodes[r])
         ids = prompts[r].tolist() + tokens[tree.path(accepted[r]) + lo].tolist() + [int(nxt[r])]
         assert rel(step[r], oracle(hf, ids)[-1]) <= TOL
-        assert runner.cache.host_lengths[slots[r]] == len(ids) == int(runner.cache.lengths[slots[r]])
+        cache = runner.cache
+        assert cache.host_lengths[slots[r]] == len(ids) == int(cache.lengths[slots[r]])
 
 
 def test_verify_refuses_trees_past_the_slot(pair):

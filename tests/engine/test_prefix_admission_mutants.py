@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from bole.engine import Engine, SamplingParams, SpecConfig
-from bole.engine.prefix_admission import GIB, PrefixCacheConfig, default_capacity_bytes
+from bole.engine.prefix_admission import (GIB, PrefixAdmission, PrefixCacheConfig,
+                                          default_capacity_bytes)
 from bole.engine.prefix_cache import CachePools, MTPPools
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
@@ -299,3 +300,35 @@ def test_the_replay_drafter_gets_each_continuation_through_the_cache(model):
         other = [own[0]] + [t if i % 3 else (t + 1) % vocab for i, t in enumerate(own)][1:]
         got = e.generate([prompt], params, continuations=[other])[0]
         assert (got.token_ids, got.cached_tokens) == (other, cached), len(prompt)
+
+
+def test_the_defaults_follow_the_device_and_the_prefill_kernel():
+    """Without a GPU here, the defaults read from a stand-in engine: the block is the prefill's
+    chunk (1,024 tokens with a chunked linear-attention kernel, 64 without); on a GPU the cache
+    takes prompts past the batched admission's 64 tokens, on the CPU every prompt of 2 or more."""
+    from types import SimpleNamespace
+
+    from bole.cache import CacheShape, HybridCache, StatePool
+    cache = HybridCache(CacheShape(1, 1, 4, (StatePool("conv_state", 1, (4, 2)),)), 2, 32,
+                        dtype=torch.float32)
+    for device, chunked, block, shortest in (("cuda", True, 1024, 65), ("cuda", False, 64, 65),
+                                             ("cpu", True, 1024, 2), ("cpu", False, 64, 2)):
+        fake = SimpleNamespace(rounds=SimpleNamespace(device_drafter=None), cache=cache,
+                               model=SimpleNamespace(device=torch.device(device),
+                                                     chunked_prefill=chunked))
+        p = PrefixAdmission(fake, PrefixCacheConfig(capacity_gib=1))
+        assert (p.block, p.store.block, p.min_prompt_tokens) == (block, block, shortest), device
+        p = PrefixAdmission(fake, PrefixCacheConfig(1, 8, 70))
+        assert (p.block, p.min_prompt_tokens) == (8, 70)
+
+
+@pytest.mark.parametrize("mode", ["bole", "ar"])
+def test_a_one_token_hit_with_a_long_rest_continues_from_that_token(model, mode):
+    """A two-token prompt leaves a checkpoint after its first token; a 71-token prompt starting
+    with that token restores it and prefills 70 tokens alone: the slot equals a cache-off one."""
+    e, off = engine(model, mode), engine(model, mode, cache=False)
+    e.release(admit(e, [11, 12]))
+    prompt = [11] + list(range(20, 90))
+    got = admit(e, prompt, index=1)
+    assert got.cached_tokens == 1
+    assert_same_slot(e, off, got, admit(off, prompt), len(prompt))

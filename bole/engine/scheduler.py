@@ -148,6 +148,8 @@ class Scheduler:
         t0 = time.perf_counter()
         self._retire(cancelled_only=True)
         admitted = self._admit()
+        if admitted:                    # cancelled while their prompts were prefilled: no round
+            self._retire(cancelled_only=True)
         admit_s = time.perf_counter() - t0
         if self.running:
             requests = [h.request for h in self.running]

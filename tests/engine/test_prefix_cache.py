@@ -232,6 +232,8 @@ def test_a_request_cancelled_mid_prefill_frees_its_slot_and_leaves_the_cache_usa
     e.on_prefill_chunk = None
     scheduler.run_until_idle()
     assert handle.done.is_set() and e.cache.num_free == 1
+    # cancelled during its prefill: no result (an abort) and at most its first token, not 20
+    assert handle.result is None and len(handle.request.out) <= 1
     off = engine(model, "bole", cache=False).generate([long], SamplingParams(max_tokens=10))
     on = e.generate([long], SamplingParams(max_tokens=10))
     assert on[0].token_ids == off[0].token_ids

@@ -71,6 +71,27 @@ def test_cancelled_requests_free_their_slots_within_a_round(model):
     assert b.result is not None and engine.cache.num_free == 2
 
 
+def test_a_request_cancelled_during_its_admission_runs_no_round(model):
+    """A cancel that arrives while the request's prompt is prefilled (another thread, in a
+    server) frees its slot before the step's round: the round runs only the others."""
+    engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=2, max_len=128)
+    scheduler = Scheduler(engine, max_queue=4)
+    rounds = []
+    scheduler.on_round = rounds.append
+    a = scheduler.submit(PROMPTS[0], SamplingParams(max_tokens=40))
+    b = scheduler.submit(PROMPTS[1], SamplingParams(max_tokens=40))
+    admit = engine.admit_many
+
+    def admit_then_cancel(requests):
+        admit(requests)
+        scheduler.cancel(a)
+    engine.admit_many = admit_then_cancel
+    scheduler.step()
+    assert a.done.is_set() and a.result is None and len(a.request.out) == 1
+    assert rounds[-1].batch == 1 and rounds[-1].admitted == 2 and len(b.request.out) > 1
+    assert scheduler.num_running == 1 and engine.cache.num_free == 1
+
+
 def test_a_full_queue_refuses_and_bad_requests_are_checked_first(model):
     engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=1, max_len=64)
     scheduler = Scheduler(engine, max_queue=2)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from bole.engine.round import RoundPlan, RoundRunner
@@ -108,3 +109,29 @@ def test_no_shared_budget_or_a_plain_round_observes_nothing():
     for kind, shared in (("select", False), ("whole", False), ("plain", True)):
         draft_nodes, calls = kept(kind, shared=shared)
         assert draft_nodes is None and calls == [], (kind, shared)
+
+
+def test_the_next_draft_is_queued_only_where_no_request_can_finish_this_round():
+    """A round of depth D emits at most D + 1 tokens: a request D + 1 tokens from its limit may
+    finish in it (the batch changes and a queued draft would be dropped), one D + 2 away may
+    not. Nor is a draft queued without a device drafter, after a plain round, or while goodput
+    looks at plain decoding."""
+    D = 3
+
+    def may(remaining, plain=False, drafter=True, looking=False):
+        runner = SimpleNamespace(D=D, device_drafter=object() if drafter else None,
+                                 policy=SimpleNamespace(looking=looking))
+        return RoundRunner._may_prelaunch(runner, [SimpleNamespace(remaining=r)
+                                                   for r in remaining], plain)
+
+    assert may([D + 2, 50]) is True
+    assert may([D + 1, 50]) is False and may([50, D]) is False
+    assert may([50], plain=True) is False
+    assert may([50], drafter=False) is False
+    assert may([50], looking=True) is False
+
+
+def test_a_round_of_more_requests_than_slots_is_refused_with_both_counts():
+    with pytest.raises(ValueError) as err:
+        RoundRunner.plan(SimpleNamespace(max_slots=2), [object()] * 3)
+    assert str(err.value) == "3 requests exceed the engine's 2 slots"

@@ -126,3 +126,26 @@ def test_a_queued_draft_is_dropped_when_a_request_leaves_the_middle_of_its_bucke
         engine.step(running, prelaunch=True)
     for i in (0, 2, 3):
         assert reqs[i].result.token_ids == plain_greedy(model, PROMPTS[i], n), i
+
+
+def test_the_mtp_drafter_drafts_no_deeper_than_the_tokens_left(model):
+    """The device drafter's trees obey the same limit as the host drafters': a request r tokens
+    from its limit grows min(depth, r - 1) levels (a chain: that many draft nodes after the
+    root), and one token from it drafts nothing. Deeper trees near the limit would verify and
+    emit tokens past max_tokens."""
+    D = 3
+    engine = Engine(model, SpecConfig(mode="chain", drafter="mtp", depth=D), max_slots=2,
+                    max_len=64)
+    seen = []
+    real = engine.rounds._draft
+
+    def spy(b, depth):
+        active = b.active.clone()
+        remaining = b.remaining.clone()
+        real(b, depth)
+        drafted = (b.tree_valid.sum(1) - 1)[active].tolist()
+        seen.extend(zip(remaining[active].tolist(), drafted))
+    engine.rounds._draft = spy
+    engine.generate(PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=n) for n in (9, 5)])
+    assert seen and all(d == min(D, r - 1) for r, d in seen), seen
+    assert {1, 2, D + 1} <= {r for r, _ in seen}        # at the limit, near it and far from it

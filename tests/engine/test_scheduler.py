@@ -92,6 +92,22 @@ def test_a_request_cancelled_during_its_admission_runs_no_round(model):
     assert scheduler.num_running == 1 and engine.cache.num_free == 1
 
 
+def test_requests_that_finish_at_their_first_token_run_no_round(model):
+    """max_tokens=1: admission emits the only token; the step runs no round, with or without
+    a listener for round reports (the one it gets says so: batch 0, two admitted)."""
+    engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=2, max_len=128)
+    for listen in (False, True):
+        scheduler = Scheduler(engine, max_queue=4)
+        rounds = []
+        if listen:
+            scheduler.on_round = rounds.append
+        handles = [scheduler.submit(p, SamplingParams(max_tokens=1)) for p in PROMPTS[:2]]
+        assert scheduler.step() is False
+        assert [len(h.result.token_ids) for h in handles] == [1, 1]
+        assert engine.cache.num_free == 2 and scheduler.num_running == 0
+        assert [(r.batch, r.admitted) for r in rounds] == ([(0, 2)] if listen else [])
+
+
 def test_a_full_queue_refuses_and_bad_requests_are_checked_first(model):
     engine = Engine(model, SpecConfig(depth=3, topk=2, budget=8), max_slots=1, max_len=64)
     scheduler = Scheduler(engine, max_queue=2)

@@ -599,6 +599,27 @@ def test_goodput_drafts_when_it_pays_and_decodes_plainly_when_not(model):
     assert cheap.timings.summary()["plain_round_share"] < 0.5
 
 
+def test_goodputs_plain_rounds_verify_only_the_roots(model, monkeypatch):
+    """A plain round of the goodput policy is plain decoding: one forward of one token a row
+    (the roots) with the in-place decode recurrence, not the last drafted tree verified again."""
+    params = SamplingParams(max_tokens=24)
+    ar, spec = _goodput_case(model, params)
+    costly = Engine(model, spec, max_slots=3,
+                    budget_profile=_profile(1000.0, t_dec_ms=1e-3, T=spec.nodes_per_request))
+    forwards = []
+    make = costly.runner.make_batch
+
+    def spy(tokens, forest, slots, gdn=None, prefill=None):
+        forwards.append((tokens.numel() // slots.numel(), gdn))
+        return make(tokens, forest, slots, gdn, prefill)
+    monkeypatch.setattr(costly.runner, "make_batch", spy)
+    res = costly.generate(PROMPTS, params, continuations=ar)
+    assert [r.token_ids for r in res] == ar
+    plain = costly.timings.plain_rounds
+    assert plain > 0
+    assert forwards.count((1, "torch-decode")) == plain, forwards
+
+
 def test_goodput_learns_acceptance_from_its_rounds(model):
     """The goodput policy counts every verified draft node against whether it was accepted and
     refits its rho -> acceptance map every FIT_EVERY drafting rounds: after a run the counts

@@ -126,9 +126,13 @@ def _copy_tree(dest: Path) -> None:
 def _run_tests(tree: Path, tests: tuple[str, ...], report: Path) -> tuple[int, list[str]]:
     """pytest on ``tests`` in ``tree``: (failed tests, kinds of their failures)."""
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    f"--junitxml={report}", *tests], cwd=tree, env=env,
-                   capture_output=True, text=True)
+    report.unlink(missing_ok=True)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          f"--junitxml={report}", *tests], cwd=tree, env=env,
+                         capture_output=True, text=True)
+    if not report.exists():
+        raise RuntimeError(f"pytest ran no tests (exit {run.returncode}):\n"
+                           f"{(run.stdout + run.stderr)[-2000:]}")
     kinds = []
     for case in ET.parse(report).getroot().iter("testcase"):
         for bad in (*case.findall("failure"), *case.findall("error")):

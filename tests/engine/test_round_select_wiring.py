@@ -1,6 +1,6 @@
 """What a goodput round hands the batch-shared selection and the policy: the rows that are
-requests (padding rows keep only their roots), the round's verify width, the goodput term and
-the learnt acceptance map; and, in whole-tree rounds, each row's own kept count. Wrong ones keep
+requests (padding rows keep only their roots), the round's verify width, the goodput term with
+the policy's round overhead and the learnt acceptance map; and, in whole-tree rounds, each row's own kept count. Wrong ones keep
 the tokens (verification is exact) and lose speed, which no output test sees."""
 
 import torch
@@ -20,18 +20,24 @@ def test_a_select_round_passes_its_rows_width_goodput_and_acceptance(model, monk
 
     def spy(rho, tokens, parents, valid, budget, active, root_floor, width, max_depth,
             goodput=None, acceptance=None, row_width=None):
-        calls.append((active.clone(), width, goodput, acceptance, rho.shape))
+        R = rho.shape[0]
+        calls.append((active.clone(), width, goodput, acceptance, rho.shape,
+                      float(goodput.overhead_ms) if goodput is not None else None,
+                      engine.rounds.policy.round_overhead_ms(R)))
         return real(rho, tokens, parents, valid, budget, active, root_floor, width, max_depth,
                     goodput=goodput, acceptance=acceptance, row_width=row_width)
     monkeypatch.setattr(phases, "select", spy)
     res = engine.generate(PROMPTS, params, continuations=ar)
     assert [r.token_ids for r in res] == ar
     assert calls, "no select round ran"
-    for active, width, goodput, acceptance, (R, T) in calls:
+    for active, width, goodput, acceptance, (R, T), overhead, policy_overhead in calls:
         assert active.dtype == torch.bool and active.shape == (R,)
         assert 1 <= int(active.sum()) <= len(PROMPTS) and not active[len(PROMPTS):].any()
         assert isinstance(width, int) and 1 <= width <= T
         assert goodput is not None and acceptance is engine.rounds.calibrator
+        # the width choice on the device adds the policy's own round overhead (draft, accept)
+        assert overhead == policy_overhead
+    assert any(overhead > 0 for *_, overhead, _ in calls)
 
 
 def test_a_whole_round_tells_the_policy_each_rows_own_kept_count(model, monkeypatch):  # noqa: F811

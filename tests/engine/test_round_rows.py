@@ -149,3 +149,18 @@ def test_the_mtp_drafter_drafts_no_deeper_than_the_tokens_left(model):
     engine.generate(PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=n) for n in (9, 5)])
     assert seen and all(d == min(D, r - 1) for r, d in seen), seen
     assert {1, 2, D + 1} <= {r for r, _ in seen}        # at the limit, near it and far from it
+
+
+@pytest.mark.parametrize("mode", ["bole", "ar"])
+def test_padding_rows_commit_nothing(model, mode):
+    """Three requests in the bucket of four: the padding row runs on the dummy slot every round
+    and commits no token there (its length stays the one token it holds from the start, so it
+    never fills up however long the engine serves), and the requests decode their own
+    prompts."""
+    spec = SpecConfig(mode, "mtp", 3, 2, 6) if mode != "ar" else SpecConfig(mode="ar")
+    engine = Engine(model, spec, max_slots=3, max_len=96, cuda_graphs=False)
+    prompts = [[5, 6, 7], [9, 8], [1, 2, 3, 4]]
+    res = engine.generate(prompts, SamplingParams(max_tokens=30))
+    assert [r.token_ids for r in res] == [plain_greedy(model, p, 30) for p in prompts]
+    dummy = engine.cache.dummy_slot
+    assert engine.cache.host_lengths[dummy] == 1 and int(engine.cache.lengths[dummy]) == 1

@@ -59,3 +59,29 @@ def test_a_whole_round_tells_the_policy_each_rows_own_kept_count(model, monkeypa
     assert kept and any(kept)
     # a row keeps at most its own tree: the root and its drafted nodes
     assert all(1 <= k <= spec.nodes_per_request for counts in kept for k in counts), kept
+
+
+def test_only_the_rounds_that_learn_feed_the_acceptance_map(model, monkeypatch):  # noqa: F811
+    """Goodput learns its rho -> acceptance map from select rounds and exploring whole rounds
+    only; a bucket of whole trees never explores, so its rounds leave the map alone."""
+    params = SamplingParams(max_tokens=24)
+    ar, spec = _goodput_case(model, params)
+    for slope, learns in ((0.0, False), (0.01, True)):
+        engine = Engine(model, spec, max_slots=3,
+                        budget_profile=_profile(1000.0, slope=slope, T=spec.nodes_per_request))
+        seen, planned = [], []
+        calib = engine.rounds.calibrator
+        observe, plan = calib.observe, engine.rounds.plan
+        monkeypatch.setattr(calib, "observe",
+                            lambda *a, _seen=seen, _observe=observe, **k:
+                            (_seen.append(1), _observe(*a, **k)))
+
+        def spy_plan(*a, _plan=plan, _planned=planned, **k):
+            p = _plan(*a, **k)
+            _planned.append(p.learn)
+            return p
+        monkeypatch.setattr(engine.rounds, "plan", spy_plan)
+        res = engine.generate(PROMPTS, params, continuations=ar)
+        assert [r.token_ids for r in res] == ar
+        assert len(seen) == sum(planned)
+        assert (sum(planned) > 0) == learns, planned

@@ -8,6 +8,7 @@ import torch
 from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
+from tests.engine.forward_spy import record_forwards
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +21,7 @@ def model():
 def test_ar_rounds_are_plain_decoding(model, monkeypatch, drafter):
     engine = Engine(model, SpecConfig("ar", drafter, depth=3, topk=2, budget=6), max_slots=3,
                     max_len=96)
-    forwards = []
-    make = engine.runner.make_batch
-
-    def spy(tokens, forest, slots, gdn=None, prefill=None):
-        forwards.append((tokens.numel() // slots.numel(), gdn))
-        return make(tokens, forest, slots, gdn, prefill)
-    monkeypatch.setattr(engine.runner, "make_batch", spy)
+    forwards = record_forwards(engine, monkeypatch)
     prompts = [[5, 6, 7], [9, 8, 1, 2], [4]]
     res = engine.generate(prompts, SamplingParams(max_tokens=12))
     assert engine.rounds.drafter is None and engine.rounds.device_drafter is None

@@ -14,6 +14,7 @@ from bole.speculative.budget.widths import width_buckets
 from bole.speculative.budget.profile import FORMAT
 from bole.models.presets import preset_config
 from bole.models.qwen3_hybrid import HybridModel
+from tests.engine.forward_spy import record_forwards
 
 PROMPTS = [[5, 9, 17, 33, 2] * 4, [7, 7, 8, 9, 1, 2, 3, 7, 7, 8], [100, 3, 100, 3, 100]]
 
@@ -606,13 +607,7 @@ def test_goodputs_plain_rounds_verify_only_the_roots(model, monkeypatch):
     ar, spec = _goodput_case(model, params)
     costly = Engine(model, spec, max_slots=3,
                     budget_profile=_profile(1000.0, t_dec_ms=1e-3, T=spec.nodes_per_request))
-    forwards = []
-    make = costly.runner.make_batch
-
-    def spy(tokens, forest, slots, gdn=None, prefill=None):
-        forwards.append((tokens.numel() // slots.numel(), gdn))
-        return make(tokens, forest, slots, gdn, prefill)
-    monkeypatch.setattr(costly.runner, "make_batch", spy)
+    forwards = record_forwards(costly, monkeypatch)
     res = costly.generate(PROMPTS, params, continuations=ar)
     assert [r.token_ids for r in res] == ar
     plain = costly.timings.plain_rounds

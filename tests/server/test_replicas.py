@@ -27,6 +27,7 @@ pytest.importorskip("uvicorn")
 from bole.assets import BUNDLED_MODEL, code_prompts  # noqa: E402
 from bole.server.replica_metrics import merge_metrics  # noqa: E402
 from tests.server.served import MAX_TOKENS, Served, alive, children, offline  # noqa: E402
+from tests.server.test_replicas_mutants import FakeStream  # noqa: E402
 
 NEEDS_RAY = "needs Ray Serve: pip install \"bole[ray]\""
 REQUESTS = 64
@@ -266,27 +267,6 @@ def test_a_killed_replica_loses_only_streams_that_had_begun(tmp_path, expected):
     assert not served.left, f"processes left behind after SIGTERM: {served.left}"
 
 
-class _FakeStream:
-    """A DeploymentResponseGenerator of these items; an exception among them is raised."""
-
-    def __init__(self, items: list):
-        self.items, self.cancelled = list(items), False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self.items:
-            raise StopAsyncIteration
-        item = self.items.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def cancel(self):
-        self.cancelled = True
-
-
 class _FakeEngine:
     """The engine deployment's handle: each ``generate`` call answers the next script."""
 
@@ -299,7 +279,7 @@ class _FakeEngine:
 
     def remote(self, body, chat):
         self.calls += 1
-        return _FakeStream(self.scripts.pop(0))
+        return FakeStream(self.scripts.pop(0))
 
 
 HEAD = (200, [("content-type", "text/event-stream; charset=utf-8")])

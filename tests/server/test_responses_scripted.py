@@ -27,8 +27,9 @@ NAME = "scripted"
 PROMPT = "def fibonacci(n):"
 
 
-def make(max_slots: int = 4, max_queue: int = 64, per_round: int = 3, **config):
-    engine = ScriptedEngine(max_slots=max_slots, per_round=per_round)
+def make(max_slots: int = 4, max_queue: int = 64, per_round: int = 3, max_len: int = 256,
+         **config):
+    engine = ScriptedEngine(max_slots=max_slots, max_len=max_len, per_round=per_round)
     server = BoleServer(engine, NAME, max_queue=max_queue,
                         config=ServerConfig(**config) if config else None)
     return engine, server
@@ -126,6 +127,24 @@ def check_framing(events: list[dict], raw: list[str], chat: bool) -> None:
 
 def prompt_len(engine, prompt: str = PROMPT) -> int:
     return len(engine.tokenizer.encode(prompt).ids)
+
+
+def check_usage_so_far(events: list[dict], total: int) -> None:
+    """A stream of one choice with continuous usage stats: every chunk's usage counts at least
+    the token ids sent up to it and at most those sent up to the next chunk with token ids (the
+    usage is read as its chunk goes out, when the engine may have emitted tokens that the next
+    chunk carries); from the last chunk with token ids on, all ``total``. Holds however the
+    rounds' events were merged into chunks; with three or more chunks of tokens, a usage that
+    counted the whole output from the start breaks it."""
+    sent, rows = 0, []                          # (token ids sent up to the chunk, its usage)
+    for e in events:
+        ids = e["choices"][0].get("token_ids") if e["choices"] else None
+        sent += len(ids or [])
+        rows.append((sent, e["usage"]["completion_tokens"], ids is not None))
+    assert sent == total, events
+    for k, (low, used, _) in enumerate(rows):
+        high = next((s for s, _, tokens in rows[k + 1:] if tokens), total)
+        assert low <= used <= high, (k, rows)
 
 
 # ---- whole responses ----
@@ -293,10 +312,11 @@ def test_stream_usage_last_or_on_every_chunk(served):
                        messages=[{"role": "user", "content": "hi"}],
                        stream_options={"include_usage": True})
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 7
-    events, _ = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=7,
+    events, _ = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=16,
                        stream_options={"continuous_usage_stats": True})
     counts = [e["usage"]["completion_tokens"] for e in events]
-    assert counts == sorted(counts) and counts[-1] == 7 and counts[0] < 7 and len(events) > 2
+    assert counts == sorted(counts) and counts[-1] == 16
+    check_usage_so_far(events, 16)
 
 
 def test_streamed_echo_comes_first_and_several_choices_each_finish(served):
@@ -323,19 +343,59 @@ def test_streamed_logprobs_add_up_to_the_whole_responses(served):
         assert [x for p in parts for x in p[key]] == whole[key], key
 
 
-def test_an_end_of_sequence_token_that_adds_no_text_still_comes_with_its_id_and_logprob():
+class PacedEngine(ScriptedEngine):
+    """A scripted engine whose rounds wait (at most 30 s) while the stream has not put every
+    token emitted so far into a chunk (``chunked``, counted by the test): each round's events
+    then make a chunk of their own, however slowly the client reads. ``paced``: off for
+    requests that are not streamed."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.paced, self.chunked = True, 0
+        self._chunks = threading.Condition()
+
+    def chunk(self, tokens: int) -> None:
+        with self._chunks:
+            self.chunked += tokens
+            self._chunks.notify_all()
+
+    def step(self, running, prelaunch: bool = False) -> dict:
+        if self.paced:
+            with self._chunks:
+                self._chunks.wait_for(
+                    lambda: self.chunked >= sum(len(r.out) for r in running), 30)
+        return super().step(running, prelaunch)
+
+
+def test_an_end_of_sequence_token_that_adds_no_text_still_comes_with_its_id_and_logprob(
+        monkeypatch):
     """The end-of-sequence token decodes to nothing and arrives alone in a round (admission
-    emits token 0, the rounds 1-3 and then the end): a chunk still carries its id and logprob,
+    emits token 0, the rounds 1-3 and then the end; the rounds paced so that the end's round
+    is a chunk of its own): a chunk still carries its id and logprob, just before the finish,
     and the text is that of the tokens before it."""
+    from bole.server import responses
     plain = ScriptedEngine()
     script = plain.script[:4] + [EOS] + plain.script[4:]
-    engine = ScriptedEngine(script=script)
+    engine = PacedEngine(script=script)
     assert engine.tokenizer.decode([EOS]) == ""
+    chunk = responses.completion_chunk
+
+    def counted(*args, token_ids=None, **kwargs):
+        engine.chunk(len(token_ids or []))
+        return chunk(*args, token_ids=token_ids, **kwargs)
+    monkeypatch.setattr(responses, "completion_chunk", counted)
     server = BoleServer(engine, NAME)
     with TestClient(create_app(server)) as client:
         events, _ = stream(client, "/v1/completions", prompt=PROMPT, max_tokens=10,
                            logprobs=0)
-        assert [e["choices"][0].get("token_ids") for e in events[-2:]] == [[EOS], None]
+        engine.paced = False
+        # the one chunk that holds the end ends with it and comes just before the finish
+        holding = [e for e in events if EOS in e["choices"][0].get("token_ids", [])]
+        assert holding == [events[-2]] and holding[0]["choices"][0]["token_ids"][-1] == EOS
+        assert "token_ids" not in events[-1]["choices"][0]
+        # (paced: the end's round is a chunk of its own, with no text)
+        assert holding[0]["choices"][0]["token_ids"] == [EOS]
+        assert holding[0]["choices"][0]["text"] == ""
         got = [t for e in events for t in e["choices"][0].get("token_ids", [])]
         assert got == script[:5]
         lps = [x for e in events if e["choices"][0]["logprobs"]
@@ -566,17 +626,24 @@ def test_health_reports_a_dead_engine_thread(live):
     assert error_of(r, 503)["message"].startswith("the engine stopped")
 
 
-def test_a_stream_closed_early_cancels_its_request_and_frees_its_slot(live):
-    engine, server, client = live
-    engine.per_round = 1
-    with client.stream("POST", "/v1/completions",
-                       json=dict(model=NAME, prompt=PROMPT, max_tokens=200, stream=True)) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                break
-    wait_until(lambda: server.scheduler.idle and not server.inflight)
+#: the context of the cancelled streams' engines, and their requests' max_tokens: at a token a
+#: round of 10 ms, over ten minutes of rounds before such a request could end by length
+LONG_LEN = 1 << 16
+LONG = LONG_LEN - 64
+
+
+def test_a_stream_closed_early_cancels_its_request_and_frees_its_slot():
+    engine, server = make(per_round=1, max_len=LONG_LEN)
+    with TestClient(create_app(server)) as client:
+        with client.stream("POST", "/v1/completions",
+                           json=dict(model=NAME, prompt=PROMPT, max_tokens=LONG,
+                                     stream=True)) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break
+        wait_until(lambda: server.scheduler.idle and not server.inflight, timeout=60)
     assert engine.cache.num_free == 4
-    assert engine.rounds < 150
+    assert engine.rounds < LONG - 1                     # cancelled, not run to its length
 
 
 def finished(client, status: str) -> float:
@@ -587,19 +654,34 @@ def finished(client, status: str) -> float:
     return 0.0
 
 
-def test_a_stream_closed_early_ends_its_request_as_aborted_not_run_out(served):
+@pytest.fixture(params=["thread", "process"])
+def long_served(request):
+    """(server, client) whose engine (on the server's thread, or in a process of its own)
+    emits a token a round and holds LONG_LEN tokens a request."""
+    if request.param == "thread":
+        _, server = make(per_round=1, max_len=LONG_LEN)
+    else:
+        c = EngineClient(ScriptedEngine, (4, LONG_LEN, 1), max_queue=8, startup_timeout=300)
+        server = BoleServer(None, NAME, client=c, tokenizer=tokenizer(), max_batch=4)
+    with TestClient(create_app(server)) as client:
+        yield server, client
+
+
+def test_a_stream_closed_early_ends_its_request_as_aborted_not_run_out(long_served):
     """Through the engine process too: the cancel reaches the engine, which ends the request
-    with no result (counted ``abort``) instead of running it to its 200 tokens (``length``)."""
-    engine, server, client = served
+    with no result (counted ``abort``) instead of running it to its LONG tokens (``length``)."""
+    server, client = long_served
     before = finished(client, "abort"), finished(client, "length")
     with client.stream("POST", "/v1/completions",
-                       json=dict(model=NAME, prompt=PROMPT, max_tokens=200, stream=True)) as r:
+                       json=dict(model=NAME, prompt=PROMPT, max_tokens=LONG, stream=True)) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break
-    wait_until(lambda: finished(client, "abort") + finished(client, "length") > sum(before))
+    wait_until(lambda: finished(client, "abort") + finished(client, "length") > sum(before),
+               timeout=60)
     assert (finished(client, "abort"), finished(client, "length")) == (before[0] + 1, before[1])
-    wait_until(lambda: server.scheduler.num_running == 0 and server.scheduler.num_waiting == 0)
+    wait_until(lambda: server.scheduler.num_running == 0 and server.scheduler.num_waiting == 0,
+               timeout=60)
 
 
 def test_models_list_and_card_and_an_unknown_model_is_a_404(served):

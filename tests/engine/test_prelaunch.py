@@ -3,6 +3,7 @@ are the same as drafting at the start of each round, greedy and sampled, also wh
 changes under a queued draft (a request leaves or joins), and the queued draft is reused only
 while the rows are unchanged."""
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -85,27 +86,60 @@ def test_a_queued_draft_is_reused_only_for_the_same_rows(model):
     assert engine.rounds._pending is None
 
 
-def test_a_queued_draft_counts_in_the_round_that_uses_it(model):
+class FakeClock:
+    """The round's clock (``bole.engine.round.time``): it stands still but where a test advances
+    it; ``perf_counter`` reads it, anything else is the time module's."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+#: what each phase takes on the fake clock (s): a draft, a verification, an acceptance
+PHASES = {"_draft": 0.007, "_verify": 0.003, "_accept_commit": 0.002}
+
+
+def test_a_queued_draft_counts_in_the_round_that_uses_it(model, monkeypatch):
     """The draft queued at the end of a round is the next round's draft time, and its time
     moves with it (on the CPU it runs inside the round that queues it): the rounds' total time
-    stays the calls' wall time, so decode rates with and without the queue compare."""
-    import time
+    stays the calls' wall time, so decode rates with and without the queue compare. The round's
+    clock is a fake that only its phases advance (7, 3 and 2 ms), so the sums are exact."""
+    from bole.engine import round as round_module
+    clock = FakeClock()
+    monkeypatch.setattr(round_module, "time", clock)
     spec = SpecConfig("bole", "mtp", depth=3, topk=2, budget=6)
     engine = Engine(model, spec, max_slots=1, max_len=200)
+    for name, seconds in PHASES.items():
+        real = getattr(engine.rounds, name)
+        setattr(engine.rounds, name,
+                lambda *a, real=real, s=seconds: (clock.advance(s), real(*a))[1])
     r = engine.new_request(0, PROMPTS[0], SamplingParams(max_tokens=60, seed=0))
     engine.admit(r)
     walls, timings = [], []
     for _ in range(4):
-        t0 = time.perf_counter()
+        t0 = clock.perf_counter()
         timings.append(engine.step([r], prelaunch=True))
-        walls.append(1e3 * (time.perf_counter() - t0))
-    # every round drafted once: the first at its start, the others before them
-    assert all(t["draft"] > 0 for t in timings)
+        walls.append(1e3 * (clock.perf_counter() - t0))
+    # the first call drafts at its start and queues the next draft; the others use the draft
+    # queued before them and queue one more: each call ran one draft after its verification
+    assert walls == pytest.approx([19, 12, 12, 12])
+    # every round counts one draft (the first its own, the others the one queued for them),
+    # one verification and one acceptance
+    for t in timings:
+        assert (t["draft"], t["verify"], t["accept_commit"]) == pytest.approx((7, 3, 2))
+        assert t["total"] == pytest.approx(12) and t["host"] == pytest.approx(0, abs=1e-9)
     # what one round's total leaves out (the draft it queues), the next one's adds: the sum is
     # the calls' wall time less the draft the last call queued (no round has used it yet)
     (start, end), _, _ = engine.rounds._queued
+    assert 1e3 * (end - start) == pytest.approx(PHASES["_draft"] * 1e3)
     assert timings[0]["total"] < walls[0]
     assert sum(t["total"] for t in timings) == pytest.approx(
-        sum(walls) - 1e3 * (end - start), rel=0.05)
-    for t in timings:
-        assert t["host"] >= 0 and t["total"] >= t["verify"] + t["accept_commit"]
+        sum(walls) - 1e3 * (end - start))

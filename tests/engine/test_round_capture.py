@@ -183,3 +183,21 @@ def test_replayed_goodput_rounds_learn_acceptance(model, standin):  # noqa: F811
     assert float(calib.hits.sum()) - hits == accepted > 0
     assert float(calib.count.sum()) - count > accepted       # some drafted nodes were rejected
     assert engine.rounds.graphs.stats["eager_fallbacks"] == 0
+
+
+def test_a_model_whose_forward_syncs_the_host_is_not_captured(model, standin, caplog):  # noqa: F811
+    """The torch loop over the experts syncs the host, so an MoE model on it is never captured,
+    whatever is asked; the warning that its rounds run eagerly is for a GPU (on the CPU every
+    round runs eagerly anyway), and a graph-safe model asks for nothing."""
+    from bole.models.presets import preset_config
+    from bole.models.qwen3_hybrid import HybridModel
+    moe = HybridModel.random(preset_config("tiny-moe"), dtype=torch.float32, seed=1,
+                             gdn_backend="torch")
+    assert not moe.graph_safe and model.graph_safe
+    with caplog.at_level(logging.WARNING):
+        eager = Engine(moe, SpecConfig("bole", "ngram", depth=3, topk=2, budget=6), max_slots=2,
+                       max_len=MAX_LEN, cuda_graphs=True)
+        captured = _engine(model, "bole")
+    assert not eager.rounds.graphs.enabled and eager.rounds.graphs.captured == []
+    assert captured.rounds.graphs.enabled and captured.rounds.graphs.captured
+    assert [r.getMessage() for r in caplog.records] == []

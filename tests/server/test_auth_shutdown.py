@@ -76,13 +76,15 @@ def _whole(url: str, out: dict, max_tokens: int) -> None:
 
 def _running(url: str, n: int) -> None:
     deadline = time.time() + 60
-    while httpx.get(url + "/health").json()["running"] < n:
+    while httpx.get(url + "/health", timeout=30).json()["running"] < n:
         assert time.time() < deadline, "the requests did not start"
         time.sleep(0.05)
 
 
 def test_sigterm_aborts_what_outlives_the_shutdown_timeout(tmp_path):
-    with Served(tmp_path, "--api-key", KEY, "--shutdown-timeout", "2", "--max-len",
+    """The two requests of 3,500 tokens would take about 40 s on two CPU cores; the shutdown
+    timeout of 8 s is the time the test has, after SIGTERM, to see the server refuse."""
+    with Served(tmp_path, "--api-key", KEY, "--shutdown-timeout", "8", "--max-len",
                 "4096") as served:
         url = served.url
         streamed, whole, started = {}, {}, threading.Event()
@@ -93,11 +95,15 @@ def test_sigterm_aborts_what_outlives_the_shutdown_timeout(tmp_path):
         assert started.wait(60)
         _running(url, 2)
         served.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        deadline = time.time() + 30             # until the server has taken the signal
+        while (health := httpx.get(url + "/health", timeout=30)).status_code == 200:
+            assert time.time() < deadline, "/health still says ok after SIGTERM"
+            time.sleep(0.05)
+        assert health.status_code == 503 and "shutting down" in health.json()["error"]["message"]
         refused = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                             json={"model": "bundled", "prompt": "x", "max_tokens": 2})
+                             json={"model": "bundled", "prompt": "x", "max_tokens": 2},
+                             timeout=30)
         assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
-        assert httpx.get(url + "/health").status_code == 503
         for t in threads:
             t.join(60)
         served.proc.wait(60)

@@ -136,7 +136,8 @@ def test_models_health_and_metrics(live):
     assert models["data"][0]["id"] == NAME and models["data"][0]["bole"]["mode"] == "bole"
     assert httpx.get(live.url + "/health").json()["status"] == "ok"
     httpx.post(live.url + "/v1/completions", json={"model": NAME, "prompt": "x = ",
-                                                   "max_tokens": 4, "temperature": 0})
+                                                   "max_tokens": 4, "temperature": 0},
+               timeout=60)
     families = {f.name: f for f in text_string_to_metric_families(
         httpx.get(live.url + "/metrics").text)}
     for name in ("bole_requests", "bole_rounds", "bole_accepted_tokens_per_round",
@@ -188,7 +189,7 @@ def test_a_full_queue_gets_503_with_retry_after(bundled):
 def test_a_client_that_disconnects_frees_its_slot(bundled):
     server = _server(bundled, max_batch=2)
     with Running(server) as running:
-        with httpx.stream("POST", running.url + "/v1/completions",
+        with httpx.stream("POST", running.url + "/v1/completions", timeout=60,
                           json={"model": NAME, "prompt": code_prompts()[1], "max_tokens": 400,
                                 "temperature": 0, "stream": True}) as res:
             for line in res.iter_lines():

@@ -19,13 +19,19 @@ from bole.server.engine_process import EngineClient
 from tests.test_engine import prompts
 
 
-def tiny_engine(max_slots: int) -> Engine:
+def tiny_engine(max_slots: int, max_len: int = 128) -> Engine:
     """test_engine's tiny model (clear greedy margins) in bole mode; module level, so that the
     spawned process can import it."""
     m = HybridModel.random(preset_config("tiny"), dtype=torch.float32, seed=3, gdn_backend="torch")
     m.w["lm_head.weight"] = m.w["lm_head.weight"] * 50
     return Engine(m, SpecConfig(mode="bole", depth=3, topk=2, budget=8), max_slots=max_slots,
-                  max_len=128)
+                  max_len=max_len)
+
+
+#: the engine processes' context, and the max_tokens of the requests a test ends early (a
+#: cancel, a killed process): hundreds of rounds before such a request could end by length
+LONG_LEN = 4096
+LONG = LONG_LEN - 64
 
 
 class Events:
@@ -42,7 +48,7 @@ class Events:
 
 @pytest.fixture(scope="module")
 def client():
-    c = EngineClient(tiny_engine, (2,), max_queue=2, startup_timeout=300)
+    c = EngineClient(tiny_engine, (2, LONG_LEN), max_queue=2, startup_timeout=300)
     yield c
     c.stop()
 
@@ -84,10 +90,10 @@ def test_requests_come_back_as_the_engine_generates_them(client: EngineClient):
 
 def test_a_cancel_ends_the_request_without_a_result(client: EngineClient):
     events = Events()
-    h = client.submit(prompts()[0], SamplingParams(max_tokens=60), on_event=events)
+    h = client.submit(prompts()[0], SamplingParams(max_tokens=LONG), on_event=events)
     client.cancel(h)
     assert h.done.wait(120) and h.cancelled
-    assert h.request.result is None and len(h.request.out) < 60
+    assert h.request.result is None and len(h.request.out) < LONG
     assert events.by_handle[id(h)][-1] == ([], True)
 
 
@@ -120,10 +126,10 @@ def test_an_engine_process_that_dies_ends_its_requests():
     """(With the smallest queue there is: one waiting request.)"""
     with pytest.raises(ValueError, match="max_queue"):
         EngineClient(tiny_engine, (1,), max_queue=0)
-    c = EngineClient(tiny_engine, (1,), max_queue=1, startup_timeout=300)
+    c = EngineClient(tiny_engine, (1, LONG_LEN), max_queue=1, startup_timeout=300)
     try:
         events = Events()
-        h = c.submit(prompts()[0], SamplingParams(max_tokens=60), on_event=events)
+        h = c.submit(prompts()[0], SamplingParams(max_tokens=LONG), on_event=events)
         c.process.kill()
         assert h.done.wait(60) and h.request.result is None
         assert events.by_handle[id(h)][-1] == ([], True)

@@ -43,6 +43,24 @@ def test_captured_ms_is_the_median_of_timed_calls_after_a_warm_up(monkeypatch):
     assert cal.captured_ms(fn, torch.device("cpu"), 4) == pytest.approx(3.0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_captured_ms_on_a_gpu_replays_one_graph_reps_times():
+    """On a GPU: one eager warm-up, one call on a side stream, one capture (traced, not run),
+    then ``reps`` replays, each timed by its own pair of events. A counter the function bumps
+    on the device says how often it ran; the Python counter how often it was called."""
+    device = torch.device("cuda")
+    count, calls = torch.zeros((), dtype=torch.int64, device=device), []
+
+    def fn():
+        calls.append(1)
+        count.add_(1)
+    ms = cal.captured_ms(fn, device, 5)
+    torch.cuda.synchronize()
+    assert len(calls) == 3 and int(count) == 2 + 5
+    assert math.isfinite(ms) and ms > 0
+    assert int(count) == 7 and cal.captured_ms(fn, device, 1) > 0 and int(count) == 10
+
+
 def _timed_batches(monkeypatch, reps_seen):
     """Each timed function called once (no clock); the forwards' batches recorded."""
     seen = []

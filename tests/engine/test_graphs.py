@@ -63,3 +63,41 @@ def test_a_captured_key_replays_and_returns_its_capture_result_and_others_fall_b
     assert g.stats == dict(STATS, graph_replays=3, eager_fallbacks=2)
     assert [r.getMessage() for r in caplog.records] == [
         "no CUDA graph for (8, 'x'): running eagerly", "no CUDA graph for y: running eagerly"]
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@cuda_only
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_capture_warms_up_traces_once_and_each_run_replays(warmup, caplog):
+    """On a GPU: capture calls the function ``warmup`` times on a side stream (run) and once
+    under capture (traced, not run), keeps the graph and what the traced call returned, and
+    counts it; each run replays the graph (the device counter moves, the Python one does not),
+    in the runner's one memory pool; a key without a graph runs eagerly, counted and logged."""
+    g = GraphRunner("cuda")
+    assert g.enabled and g.pool is not None
+    count, calls = torch.zeros((), dtype=torch.int64, device="cuda"), []
+
+    def fn():
+        calls.append(1)
+        count.add_(1)
+        return count * 10
+    out = g.capture("k", fn, warmup=warmup)
+    torch.cuda.synchronize()
+    assert len(calls) == warmup + 1 and int(count) == warmup
+    assert g.has("k") and g.results["k"] is out and set(g.graphs) == {"k"}
+    assert g.graphs["k"].pool() == g.pool
+    assert g.stats["captures"] == 1 and g.stats["capture_s"] > 0
+    assert g.stats["graph_replays"] == 0 and g.stats["eager_fallbacks"] == 0
+    for i in range(1, 4):
+        assert g.run("k", lambda: pytest.fail("a captured key ran eagerly")) is out
+        torch.cuda.synchronize()
+        assert int(count) == warmup + i and int(out) == 10 * (warmup + i)
+    assert len(calls) == warmup + 1 and g.stats["graph_replays"] == 3
+    g.capture("j", lambda: count.add_(100), warmup=1)
+    assert g.graphs["j"].pool() == g.pool and g.stats["captures"] == 2
+    with caplog.at_level(logging.WARNING, logger="bole.graphs"):
+        assert g.run("other", lambda: "eager") == "eager"
+    assert g.stats["eager_fallbacks"] == 1 and g.stats["graph_replays"] == 3
+    assert [r.getMessage() for r in caplog.records] == ["no CUDA graph for other: running eagerly"]

@@ -367,6 +367,14 @@ def _profile(t_ver_ms: float, t_dec_ms: float = 1000.0, slope: float = 0.01,
                          model="tiny", created="")
 
 
+def _knee_profile(T: int):
+    """Past 4 draft nodes a verify costs 1000x: the choice is never whole trees (at any batch,
+    a width of more than 4 costs 1000x more), so that every drafting round selects and learns."""
+    knee = _profile(1000.0, slope=0.0, T=T)
+    knee.t_ver = [[1000.0 if n <= 4 else 1e6 for n in knee.node_grid] for _ in knee.batches]
+    return knee
+
+
 def test_whole_trees_where_the_selection_cannot_pay():
     """Buckets whose budget covers every drafted node, or (goodput) where whole trees' verify
     costs at most the cheapest one plus the selection, verify whole trees without selecting."""
@@ -624,11 +632,8 @@ def test_goodput_learns_acceptance_from_its_rounds(model):
     params = SamplingParams(max_tokens=40)
     model = HybridModel(model.config, dict(model.w), gdn_backend="torch")   # nothing learnt yet
     ar, spec = _goodput_case(model, params)
-    # past 4 draft nodes a verify costs 1000x: the choice is never whole trees (at any batch,
-    # at least its width of 12 costs 1000x more), so that every drafting round learns
-    knee = _profile(1000.0, slope=0.0, T=spec.nodes_per_request)
-    knee.t_ver = [[1000.0 if n <= 4 else 1e6 for n in knee.node_grid] for _ in knee.batches]
-    engine = Engine(model, spec, max_slots=3, budget_profile=knee)
+    engine = Engine(model, spec, max_slots=3,
+                    budget_profile=_knee_profile(spec.nodes_per_request))
     calib = engine.rounds.calibrator
     prior = calib.table.clone()
     res = engine.generate(PROMPTS, params, continuations=ar)

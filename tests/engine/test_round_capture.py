@@ -19,7 +19,7 @@ from bole.engine.buckets import buckets_upto
 from bole.engine.buffers import StaticSampling
 from bole.engine.runner import PREFILL_BATCH_ROWS
 from tests.engine.graph_standin import StandInGraphs
-from tests.engine.test_budget_policy import PROMPTS, _profile, model  # noqa: F401
+from tests.engine.test_budget_policy import PROMPTS, _knee_profile, _profile, model  # noqa: F401
 
 SPECS = {
     "ar": (SpecConfig("ar"), None),
@@ -109,10 +109,8 @@ def test_without_graphs_nothing_is_captured(model, standin):  # noqa: F811
 
 def test_start_up_reports_its_progress(model, standin, capsys):  # noqa: F811
     """One line on stderr rewritten per bucket, largest first, then the count and the time."""
-    spec, _ = SPECS["bole"]
     t0 = time.perf_counter()
-    engine = Engine(model, spec, max_slots=MAX_SLOTS, max_len=MAX_LEN, cuda_graphs=True,
-                    progress=True)
+    engine = _engine(model, "bole", progress=True)
     wall = time.perf_counter() - t0
     err = capsys.readouterr().err
     buckets = sorted(set(buckets_upto(MAX_SLOTS)), reverse=True)
@@ -171,10 +169,8 @@ def test_replayed_goodput_rounds_learn_acceptance(model, standin):  # noqa: F811
     from bole.models.qwen3_hybrid import HybridModel
     fresh = HybridModel(model.config, dict(model.w), gdn_backend="torch")   # nothing learnt
     spec, _ = SPECS["goodput"]
-    knee = _profile(1000.0, slope=0.0, T=6)          # past 4 nodes a verify costs 1000x: the
-    knee.t_ver = [[1000.0 if n <= 4 else 1e6 for n in knee.node_grid] for _ in knee.batches]
     engine = Engine(fresh, spec, max_slots=MAX_SLOTS, max_len=MAX_LEN, cuda_graphs=True,
-                    budget_profile=knee)             # ... choice selects: every round learns
+                    budget_profile=_knee_profile(6))          # every round selects and learns
     calib = engine.rounds.calibrator
     hits, count = float(calib.hits.sum()), float(calib.count.sum())
     assert hits == count == 0.0                      # the captures' padding rows learn nothing

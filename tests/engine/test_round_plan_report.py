@@ -8,7 +8,9 @@ import itertools
 import pytest
 from bole.engine import Engine, SamplingParams, SpecConfig
 from bole.speculative.budget.goodput import FIT_EVERY
-from tests.engine.test_budget_policy import PROMPTS, _goodput_case, _profile, model  # noqa: F401
+from tests.engine.forward_spy import record_plans
+from tests.engine.test_budget_policy import (PROMPTS, _goodput_case, _knee_profile,  # noqa: F401
+                                             _profile, model)
 
 
 def _mtp_goodput(**kw) -> SpecConfig:
@@ -24,11 +26,10 @@ def test_a_plan_asks_the_policy_for_its_own_kinds_width_and_learning(model, monk
     engine = Engine(model, spec, max_slots=3,
                     budget_profile=_profile(1000.0, T=spec.nodes_per_request))
     policy, rounds = engine.rounds.policy, engine.rounds
-    asked, plans = [], []
-    width, learns, plan = policy.width, policy.learns, rounds.plan
+    asked, plans = [], record_plans(engine, monkeypatch)
+    width, learns = policy.width, policy.learns
     monkeypatch.setattr(policy, "width", lambda *a: (asked.append(("width", a)), width(*a))[1])
     monkeypatch.setattr(policy, "learns", lambda *a: (asked.append(("learns", a)), learns(*a))[1])
-    monkeypatch.setattr(rounds, "plan", lambda *a, **k: (plans.append(plan(*a, **k)), plans[-1])[1])
     res = engine.generate(PROMPTS, params, continuations=ar)
     assert [r.token_ids for r in res] == ar
     assert len(asked) == 2 * len(plans) and {p.kind for p in plans} >= {"select", "whole"}
@@ -82,22 +83,19 @@ def test_the_acceptance_map_is_refit_every_fit_every_learning_rounds(model, monk
     that do not learn do not count."""
     params = SamplingParams(max_tokens=48)
     ar, spec = _goodput_case(model, params)
-    knee = _profile(1000.0, slope=0.0, T=spec.nodes_per_request)     # every round selects
-    knee.t_ver = [[1000.0 if n <= 4 else 1e6 for n in knee.node_grid] for _ in knee.batches]
-    engine = Engine(model, spec, max_slots=3, budget_profile=knee)
-    rounds, policy, calib = engine.rounds, engine.rounds.policy, engine.rounds.calibrator
+    engine = Engine(model, spec, max_slots=3,             # every round selects
+                    budget_profile=_knee_profile(spec.nodes_per_request))
+    policy, calib = engine.rounds.policy, engine.rounds.calibrator
     every_third = itertools.cycle([True, True, False])
-    learns, plan, fit = policy.learns, rounds.plan, calib.fit
+    learns, fit = policy.learns, calib.fit
     monkeypatch.setattr(policy, "learns", lambda k, R: learns(k, R) and next(every_third))
-    flags, fits = [], []
-    monkeypatch.setattr(rounds, "plan",
-                        lambda *a, **k: (flags.append(plan(*a, **k)), flags[-1])[1])
-    monkeypatch.setattr(calib, "fit", lambda: (fits.append(len(flags)), fit())[1])
+    plans, fits = record_plans(engine, monkeypatch), []
+    monkeypatch.setattr(calib, "fit", lambda: (fits.append(len(plans)), fit())[1])
     res = engine.generate(PROMPTS, params, continuations=ar)
     assert [r.token_ids for r in res] == ar
-    learnt = list(itertools.accumulate(int(p.learn) for p in flags))
-    want = [i + 1 for i, p in enumerate(flags) if p.learn and learnt[i] % FIT_EVERY == 0]
-    assert len(want) >= 2 and not all(p.learn for p in flags)
+    learnt = list(itertools.accumulate(int(p.learn) for p in plans))
+    want = [i + 1 for i, p in enumerate(plans) if p.learn and learnt[i] % FIT_EVERY == 0]
+    assert len(want) >= 2 and not all(p.learn for p in plans)
     assert fits == want
 
 

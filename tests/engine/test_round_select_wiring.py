@@ -7,6 +7,7 @@ import torch
 
 from bole.engine import Engine, SamplingParams
 from bole.engine import phases
+from tests.engine.forward_spy import record_plans
 from tests.engine.test_budget_policy import PROMPTS, _goodput_case, _profile, model  # noqa: F401
 
 
@@ -69,19 +70,14 @@ def test_only_the_rounds_that_learn_feed_the_acceptance_map(model, monkeypatch):
     for slope, learns in ((0.0, False), (0.01, True)):
         engine = Engine(model, spec, max_slots=3,
                         budget_profile=_profile(1000.0, slope=slope, T=spec.nodes_per_request))
-        seen, planned = [], []
+        seen, plans = [], record_plans(engine, monkeypatch)
         calib = engine.rounds.calibrator
-        observe, plan = calib.observe, engine.rounds.plan
+        observe = calib.observe
         monkeypatch.setattr(calib, "observe",
                             lambda *a, _seen=seen, _observe=observe, **k:
                             (_seen.append(1), _observe(*a, **k)))
-
-        def spy_plan(*a, _plan=plan, _planned=planned, **k):
-            p = _plan(*a, **k)
-            _planned.append(p.learn)
-            return p
-        monkeypatch.setattr(engine.rounds, "plan", spy_plan)
         res = engine.generate(PROMPTS, params, continuations=ar)
         assert [r.token_ids for r in res] == ar
+        planned = [p.learn for p in plans]
         assert len(seen) == sum(planned)
         assert (sum(planned) > 0) == learns, planned

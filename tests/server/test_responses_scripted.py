@@ -35,6 +35,13 @@ def make(max_slots: int = 4, max_queue: int = 64, per_round: int = 3, max_len: i
     return engine, server
 
 
+def make_in_process(engine_args: tuple = ()) -> BoleServer:
+    """A server whose scripted engine, ``ScriptedEngine(*engine_args)``, runs in an engine
+    process of its own (as ``bole serve --engine-process``)."""
+    c = EngineClient(ScriptedEngine, engine_args, max_queue=8, startup_timeout=300)
+    return BoleServer(None, NAME, client=c, tokenizer=tokenizer(), max_batch=4)
+
+
 @pytest.fixture
 def live():
     """(engine, server, client) with the app's lifespan running, the engine on its thread."""
@@ -50,8 +57,7 @@ def live():
 def in_process():
     """The server with the scripted engine in an engine process of its own (``bole serve
     --engine-process``), one for the module (the app's lifespan ends the process)."""
-    c = EngineClient(ScriptedEngine, (), max_queue=8, startup_timeout=300)
-    server = BoleServer(None, NAME, client=c, tokenizer=tokenizer(), max_batch=4)
+    server = make_in_process()
     with TestClient(create_app(server)) as client:
         yield ScriptedEngine(), server, client       # the engine here: expected outputs only
 
@@ -661,8 +667,7 @@ def long_served(request):
     if request.param == "thread":
         _, server = make(per_round=1, max_len=LONG_LEN)
     else:
-        c = EngineClient(ScriptedEngine, (4, LONG_LEN, 1), max_queue=8, startup_timeout=300)
-        server = BoleServer(None, NAME, client=c, tokenizer=tokenizer(), max_batch=4)
+        server = make_in_process((4, LONG_LEN, 1))
     with TestClient(create_app(server)) as client:
         yield server, client
 
